@@ -1,0 +1,201 @@
+"""`ModelConfig`: the decoder's hyperparameters, read from and written to HF `config.json`.
+
+Covers `Qwen2ForCausalLM` (q/k/v bias, tied or untied embeddings) and `LlamaForCausalLM`
+(including Llama-3 `rope_scaling`). Anything else is refused with the list of supported types.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax.numpy as jnp
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+def dtype_from_name(name: str):
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; valid: {sorted(_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture plus numerics. Frozen and hashable, so it can be a static jit argument."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    # Llama-3 style scaling as a sorted tuple of (key, value) pairs, or None (hashable).
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v bias (Qwen2: True)
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    # Numerics (not part of the HF file).
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    remat: str = "none"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; gjax supports {SUPPORTED_MODEL_TYPES}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"unknown remat policy {self.remat!r}; valid: {REMAT_POLICIES}")
+        dtype_from_name(self.param_dtype)
+        dtype_from_name(self.dtype)
+
+    @property
+    def jnp_dtype(self):
+        return dtype_from_name(self.dtype)
+
+    @property
+    def jnp_param_dtype(self):
+        return dtype_from_name(self.param_dtype)
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling else None
+
+    def replace(self, **changes) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
+        """Builds a config from an HF `config.json` dict (unknown HF keys are ignored)."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r} in config.json; gjax supports "
+                f"{SUPPORTED_MODEL_TYPES}"
+            )
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
+        missing = [k for k in required if k not in hf]
+        if missing:
+            raise ValueError(f"config.json is missing required field(s) {missing}")
+        num_heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        scaling = hf.get("rope_scaling")
+        rope_params = hf.get("rope_parameters")  # transformers >= 5 may store rope here
+        rope_theta = hf.get("rope_theta")
+        if isinstance(rope_params, dict):
+            rope_theta = rope_theta or rope_params.get("rope_theta")
+            if scaling is None and rope_params.get("rope_type", "default") != "default":
+                scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if scaling is not None:
+            rope_type = scaling.get("rope_type", scaling.get("type"))
+            if rope_type in (None, "default"):
+                scaling = None
+            elif rope_type != "llama3":
+                raise ValueError(
+                    f"unsupported rope_scaling type {rope_type!r}; gjax supports 'llama3' or none"
+                )
+            else:
+                scaling = tuple(sorted((k, v) for k, v in scaling.items() if k != "type"))
+        eos = hf.get("eos_token_id")
+        eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=hf.get("pad_token_id"),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    @classmethod
+    def from_pretrained_dir(cls, path: str, **overrides) -> ModelConfig:
+        config_path = os.path.join(path, "config.json")
+        with open(config_path) as f:
+            return cls.from_hf(json.load(f), **overrides)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The HF `config.json` dict for this architecture (loadable by transformers 5.x)."""
+        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
+        out: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.param_dtype,
+        }
+        if self.rope_scaling:
+            out["rope_scaling"] = dict(self.rope_scaling)
+        if self.model_type == "llama":
+            out["attention_bias"] = self.attention_bias
+            out["mlp_bias"] = False
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_id:
+            eos = list(self.eos_token_id)
+            out["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        return out
