@@ -1,11 +1,11 @@
 """Small, strict, string-keyed registries (one per category).
 
-    ADVANTAGES = Registry("advantage estimator")
+ADVANTAGES = Registry("advantage estimator")
 
-    @ADVANTAGES.register("grpo")
-    def grpo(...): ...
+@ADVANTAGES.register("grpo")
+def grpo(...): ...
 
-    ADVANTAGES.get("grpo")   # unknown names raise, listing what exists
+ADVANTAGES.get("grpo")   # unknown names raise, listing what exists
 """
 
 from __future__ import annotations
