@@ -1,0 +1,166 @@
+"""Golden values for the per-token policy losses, KL estimators and aggregation weights."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gjax.objective import aggregation as agg
+from gjax.objective import policy_losses as pl
+
+
+def _f(x):
+    return jnp.asarray(x, jnp.float32)
+
+
+def _ppo_case(ratio, adv, **kw):
+    logp = _f([math.log(ratio)])
+    loss, aux = pl.ppo_clip(logp, _f([0.0]), _f([adv]), **kw)
+    grad = jax.grad(lambda lp: pl.ppo_clip(lp, _f([0.0]), _f([adv]), **kw)[0].sum())(logp)
+    return float(loss[0]), float(grad[0]), {k: float(v[0]) for k, v in aux.items()}
+
+
+@pytest.mark.parametrize(
+    "ratio,adv,want_loss,want_grad,flag",
+    [
+        # inside the clip range: loss -rA, d/dlogp = -rA
+        (1.1, 2.0, -2.2, -2.2, None),
+        (0.9, -1.0, 0.9, 0.9, None),
+        # A > 0 above 1 + eps_high = 1.28: flat at -(1.28) A
+        (1.5, 2.0, -2.56, 0.0, "clip_high"),
+        # A > 0 below 1 - eps_low: pessimistic min keeps rA (gradient flows)
+        (0.5, 2.0, -1.0, -1.0, None),
+        # A < 0 below 1 - eps_low = 0.8: flat at 0.8 |A|
+        (0.5, -1.0, 0.8, 0.0, "clip_low"),
+        # A < 0 above 1 + eps_high: unclipped r|A| is larger and kept
+        (2.0, -1.0, 2.0, 2.0, None),
+    ],
+)
+def test_ppo_clip_golden(ratio, adv, want_loss, want_grad, flag):
+    loss, grad, aux = _ppo_case(ratio, adv, eps_low=0.2, eps_high=0.28)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    assert grad == pytest.approx(want_grad, rel=1e-5, abs=1e-7)
+    for name in ("clip_low", "clip_high", "clip_dual"):
+        assert aux[name] == (1.0 if name == flag else 0.0)
+    assert aux["ratio"] == pytest.approx(ratio, rel=1e-6)
+
+
+def test_dual_clip_caps_negative_advantage():
+    # A = -1, r = 5 > c = 3: loss capped at c|A| = 3 with zero gradient.
+    loss, grad, aux = _ppo_case(5.0, -1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert loss == pytest.approx(3.0) and grad == 0.0 and aux["clip_dual"] == 1.0
+    # r = 2 < c: untouched (loss r|A| = 2, gradient r|A|).
+    loss, grad, aux = _ppo_case(2.0, -1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert loss == pytest.approx(2.0) and grad == pytest.approx(2.0) and aux["clip_dual"] == 0.0
+    # Positive advantages are never dual-clipped.
+    loss, grad, _ = _ppo_case(5.0, 1.0, eps_low=0.2, eps_high=0.2, dual_clip=3.0)
+    assert loss == pytest.approx(-1.2) and grad == 0.0
+
+
+def test_bad_eps_raise():
+    with pytest.raises(ValueError, match="eps_low"):
+        pl.ppo_clip(_f([0.0]), _f([0.0]), _f([1.0]), eps_low=1.5)
+    with pytest.raises(ValueError, match="dual_clip"):
+        pl.ppo_clip(_f([0.0]), _f([0.0]), _f([1.0]), dual_clip=0.5)
+    with pytest.raises(ValueError, match="gamma"):
+        pl.luffy(_f([0.0]), _f([0.0]), _f([1.0]), gamma=0.0)
+
+
+def test_ratio_never_overflows():
+    loss, aux = pl.ppo_clip(_f([0.0]), _f([-1e4]), _f([-1.0]))
+    assert np.isfinite(loss).all() and np.isfinite(aux["ratio"]).all()
+
+
+def test_pg_is_minus_logp_times_adv():
+    logp, adv = _f([-0.5, -2.0]), _f([1.5, -0.5])
+    loss, _ = pl.pg(logp, _f([0.0, 0.0]), adv)
+    np.testing.assert_allclose(loss, [0.75, -1.0], rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: pl.pg(x, logp, adv)[0].sum())(logp), -adv)
+
+
+def test_luffy_shaping_value_and_gradient():
+    gamma, a = 0.1, 2.0
+    logp = _f([math.log(0.3)])
+    loss, _ = pl.luffy(logp, _f([0.0]), _f([a]), gamma=gamma)
+    assert float(loss[0]) == pytest.approx(-a * 0.3 / 0.4, rel=1e-6)
+    g = jax.grad(lambda x: pl.luffy(x, _f([0.0]), _f([a]), gamma=gamma)[0].sum())(logp)
+    # d/dlogp [-A pi/(pi+g)] = -A g pi / (pi+g)^2
+    assert float(g[0]) == pytest.approx(-a * gamma * 0.3 / 0.4**2, rel=1e-5)
+
+
+def test_gspo_surrogate_value_and_gradient_match_sequence_objective():
+    # One sequence of 3 tokens; GSPO objective L(s) with s = exp(mean(logp - old)).
+    old = _f([-1.0, -0.5, -2.0])
+    for delta, adv, eps in [(0.01, 1.0, 0.2), (-0.01, -1.0, 0.2), (0.5, 1.0, 0.2), (-0.5, -1, 0.2)]:
+        logp = old + _f([delta, 2 * delta, 0.0])
+        adv_t = jnp.full((3,), adv, jnp.float32)
+
+        def exact(lp, adv_t=adv_t, eps=eps):
+            s = jnp.exp(jnp.mean(lp - old))
+            return jnp.maximum(-s * adv_t[0], -jnp.clip(s, 1 - eps, 1 + eps) * adv_t[0])
+
+        def surrogate(lp, adv_t=adv_t, eps=eps):
+            log_s = jax.lax.stop_gradient(jnp.mean(lp - old))
+            loss, _ = pl.gspo(
+                lp, old, adv_t, seq_log_ratio=jnp.full((3,), log_s), eps_low=eps, eps_high=eps
+            )
+            return (loss / 3.0).sum()  # seq-mean-token-mean weight 1/|y| for one sequence
+
+        assert float(surrogate(logp)) == pytest.approx(float(exact(logp)), rel=1e-6)
+        np.testing.assert_allclose(
+            jax.grad(surrogate)(logp), jax.grad(exact)(logp), rtol=1e-6, atol=1e-8
+        )
+
+
+def test_kl_estimators_golden():
+    # logp = log 0.5, ref = log 0.25: log rho = log 0.5
+    logp, ref = _f([math.log(0.5)]), _f([math.log(0.25)])
+    lr = math.log(0.5)
+    assert float(pl.KL_ESTIMATORS.get("k1")(logp, ref)[0]) == pytest.approx(-lr, rel=1e-6)
+    assert float(pl.KL_ESTIMATORS.get("k2")(logp, ref)[0]) == pytest.approx(0.5 * lr * lr, rel=1e-6)
+    assert float(pl.KL_ESTIMATORS.get("k3")(logp, ref)[0]) == pytest.approx(0.5 - 1 - lr, rel=1e-6)
+    # All vanish at pi = pi_ref; k2/k3 are non-negative.
+    for name in pl.KL_ESTIMATORS:
+        assert float(pl.KL_ESTIMATORS.get(name)(ref, ref)[0]) == 0.0
+    x = jnp.linspace(-3, 3, 13)
+    assert (pl.kl_k2(x, -x) >= 0).all() and (pl.kl_k3(x, -x) >= 0).all()
+
+
+def test_registries_are_strict():
+    assert pl.POLICY_LOSSES.names() == ["gspo", "luffy", "pg", "ppo_clip"]
+    assert pl.KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
+    with pytest.raises(KeyError, match="valid names"):
+        pl.POLICY_LOSSES.get("ppo")
+
+
+def test_aggregation_weights_golden():
+    mask = _f([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    counted = jnp.array([True, True, True])
+    w = agg.aggregation_weights("token_mean", mask, counted)
+    np.testing.assert_allclose(w, mask / 4.0)
+    w = agg.aggregation_weights("seq_mean_token_mean", mask, counted)
+    np.testing.assert_allclose(w, mask * _f([[1 / 6], [1 / 2], [0]]))
+    w = agg.aggregation_weights("seq_mean_token_sum_norm", mask, counted, constant=8)
+    np.testing.assert_allclose(w, mask / 16.0)
+    w = agg.aggregation_weights("seq_mean_token_sum_norm", mask, counted)  # C = T = 4
+    np.testing.assert_allclose(w, mask / 8.0)
+    # An uncounted sequence drops out of numerator and denominators.
+    w = agg.aggregation_weights("token_mean", mask, jnp.array([True, False, True]))
+    np.testing.assert_allclose(w, mask * _f([[1], [0], [0]]) / 3.0)
+
+
+@pytest.mark.parametrize("mode", agg.AGGREGATIONS.names())
+def test_all_masked_aggregation_is_zero_not_nan(mode):
+    w = agg.aggregation_weights(mode, jnp.zeros((2, 3)), jnp.ones((2,), bool))
+    assert np.array_equal(w, np.zeros((2, 3)))
+
+
+def test_aggregation_bad_input():
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        agg.aggregation_weights("token_mean", jnp.ones((3,)))
+    with pytest.raises(ValueError, match="constant"):
+        agg.aggregation_weights("seq_mean_token_sum_norm", jnp.ones((2, 3)), constant=0.0)
+    with pytest.raises(KeyError, match="valid names"):
+        agg.aggregation_weights("seq_mean", jnp.ones((2, 3)))
