@@ -1,0 +1,411 @@
+"""The one place where sharding is decided: the device mesh and logical-axis rules.
+
+Model code names *logical* axes only (`vocab, embed, q_heads, kv_heads, mlp, layers, batch,
+length`); the rules below map each to a mesh axis (`data, fsdp, tensor`), a tuple of mesh
+axes, or `None` (replicated). Rules are plain data (a dict), so a config can carry its own:
+
+    mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    validate_model_sharding(cfg, mesh)                    # before any weight is touched
+    shardings = param_shardings(abstract_params, mesh)    # tree of NamedSharding
+    params = sharded_init(lambda rng: init_params(cfg, rng), rng, mesh)
+
+Inside jit, `constrain(x, ("batch", "length", "embed"))` pins an activation's layout on the
+context mesh (`jax.set_mesh(mesh)`); without a context mesh it is a no-op, so the same model
+code runs unsharded.
+
+Mapping a tuple of logical axes follows flax (`nn.logical_to_mesh_axes`): rules apply in
+order and a mesh axis shards at most one dimension, so with the default rules activations
+`("batch", "length", "embed")` become `P(("data", "fsdp"), None, None)` while the weight
+`("embed", "mlp")` becomes `P("fsdp", "tensor")`. `use_rules` also installs the rules for
+flax's `nn.with_logical_constraint`, which the model uses for its activations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "mlp", "layers", "batch", "length")
+
+MeshAxes = str | tuple[str, ...] | None
+Rules = Mapping[str, MeshAxes]
+
+DEFAULT_RULES: dict[str, MeshAxes] = {
+    "batch": ("data", "fsdp"),
+    "length": None,
+    "embed": "fsdp",
+    "vocab": "tensor",
+    "q_heads": "tensor",
+    "kv_heads": "tensor",
+    "mlp": "tensor",
+    "layers": None,
+}
+
+# --------------------------------------------------------------------------------------------
+# Mesh
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh with axes `(data, fsdp, tensor)`; axes left out of `shape` have size 1.
+
+    One axis may be -1: it takes whatever the device count leaves. The product must equal the
+    number of devices (all of `jax.devices()` unless `devices` is given).
+    """
+    unknown = sorted(set(shape) - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unknown mesh axes {unknown}; valid axes: {list(MESH_AXES)}")
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [int(shape.get(name, 1)) for name in MESH_AXES]
+    fill = [i for i, s in enumerate(sizes) if s == -1]
+    if len(fill) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got shape {dict(shape)}")
+    bad = [f"{n}={s}" for n, s in zip(MESH_AXES, sizes) if s <= 0 and s != -1]
+    if bad:
+        raise ValueError(f"mesh axis sizes must be positive (or one -1), got {bad}")
+    if fill:
+        rest = math.prod(s for s in sizes if s != -1)
+        if len(devices) % rest:
+            raise ValueError(
+                f"mesh shape {dict(shape)}: the fixed axes (product {rest}) do not divide the "
+                f"{len(devices)} devices"
+            )
+        sizes[fill[0]] = len(devices) // rest
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"mesh shape {dict(zip(MESH_AXES, sizes))} has {math.prod(sizes)} devices but "
+            f"{len(devices)} are available; make the product of the axis sizes equal "
+            f"{len(devices)}"
+        )
+    if devices == list(jax.devices()):
+        device_array = mesh_utils.create_device_mesh(sizes, devices=devices)
+    else:
+        device_array = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
+    """Product of the sizes of `axes` in `mesh` (1 for None)."""
+    return math.prod(mesh.shape[a] for a in _as_tuple(axes))
+
+
+# --------------------------------------------------------------------------------------------
+# Logical axes -> PartitionSpec
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None = None) -> Iterator[None]:
+    """Makes `rules` (default: `DEFAULT_RULES`) current for this context.
+
+    Covers gjax's own helpers (`constrain`, `logical_to_spec`, ...) and flax's
+    `nn.with_logical_constraint` inside the model. Combine with `jax.set_mesh(mesh)`.
+    """
+    from flax import linen as nn
+
+    checked = check_rules(DEFAULT_RULES if rules is None else rules)
+    previous = getattr(_local, "rules", None)
+    _local.rules = checked
+    try:
+        with nn.logical_axis_rules(tuple(checked.items())):
+            yield
+    finally:
+        _local.rules = previous
+
+
+def current_rules() -> dict[str, MeshAxes]:
+    return getattr(_local, "rules", None) or DEFAULT_RULES
+
+
+def check_rules(rules: Rules) -> dict[str, MeshAxes]:
+    """Validates a rules mapping (known logical and mesh axis names) and returns it as a dict."""
+    if not isinstance(rules, Mapping):
+        rules = dict(rules)  # a sequence of (logical, mesh) pairs
+    out: dict[str, MeshAxes] = {}
+    for logical, target in rules.items():
+        for axis in _as_tuple(target):
+            if axis not in MESH_AXES:
+                raise ValueError(
+                    f"sharding rule {logical!r} -> {target!r} names unknown mesh axis {axis!r}; "
+                    f"valid mesh axes: {list(MESH_AXES)}"
+                )
+        out[logical] = tuple(target) if isinstance(target, list) else target
+    return out
+
+
+def flax_rules(rules: Rules | None = None) -> tuple[tuple[str, MeshAxes], ...]:
+    """The rules as flax's `(logical, mesh_axes)` pairs (for `nn.logical_axis_rules`)."""
+    rules = current_rules() if rules is None else rules
+    return tuple(check_rules(rules).items())
+
+
+def logical_to_spec(
+    logical_axes: Sequence[str | None],
+    rules: Rules | None = None,
+    *,
+    mesh: Mesh | jax.sharding.AbstractMesh | None = None,
+    shape: Sequence[int] | None = None,
+    drop_indivisible: bool = False,
+) -> P:
+    """Maps logical axis names to a `PartitionSpec` (flax's semantics, plus strictness).
+
+    Rules apply in their order: a logical axis takes its rule's mesh axes unless one of them
+    is already taken by another dimension of the same array, in which case that dimension is
+    replicated. An unknown logical name is an error listing the known ones. With `mesh`,
+    `shape` and `drop_indivisible=True`, a dimension whose mesh axes do not divide it is
+    replicated instead (activations, whose sizes vary); for parameters divisibility is
+    checked, not patched (see `param_shardings`).
+    """
+    from flax import linen as nn
+
+    rules = current_rules() if rules is None else rules
+    for name in logical_axes:
+        if name is not None and name not in rules:
+            raise KeyError(
+                f"no sharding rule for logical axis {name!r}; rules cover {sorted(rules)}"
+            )
+    spec = list(nn.logical_to_mesh_axes(tuple(logical_axes), flax_rules(rules)))
+    if drop_indivisible and mesh is not None and shape is not None:
+        spec = [
+            axes if shape[dim] % mesh_axis_size(mesh, axes) == 0 else None
+            for dim, axes in enumerate(spec)
+        ]
+    return P(*spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+
+# Logical axes of each parameter of the per-layer block (without the leading `layers` axis)
+# and of the top-level tensors; the layout is the contract in docs/architecture.md.
+_LAYER_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+    ("input_norm", "scale"): ("embed",),
+    ("post_attn_norm", "scale"): ("embed",),
+    ("attn", "q", "kernel"): ("embed", "q_heads"),
+    ("attn", "q", "bias"): ("q_heads",),
+    ("attn", "k", "kernel"): ("embed", "kv_heads"),
+    ("attn", "k", "bias"): ("kv_heads",),
+    ("attn", "v", "kernel"): ("embed", "kv_heads"),
+    ("attn", "v", "bias"): ("kv_heads",),
+    ("attn", "o", "kernel"): ("q_heads", "embed"),
+    ("mlp", "gate", "kernel"): ("embed", "mlp"),
+    ("mlp", "up", "kernel"): ("embed", "mlp"),
+    ("mlp", "down", "kernel"): ("mlp", "embed"),
+}
+_TOP_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+    ("embed", "embedding"): ("vocab", "embed"),
+    ("final_norm", "scale"): ("embed",),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+}
+
+
+def logical_axes_for_path(path: Sequence[str]) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at `path` (e.g. `("layers", "attn", "q", "kernel")`)."""
+    path = tuple(path)
+    if path in _TOP_AXES:
+        return _TOP_AXES[path]
+    if path[:1] == ("layers",) and path[1:] in _LAYER_AXES:
+        return ("layers", *_LAYER_AXES[path[1:]])
+    known = sorted("/".join(p) for p in _TOP_AXES) + sorted(
+        "layers/" + "/".join(p) for p in _LAYER_AXES
+    )
+    raise KeyError(
+        f"parameter {'/'.join(path)!r} is not in the gjax param layout "
+        f"(docs/architecture.md); known parameters: {known}"
+    )
+
+
+def path_str(path) -> str:
+    return "/".join(_key_name(k) for k in path)
+
+
+def param_logical_axes(params: Any) -> Any:
+    """Tree of logical-axis tuples, same structure as `params`.
+
+    Leaves boxed by flax's logical partitioning (`nn.LogicallyPartitioned`) use their own
+    names; plain arrays (or `ShapeDtypeStruct`s) are looked up by path.
+    """
+    from flax import linen as nn
+
+    def axes(path, leaf):
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            names = tuple(leaf.names)
+            shape = np.shape(leaf.value)
+        else:
+            names = logical_axes_for_path([_key_name(k) for k in path])
+            shape = leaf.shape
+        if len(names) != len(shape):
+            raise ValueError(
+                f"parameter {path_str(path)!r} has shape {tuple(shape)} but logical axes "
+                f"{names} (rank mismatch)"
+            )
+        return _Axes(names)
+
+    tree = jax.tree_util.tree_map_with_path(
+        axes, params, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )
+    return jax.tree.map(lambda a: a.names, tree, is_leaf=lambda x: isinstance(x, _Axes))
+
+
+def param_shardings(params: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """Tree of `NamedSharding` for `params` (arrays, `ShapeDtypeStruct`s or boxed leaves).
+
+    Every dimension must be divisible by the mesh axes its logical axis maps to; all
+    violations are reported at once, naming the tensor, the dimension and the mesh axis.
+    """
+    from flax import linen as nn
+
+    rules = check_rules(current_rules() if rules is None else rules)
+    unboxed = nn.unbox(params) if _has_boxes(params) else params
+    logical = param_logical_axes(params)
+    problems: list[str] = []
+
+    def sharding(path, leaf, names):
+        spec = logical_to_spec(names, rules)
+        for dim, (axes, size) in enumerate(zip(spec, leaf.shape)):
+            n = mesh_axis_size(mesh, axes)
+            if size % n:
+                problems.append(
+                    f"{path_str(path)}: dim {dim} (size {size}, logical axis {names[dim]!r}) "
+                    f"is not divisible by mesh axis {axes!r} (size {n})"
+                )
+        return NamedSharding(mesh, spec)
+
+    out = jax.tree_util.tree_map_with_path(
+        sharding, unboxed, logical, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    if problems:
+        raise ValueError(
+            "mesh does not divide these parameters (change the mesh shape or the rules):\n  "
+            + "\n  ".join(problems)
+        )
+    return out
+
+
+# ModelConfig field behind each logical axis, checked against the mesh before any weight
+# is loaded or initialized.
+_AXIS_FIELDS = {
+    "vocab": ("vocab_size",),
+    "embed": ("hidden_size",),
+    "q_heads": ("num_heads",),
+    "kv_heads": ("num_kv_heads",),
+    "mlp": ("intermediate_size",),
+    "layers": ("num_layers",),
+}
+
+
+def validate_model_sharding(cfg, mesh: Mesh, rules: Rules | None = None) -> None:
+    """Raises if the mesh does not divide a model dimension, naming the config field and axis.
+
+    Heads are checked as head counts (sharding `H*Dh` columns across a head boundary would be
+    legal for the array but wrong for attention).
+    """
+    rules = check_rules(current_rules() if rules is None else rules)
+    problems = []
+    for logical, fields in _AXIS_FIELDS.items():
+        axes = rules.get(logical)
+        n = mesh_axis_size(mesh, axes)
+        for field in fields:
+            value = getattr(cfg, field)
+            if value % n:
+                problems.append(
+                    f"ModelConfig.{field}={value} is not divisible by mesh axis {axes!r} "
+                    f"(size {n}) that logical axis {logical!r} maps to"
+                )
+    if problems:
+        raise ValueError(
+            "mesh "
+            + str(dict(mesh.shape))
+            + " does not fit the model (change the mesh shape or the rules):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def shard_params(params: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
+    """Places existing (e.g. host) params on `mesh` as the rules say."""
+    return jax.device_put(params, param_shardings(params, mesh, rules))
+
+
+def sharded_init(
+    init_fn: Callable[[jax.Array], Any], rng: jax.Array, mesh: Mesh, rules: Rules | None = None
+) -> Any:
+    """Runs `init_fn(rng)` under jit with sharded outputs: no full copy on one device first."""
+    abstract = jax.eval_shape(init_fn, rng)
+    shardings = param_shardings(abstract, mesh, rules)
+    return jax.jit(init_fn, out_shardings=shardings)(rng)
+
+
+# --------------------------------------------------------------------------------------------
+# Activations
+
+
+def activation_sharding(
+    mesh: Mesh, logical_axes: Sequence[str | None], rules: Rules | None = None, shape=None
+) -> NamedSharding:
+    """`NamedSharding` for an activation (e.g. jit in/out shardings of a token batch).
+
+    With `shape`, mesh axes that do not divide their dimension are dropped.
+    """
+    spec = logical_to_spec(
+        logical_axes, rules, mesh=mesh, shape=shape, drop_indivisible=shape is not None
+    )
+    return NamedSharding(mesh, spec)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None], rules: Rules | None = None):
+    """`with_sharding_constraint` by logical axes on the context mesh; no-op without one.
+
+    Mesh axes that do not divide a dimension are dropped (e.g. a batch of 1 while decoding).
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    if len(logical_axes) != x.ndim:
+        raise ValueError(f"logical axes {tuple(logical_axes)} do not match shape {x.shape}")
+    spec = logical_to_spec(logical_axes, rules, mesh=mesh, shape=x.shape, drop_indivisible=True)
+    return jax.lax.with_sharding_constraint(x, spec)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+class _Axes:
+    """Opaque leaf wrapper so tuples of axis names survive tree_map as single leaves."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, names):
+        self.names = names
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    if isinstance(axes, str):
+        return (axes,)
+    return tuple(axes)
+
+
+def _key_name(key) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
+def _has_boxes(tree) -> bool:
+    from flax import linen as nn
+
+    leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+    return any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in leaves)
