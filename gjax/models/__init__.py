@@ -1,0 +1,27 @@
+"""The policy model: `ModelConfig` and the Flax Qwen2/Llama decoder."""
+
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import (
+    Transformer,
+    abstract_params,
+    decode_step,
+    forward,
+    init_params,
+    lm_head_kernel,
+    logits_from_hidden,
+    param_logical_axes,
+    prefill,
+)
+
+__all__ = [
+    "ModelConfig",
+    "Transformer",
+    "abstract_params",
+    "decode_step",
+    "forward",
+    "init_params",
+    "lm_head_kernel",
+    "logits_from_hidden",
+    "param_logical_axes",
+    "prefill",
+]

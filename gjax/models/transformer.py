@@ -1,0 +1,464 @@
+"""The policy: a decoder-only transformer covering HF `Qwen2ForCausalLM` and `LlamaForCausalLM`.
+
+Architecture (both families): token embedding -> L x [RMSNorm -> GQA self-attention with RoPE
+(q/k/v bias when `attention_bias`) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
+final RMSNorm -> LM head (tied to the embedding or not).
+
+    rms_norm(x) = x / sqrt(mean(x^2) + eps) * scale                 (computed in f32)
+    rope(x)[i]  = x[i] cos(p w_i) - x[i + Dh/2] sin(p w_i)           (HF "rotate_half" layout)
+    w_i         = theta^(-2i / Dh), Llama-3 scaling remaps w_i by wavelength bands
+    attn        = softmax(q k^T / sqrt(Dh) + mask) v,  query head h reads kv head h // (H / K)
+    mlp(x)      = down(silu(gate(x)) * up(x))
+
+Two entry points share the same math and the same parameter tree (docs/architecture.md):
+- `Transformer` (flax.linen): the training/scoring forward over full sequences. Layers are one
+  `nn.scan` over `Block` (params stacked on a leading `layers` axis; compile time flat in depth),
+  optionally rematerialized per layer (`cfg.remat`). Params carry logical axis names.
+- `prefill` / `decode_step`: pure functions over the same params used by the sampler
+  (gjax/rollout/sampler.py) with an explicit KV cache (see their docstrings).
+
+Attention masking uses `segment_ids` (0 = padding): token i attends token j iff j <= i (by
+index), seg[i] == seg[j] and seg[j] != 0. Left padding, right padding and packing all work;
+positions are explicit (a left-padded prompt counts positions from its first real token).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gjax.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+# A large negative finite value: fully masked rows (padding queries) give a uniform softmax
+# instead of NaNs, so gradients through padded batches stay finite.
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+_REMAT_POLICIES = {
+    "full": None,  # save nothing: recompute the whole layer in the backward pass
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Shared math (pure functions of arrays).
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, scale, eps: float):
+    """RMSNorm as HF computes it: normalize in f32, cast back, then multiply by the scale."""
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return scale.astype(dtype) * x32.astype(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies w_i = theta^(-2i/Dh), i < Dh/2, with Llama-3 band scaling if set."""
+    dh = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dh, 2, dtype=np.float64) / dh))
+    scaling = cfg.rope_scaling_dict
+    if scaling:
+        factor = float(scaling["factor"])
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_len = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths (low frequencies) are divided by `factor`, short ones kept, and the
+        # band in between interpolated smoothly (Llama 3 report, "rope scaling").
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = np.where(medium, smoothed, scaled)
+    return inv_freq.astype(np.float32)
+
+
+def rope_cos_sin(positions, cfg: ModelConfig):
+    """cos/sin tables for integer `positions` (any shape ...) -> two [..., Dh/2] f32 arrays."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(cfg))
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotates x[..., H, Dh] (HF rotate_half layout); cos/sin are [..., Dh/2] without the H axis."""
+    dtype = x.dtype
+    x = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    cos, sin = cos[..., None, :], sin[..., None, :]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(dtype)
+
+
+def attention_mask(segment_ids_BxT):
+    """[B, T, T] bool: causal (by index) within equal, nonzero segment ids."""
+    t = segment_ids_BxT.shape[-1]
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    seg_q = segment_ids_BxT[:, :, None]
+    seg_k = segment_ids_BxT[:, None, :]
+    return causal_TxT[None] & (seg_q == seg_k) & (seg_k != 0)
+
+
+def dot_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
+    """Grouped-query attention; scores and softmax in f32. Query head h uses kv head h // R."""
+    b, t, h, dh = q_BxTxHxDh.shape
+    kv = k_BxSxKxDh.shape[2]
+    q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum(
+        "btkrd,bskd->bkrts", q, k_BxSxKxDh, preferred_element_type=jnp.float32
+    ) / math.sqrt(dh)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+    out = jnp.einsum("bkrts,bskd->btkrd", probs, v_BxSxKxDh)
+    return out.reshape(b, t, h, dh)
+
+
+def _linear(p, x, dtype):
+    y = jnp.dot(x, p["kernel"].astype(dtype))
+    if "bias" in p:
+        y = y + p["bias"].astype(dtype)
+    return y
+
+
+def lm_head_kernel(params: Params, cfg: ModelConfig):
+    """The LM head as a [D, V] kernel: the embedding transposed when tied, else `lm_head`."""
+    if cfg.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]
+
+
+# --------------------------------------------------------------------------------------------
+# Flax modules (the training/scoring forward).
+# --------------------------------------------------------------------------------------------
+
+
+def _param(module: nn.Module, name: str, shape, axes, cfg: ModelConfig, init):
+    return module.param(name, nn.with_logical_partitioning(init, axes), shape, cfg.jnp_param_dtype)
+
+
+_normal = nn.initializers.normal(stddev=0.02)
+
+
+class Linear(nn.Module):
+    """y = x W (+ b) with W stored [in, out] (HF's [out, in] transposed) and logical axes."""
+
+    cfg: ModelConfig
+    features: int
+    axes: tuple[str | None, str | None]
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, self.cfg, _normal)
+        dtype = self.cfg.jnp_dtype
+        y = jnp.dot(x.astype(dtype), kernel.astype(dtype))
+        if self.use_bias:
+            bias = _param(
+                self, "bias", (self.features,), self.axes[1:], self.cfg, nn.initializers.zeros
+            )
+            y = y + bias.astype(dtype)
+        return y
+
+
+class RMSNorm(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        scale = _param(self, "scale", (x.shape[-1],), ("embed",), self.cfg, nn.initializers.ones)
+        return rms_norm(x, scale, self.cfg.rms_norm_eps)
+
+
+class Attention(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxT):
+        cfg = self.cfg
+        b, t, _ = x_BxTxD.shape
+        h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        q = Linear(cfg, h * dh, ("embed", "q_heads"), bias, name="q")(x_BxTxD)
+        key = Linear(cfg, k * dh, ("embed", "kv_heads"), bias, name="k")(x_BxTxD)
+        val = Linear(cfg, k * dh, ("embed", "kv_heads"), bias, name="v")(x_BxTxD)
+        q = nn.with_logical_constraint(q.reshape(b, t, h, dh), ("batch", "length", "q_heads", None))
+        key = nn.with_logical_constraint(
+            key.reshape(b, t, k, dh), ("batch", "length", "kv_heads", None)
+        )
+        val = nn.with_logical_constraint(
+            val.reshape(b, t, k, dh), ("batch", "length", "kv_heads", None)
+        )
+        q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
+        out = dot_attention(q, key, val, mask_BxTxT).reshape(b, t, h * dh)
+        out = nn.with_logical_constraint(out, ("batch", "length", "q_heads"))
+        return Linear(cfg, cfg.hidden_size, ("q_heads", "embed"), name="o")(out)
+
+
+class MLP(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD):
+        cfg = self.cfg
+        f = cfg.intermediate_size
+        gate = Linear(cfg, f, ("embed", "mlp"), name="gate")(x_BxTxD)
+        up = Linear(cfg, f, ("embed", "mlp"), name="up")(x_BxTxD)
+        act = nn.with_logical_constraint(jax.nn.silu(gate) * up, ("batch", "length", "mlp"))
+        return Linear(cfg, cfg.hidden_size, ("mlp", "embed"), name="down")(act)
+
+
+class Block(nn.Module):
+    """One pre-norm decoder layer; scanned over depth (carry = the residual stream)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BxTxD, cos, sin, mask_BxTxT):
+        cfg = self.cfg
+        h = RMSNorm(cfg, name="input_norm")(x_BxTxD)
+        x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h, cos, sin, mask_BxTxT)
+        h = RMSNorm(cfg, name="post_attn_norm")(x_BxTxD)
+        x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(h)
+        x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
+        return x_BxTxD, None
+
+
+class Transformer(nn.Module):
+    """Decoder over full sequences. Returns final-normed `hidden_BxTxD` (and `logits_BxTxV`).
+
+    Call: `Transformer(cfg).apply({"params": params}, tokens_BxT, positions_BxT,
+    segment_ids_BxT, return_logits=False)`; logits are computed in f32.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens_BxT, positions_BxT, segment_ids_BxT, *, return_logits=False):
+        cfg = self.cfg
+        dtype = cfg.jnp_dtype
+        embedding_VxD = Embed(cfg, name="embed")()
+        x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0).astype(dtype)
+        x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
+        cos, sin = rope_cos_sin(positions_BxT, cfg)
+        mask_BxTxT = attention_mask(segment_ids_BxT)
+
+        block = Block
+        if cfg.remat != "none":
+            block = nn.remat(block, policy=_REMAT_POLICIES[cfg.remat], prevent_cse=False)
+        stack = nn.scan(
+            block,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )
+        x_BxTxD, _ = stack(cfg, name="layers")(x_BxTxD, cos, sin, mask_BxTxT)
+        hidden_BxTxD = RMSNorm(cfg, name="final_norm")(x_BxTxD)
+        if not return_logits:
+            return hidden_BxTxD
+        if cfg.tie_word_embeddings:
+            head_DxV = embedding_VxD.T
+        else:
+            head_DxV = Head(cfg, name="lm_head")()
+        logits_BxTxV = jnp.einsum(
+            "btd,dv->btv", hidden_BxTxD, head_DxV.astype(dtype), preferred_element_type=jnp.float32
+        )
+        logits_BxTxV = nn.with_logical_constraint(logits_BxTxV, ("batch", "length", "vocab"))
+        return hidden_BxTxD, logits_BxTxV
+
+
+class Embed(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        return _param(
+            self, "embedding", (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), cfg, _normal
+        )
+
+
+class Head(nn.Module):
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self):
+        cfg = self.cfg
+        return _param(
+            self, "kernel", (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), cfg, _normal
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Params: init, abstract shapes, logical axes.
+# --------------------------------------------------------------------------------------------
+
+
+def _dummy_inputs():
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return tokens, tokens, jnp.ones((1, 1), jnp.int32)
+
+
+def _boxed_init(cfg: ModelConfig, rng):
+    model = Transformer(cfg)
+    return model.init(rng, *_dummy_inputs(), return_logits=True)["params"]
+
+
+def init_params(cfg: ModelConfig, rng) -> Params:
+    """Random params (normal(0.02) kernels, unit norms, zero biases) as a plain dict tree."""
+    return nn.meta.unbox(_boxed_init(cfg, rng))
+
+
+def abstract_params(cfg: ModelConfig) -> Params:
+    """The param tree as `jax.ShapeDtypeStruct`s (no allocation), for sharded init/loading."""
+    return jax.eval_shape(lambda: init_params(cfg, jax.random.key(0)))
+
+
+def param_logical_axes(cfg: ModelConfig) -> Params:
+    """The param tree with each leaf a `PartitionSpec` of logical axis names.
+
+    e.g. `layers/attn/q/kernel -> P("layers", "embed", "q_heads")`. gjax/sharding.py maps
+    logical names to mesh axes; the model only names them.
+    """
+    boxed = jax.eval_shape(lambda: _boxed_init(cfg, jax.random.key(0)))
+    return nn.get_partition_spec(boxed)
+
+
+def forward(params: Params, cfg: ModelConfig, tokens_BxT, positions_BxT, segment_ids_BxT, **kw):
+    """Functional shorthand for `Transformer(cfg).apply({"params": params}, ...)`."""
+    return Transformer(cfg).apply(
+        {"params": params}, tokens_BxT, positions_BxT, segment_ids_BxT, **kw
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Cache-aware path for the sampler (pure functions over the same params).
+# --------------------------------------------------------------------------------------------
+
+
+def _qkv(attn_p, h, cfg: ModelConfig, dtype):
+    lead = h.shape[:-1]
+    q = _linear(attn_p["q"], h, dtype).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = _linear(attn_p["k"], h, dtype).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(attn_p["v"], h, dtype).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    return q, k, v
+
+
+def _mlp(mlp_p, h, dtype):
+    gate = _linear(mlp_p["gate"], h, dtype)
+    up = _linear(mlp_p["up"], h, dtype)
+    return _linear(mlp_p["down"], jax.nn.silu(gate) * up, dtype)
+
+
+def logits_from_hidden(params: Params, cfg: ModelConfig, hidden_xD):
+    """f32 logits [..., V] from final-normed hidden states [..., D]."""
+    head_DxV = lm_head_kernel(params, cfg).astype(cfg.jnp_dtype)
+    return jnp.einsum("...d,dv->...v", hidden_xD, head_DxV, preferred_element_type=jnp.float32)
+
+
+def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment_ids_PxS):
+    """Full forward over prompts that also returns their KV cache.
+
+    Returns `(hidden_PxSxD, k_LxPxSxKxDh, v_LxPxSxKxDh)`; keys are stored after RoPE, so a
+    decode step never re-rotates the cache. Same math as `Transformer` (tested to agree).
+    """
+    dtype = cfg.jnp_dtype
+    eps = cfg.rms_norm_eps
+    x = jnp.take(params["embed"]["embedding"], tokens_PxS, axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(positions_PxS, cfg)
+    mask = attention_mask(segment_ids_PxS)
+
+    def layer(x, lp):
+        h = rms_norm(x, lp["input_norm"]["scale"], eps)
+        q, k, v = _qkv(lp["attn"], h, cfg, dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        att = dot_attention(q, k, v, mask)
+        x = x + _linear(lp["attn"]["o"], att.reshape(*att.shape[:2], -1), dtype)
+        h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
+        x = x + _mlp(lp["mlp"], h, dtype)
+        return x, (k, v)
+
+    x, (k_cache, v_cache) = jax.lax.scan(layer, x, params["layers"])
+    hidden = rms_norm(x, params["final_norm"]["scale"], eps)
+    return hidden, k_cache, v_cache
+
+
+def decode_step(
+    params: Params,
+    cfg: ModelConfig,
+    tokens_B,
+    positions_B,
+    prefix_k_LxPxSxKxDh,
+    prefix_v_LxPxSxKxDh,
+    prefix_mask_PxS,
+    k_LxBxNxKxDh,
+    v_LxBxNxKxDh,
+    step,
+    *,
+    unroll: int | bool = 1,
+):
+    """One token for B = P*G sequences (prompt-major) given a shared prompt cache.
+
+    Each sequence b attends (i) the prefix cache of its prompt p = b // G (never copied G
+    times: queries are reshaped to [P, G, ...] against [P, S, ...] keys), (ii) its own cache
+    slots n < `step`, and (iii) its own current token. One softmax runs over all three parts.
+    Returns `(hidden_BxD, k_new_LxBxKxDh, v_new_LxBxKxDh)`; the caller writes the new keys
+    and values into slot `step` (one in-place update after all layers).
+    """
+    dtype = cfg.jnp_dtype
+    eps = cfg.rms_norm_eps
+    p_, s_ = prefix_mask_PxS.shape
+    b_ = tokens_B.shape[0]
+    g_ = b_ // p_
+    n_ = k_LxBxNxKxDh.shape[2]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    scale = 1.0 / math.sqrt(dh)
+    x = jnp.take(params["embed"]["embedding"], tokens_B, axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(positions_B, cfg)
+    own_valid_N = jnp.arange(n_) < step
+    prefix_valid = prefix_mask_PxS.astype(bool)
+
+    def layer(x, xs):
+        lp, pk, pv, ck, cv = xs
+        h = rms_norm(x, lp["input_norm"]["scale"], eps)
+        q, k, v = _qkv(lp["attn"], h, cfg, dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q_BxKxRxDh = q.reshape(b_, kv_, r_, dh)
+        q_PxGxKxRxDh = q.reshape(p_, g_, kv_, r_, dh)
+        f32 = jnp.float32
+        s_pre = jnp.einsum("pgkrd,pskd->pgkrs", q_PxGxKxRxDh, pk, preferred_element_type=f32)
+        s_pre = jnp.where(prefix_valid[:, None, None, None], s_pre * scale, _MASK_VALUE)
+        s_pre = s_pre.reshape(b_, kv_, r_, s_)
+        s_own = jnp.einsum("bkrd,bnkd->bkrn", q_BxKxRxDh, ck, preferred_element_type=f32)
+        s_own = jnp.where(own_valid_N, s_own * scale, _MASK_VALUE)
+        s_self = jnp.einsum("bkrd,bkd->bkr", q_BxKxRxDh, k, preferred_element_type=f32) * scale
+        m = jnp.maximum(jnp.maximum(s_pre.max(-1), s_own.max(-1)), s_self)
+        e_pre = jnp.exp(s_pre - m[..., None])
+        e_own = jnp.exp(s_own - m[..., None])
+        e_self = jnp.exp(s_self - m)
+        denom = e_pre.sum(-1) + e_own.sum(-1) + e_self
+        out = jnp.einsum(
+            "pgkrs,pskd->pgkrd", e_pre.reshape(p_, g_, kv_, r_, s_).astype(dtype), pv
+        ).reshape(b_, kv_, r_, dh)
+        out = out + jnp.einsum("bkrn,bnkd->bkrd", e_own.astype(dtype), cv)
+        out = out + e_self[..., None].astype(dtype) * v[:, :, None, :]
+        out = (out / denom[..., None].astype(dtype)).reshape(b_, h_ * dh)
+        x = x + _linear(lp["attn"]["o"], out, dtype)
+        h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
+        x = x + _mlp(lp["mlp"], h, dtype)
+        return x, (k, v)
+
+    xs = (params["layers"], prefix_k_LxPxSxKxDh, prefix_v_LxPxSxKxDh, k_LxBxNxKxDh, v_LxBxNxKxDh)
+    x, (k_new, v_new) = jax.lax.scan(layer, x, xs, unroll=unroll)
+    hidden = rms_norm(x, params["final_norm"]["scale"], eps)
+    return hidden, k_new, v_new
