@@ -1,0 +1,680 @@
+"""The math-verify verifier: binary accuracy reward with per-item deadlines in a process pool.
+
+Model outputs are untrusted input. A response such as ``\\boxed{10^{10^{10^{10}}}}`` or a
+deeply nested expression can make SymPy run for hours or exhaust memory, and math-verify's
+own timeout (``signal.alarm``) only works on the main thread of the main interpreter, so it
+is useless inside the async reward pipeline. This module therefore:
+
+1. disables math-verify's signal timeout (``parse(..., parsing_timeout=None)`` and
+   ``verify(..., timeout_seconds=None)``; both accept ``None`` in math-verify 0.9), and
+2. runs every item (extraction, parse of gold and prediction, ``verify``) in a worker
+   process of a small pool (``forkserver`` context by default, ``spawn`` possible). The
+   parent waits on the worker's pipe with a per-item deadline; a worker that overruns is
+   killed (SIGKILL) and replaced, a worker that dies is replaced, and every worker is
+   recycled after ``max_tasks_per_worker`` items (and after any exception) to bound memory.
+   Workers also get an address-space limit (``worker_memory_mb``), so a huge integer is a
+   ``MemoryError`` (counted) rather than a swapping host.
+
+A timed-out, crashing or unparseable item scores 0 and is counted in :meth:`Verifier.stats`;
+nothing is raised into the training loop except programming errors (mismatched lengths,
+use after :meth:`Verifier.close`).
+
+Size limits (applied in the parent before anything is sent to a worker):
+  * a response longer than ``max_response_chars`` keeps only its LAST ``max_response_chars``
+    characters (the final answer lives at the end); counted as ``truncated``;
+  * bytes are decoded as UTF-8 with replacement; lone surrogates are replaced by ``?``;
+  * an extracted answer longer than ``max_answer_chars`` is refused (score 0, ``refused``),
+    and so is a gold answer longer than ``max_answer_chars``.
+
+Answer extraction (``VerifierConfig.extractors``, tried in order, the first hit wins):
+  * ``"boxed"``: the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or the
+    brace-less ``\\boxed 5`` form (up to the next whitespace or ``$``);
+  * ``"answer_tag"``: the content of the last ``<answer>...</answer>`` pair;
+  * ``"regex"``: group 1 (or the whole match) of the last match of ``answer_regex``;
+  * ``"math_verify"``: the whole response, left to math-verify's own extraction.
+
+Extracted answers are handed to ``math_verify.parse`` as ``\\boxed{answer}`` (LaTeX)
+unless they already contain math delimiters (``$``, ``\\(``, ``\\[``, ``\\boxed``), in which
+case math-verify extracts from them. Gold answers are treated the same way. Then
+``math_verify.verify(gold, pred)`` decides (gold first: verify is not symmetric).
+
+Example::
+
+    with Verifier(VerifierConfig(timeout_s=2.0)) as v:
+        v.score(["... so the answer is \\\\boxed{\\\\frac{1}{2}}"], ["0.5"])  # array([1.], float32)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from gjax.registry import Registry
+
+logger = logging.getLogger(__name__)
+
+# --------------------------------------------------------------------------------------
+# Answer extraction (pure, linear-time string scans; they also run inside the workers)
+# --------------------------------------------------------------------------------------
+
+Extractor = Callable[[str], "str | None"]
+EXTRACTORS: Registry[Extractor] = Registry("answer extractor")
+
+_BOXED_COMMANDS = ("\\boxed", "\\fbox")
+_MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+
+
+def _balanced_group(text: str, open_idx: int) -> str | None:
+    """Content of the brace group opening at ``text[open_idx] == '{'`` (None if unbalanced)."""
+    depth = 0
+    i = open_idx
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":  # an escaped character (e.g. \{ or \}) never opens or closes a group
+            i += 2
+            continue
+        if c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_idx + 1 : i]
+        i += 1
+    return None
+
+
+@EXTRACTORS.register("boxed")
+def extract_boxed(text: str) -> str | None:
+    """The last ``\\boxed{...}``/``\\fbox{...}`` (balanced braces) or ``\\boxed x`` content.
+
+    Scans backwards over occurrences of the commands, so a truncated (unbalanced) last box
+    falls back to the previous complete one.
+    """
+    starts = []
+    for cmd in _BOXED_COMMANDS:
+        pos = text.find(cmd)
+        while pos != -1:
+            starts.append((pos, cmd))
+            pos = text.find(cmd, pos + 1)
+    for pos, cmd in sorted(starts, reverse=True):
+        j = pos + len(cmd)
+        if j < len(text) and text[j].isalpha():  # e.g. \boxedfoo: another command
+            continue
+        k = j
+        while k < len(text) and text[k] in " \t":
+            k += 1
+        if k < len(text) and text[k] == "{":
+            content = _balanced_group(text, k)
+            if content is not None:
+                return content.strip()
+        elif k > j and k < len(text):  # "\boxed 5": up to the next whitespace or '$'
+            end = k
+            while end < len(text) and not text[end].isspace() and text[end] != "$":
+                end += 1
+            if end > k:
+                return text[k:end]
+    return None
+
+
+@EXTRACTORS.register("answer_tag")
+def extract_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>...</answer>`` pair (stripped)."""
+    close = text.rfind("</answer>")
+    if close == -1:
+        return None
+    open_ = text.rfind("<answer>", 0, close)
+    if open_ == -1:
+        return None
+    return text[open_ + len("<answer>") : close].strip()
+
+
+@EXTRACTORS.register("math_verify")
+def extract_whole(text: str) -> str | None:
+    """The whole response: math-verify's own extraction (last LaTeX/expression) decides."""
+    return text
+
+
+def extract_regex(text: str, pattern: re.Pattern[str]) -> str | None:
+    """Group 1 (or the whole match when the pattern has no group) of the LAST match."""
+    last = None
+    for last in pattern.finditer(text):  # noqa: B007 (we want the last one)
+        pass
+    if last is None:
+        return None
+    return (last.group(1) if pattern.groups else last.group(0)).strip()
+
+
+def extract_answer(
+    text: str, extractors: Sequence[str], answer_regex: re.Pattern[str] | None = None
+) -> tuple[str | None, str | None]:
+    """``(answer, extractor name)`` from the first extractor that finds one, else (None, None)."""
+    for name in extractors:
+        if name == "regex":
+            if answer_regex is None:
+                raise ValueError("extractor 'regex' needs VerifierConfig.answer_regex")
+            ans = extract_regex(text, answer_regex)
+        else:
+            ans = EXTRACTORS.get(name)(text)
+        if ans:
+            return ans, name
+    return None, None
+
+
+def _to_parse_input(answer: str) -> str:
+    """LaTeX answers go to math-verify as ``\\boxed{...}``; delimited text as is."""
+    if any(d in answer for d in _MATH_DELIMITERS):
+        return answer
+    return "\\boxed{" + answer + "}"
+
+
+# --------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifierConfig:
+    """Verifier settings (all static; see the module docstring for the policies).
+
+    Attributes:
+      extractors: extractor names tried in order (``boxed``, ``answer_tag``, ``regex``,
+        ``math_verify``).
+      answer_regex: pattern for the ``regex`` extractor (group 1 is the answer). It runs in
+        the workers, so a catastrophic-backtracking pattern is bounded by the deadline too.
+      timeout_s: per-item deadline (seconds from dispatch to a worker to its reply).
+      num_workers: worker processes (and dispatcher threads).
+      max_tasks_per_worker: recycle a worker after this many items (bounds memory growth).
+      max_response_chars: longer responses keep only their last this-many characters.
+      max_answer_chars: longer extracted (or gold) answers are refused (score 0).
+      worker_memory_mb: RLIMIT_AS of each worker in MiB (None: no limit).
+      float_rounding, numeric_precision, strict: passed to ``math_verify.verify``.
+      start_method: ``forkserver`` (fast replacement: math-verify is preloaded) or ``spawn``.
+      startup_timeout_s: how long to wait for a new worker to come up.
+      gold_cache_size: parsed gold answers kept per worker (each gold recurs G times).
+    """
+
+    extractors: tuple[str, ...] = ("boxed", "answer_tag")
+    answer_regex: str | None = None
+    timeout_s: float = 5.0
+    num_workers: int = 2
+    max_tasks_per_worker: int = 1000
+    max_response_chars: int = 32_768
+    max_answer_chars: int = 1_024
+    worker_memory_mb: int | None = 2_048
+    float_rounding: int = 6
+    numeric_precision: int = 15
+    strict: bool = True
+    start_method: str = "forkserver"
+    startup_timeout_s: float = 60.0
+    gold_cache_size: int = 4_096
+
+    def __post_init__(self):
+        if not self.extractors:
+            raise ValueError("VerifierConfig.extractors must name at least one extractor")
+        for name in self.extractors:
+            if name != "regex" and name not in EXTRACTORS:
+                valid = ", ".join([*EXTRACTORS.names(), "regex"])
+                raise ValueError(f"unknown answer extractor {name!r}; valid names: {valid}")
+        if "regex" in self.extractors and not self.answer_regex:
+            raise ValueError("extractor 'regex' needs VerifierConfig.answer_regex")
+        if self.answer_regex is not None:
+            re.compile(self.answer_regex)  # fail fast on a bad pattern
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
+        if self.max_tasks_per_worker < 1:
+            raise ValueError(f"max_tasks_per_worker must be >= 1, got {self.max_tasks_per_worker}")
+        if self.max_response_chars < 1 or self.max_answer_chars < 1:
+            raise ValueError("max_response_chars and max_answer_chars must be >= 1")
+        if self.start_method not in ("forkserver", "spawn"):
+            raise ValueError(
+                f"start_method must be 'forkserver' or 'spawn' (fork is unsafe with JAX "
+                f"threads), got {self.start_method!r}"
+            )
+
+
+# --------------------------------------------------------------------------------------
+# Worker process side
+# --------------------------------------------------------------------------------------
+
+# Item outcomes (the worker reports one; the parent adds "timeout" and "crash").
+CORRECT = "correct"
+WRONG = "wrong"
+NO_ANSWER = "no_answer"
+REFUSED = "refused"
+PARSE_FAILURE = "parse_failure"
+GOLD_PARSE_FAILURE = "gold_parse_failure"
+ERROR = "error"
+TIMEOUT = "timeout"
+CRASH = "crash"
+
+
+def _score_one(response: str, gold: str, cfg: VerifierConfig, gold_cache, regex) -> str:
+    """Outcome of one (response, gold) pair; runs inside a worker."""
+    from math_verify import parse, verify
+
+    answer, _ = extract_answer(response, cfg.extractors, regex)
+    if answer is None:
+        return NO_ANSWER
+    if len(answer) > cfg.max_answer_chars:
+        return REFUSED
+    gold_parsed = gold_cache.get(gold)
+    if gold_parsed is None:
+        gold_parsed = parse(_to_parse_input(gold), parsing_timeout=None)
+        gold_cache[gold] = gold_parsed
+        if len(gold_cache) > cfg.gold_cache_size:
+            gold_cache.popitem(last=False)
+    else:
+        gold_cache.move_to_end(gold)
+    if not gold_parsed:
+        return GOLD_PARSE_FAILURE
+    pred_parsed = parse(_to_parse_input(answer), parsing_timeout=None)
+    if not pred_parsed:
+        return PARSE_FAILURE
+    ok = verify(
+        gold_parsed,
+        pred_parsed,
+        float_rounding=cfg.float_rounding,
+        numeric_precision=cfg.numeric_precision,
+        strict=cfg.strict,
+        timeout_seconds=None,
+    )
+    return CORRECT if ok else WRONG
+
+
+def _worker_main(conn: multiprocessing.connection.Connection, cfg: VerifierConfig) -> None:
+    """Worker loop: ``(response, gold)`` in, ``(outcome, detail)`` out; ``None`` stops it."""
+    if cfg.worker_memory_mb is not None:
+        import resource
+
+        limit = int(cfg.worker_memory_mb) * 1024 * 1024
+        # An already-lower hard limit raises: keep the existing one then.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    import math_verify.grader
+    import math_verify.parser
+
+    # We disable math-verify's signal timeout on purpose (the parent enforces deadlines);
+    # silence its one-time warning about that, and its per-item debug/warning logs.
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
+
+    regex = re.compile(cfg.answer_regex) if cfg.answer_regex else None
+    gold_cache: collections.OrderedDict = collections.OrderedDict()
+    try:
+        # Warm the lazy parts of the parser before reporting ready.
+        _score_one("\\boxed{1}", "1", cfg, gold_cache, regex)
+        conn.send(("ready", None))
+        while True:
+            msg = conn.recv()
+            if msg is None:
+                break
+            response, gold = msg
+            try:
+                out = (_score_one(response, gold, cfg, gold_cache, regex), None)
+            except Exception as e:  # noqa: BLE001 (an item must never kill the loop)
+                out = (ERROR, f"{type(e).__name__}: {str(e)[:300]}")
+            conn.send(out)
+    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+        pass
+    finally:
+        conn.close()
+
+
+# --------------------------------------------------------------------------------------
+# Parent side: one worker slot
+# --------------------------------------------------------------------------------------
+
+
+class _WorkerDied(Exception):
+    pass
+
+
+class _ItemTimeout(Exception):  # not TimeoutError: that one is an OSError subclass
+    pass
+
+
+class _Slot:
+    """One worker process and its pipe; restarted lazily by the dispatcher that holds it."""
+
+    def __init__(self, ctx, cfg: VerifierConfig):
+        self._ctx = ctx
+        self._cfg = cfg
+        self.proc = None
+        self.conn = None
+        self.tasks = 0
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.is_alive()
+
+    def start(self) -> None:
+        parent_conn, child_conn = self._ctx.Pipe(duplex=True)
+        proc = self._ctx.Process(
+            target=_worker_main, args=(child_conn, self._cfg), daemon=True, name="gjax-verifier"
+        )
+        proc.start()
+        child_conn.close()
+        self.proc, self.conn, self.tasks = proc, parent_conn, 0
+        try:
+            if not parent_conn.poll(self._cfg.startup_timeout_s):
+                raise _WorkerDied(
+                    f"verifier worker did not start within {self._cfg.startup_timeout_s}s"
+                )
+            tag, _ = parent_conn.recv()
+            if tag != "ready":
+                raise _WorkerDied(f"unexpected verifier worker greeting {tag!r}")
+        except (EOFError, OSError, _WorkerDied):
+            self.kill()
+            raise
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(timeout=5)
+            if hasattr(self.proc, "close") and not self.proc.is_alive():
+                self.proc.close()
+        if self.conn is not None:
+            self.conn.close()
+        self.proc, self.conn = None, None
+
+    def stop(self) -> None:
+        """Graceful stop (recycling, close); falls back to kill."""
+        if self.alive():
+            try:
+                self.conn.send(None)
+                self.proc.join(timeout=1)
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+        self.kill()
+
+    def run(self, payload, timeout_s: float):
+        """Send one item; ``(outcome, detail)`` or raise _ItemTimeout / _WorkerDied."""
+        try:
+            self.conn.send(payload)
+            if not self.conn.poll(timeout_s):
+                raise _ItemTimeout
+            out = self.conn.recv()
+        except (EOFError, OSError, BrokenPipeError) as e:
+            raise _WorkerDied(f"{type(e).__name__}: {e}") from None
+        self.tasks += 1
+        return out
+
+
+# --------------------------------------------------------------------------------------
+# The Verifier
+# --------------------------------------------------------------------------------------
+
+_COUNTERS = (
+    "batches",
+    "calls",
+    "correct",
+    "wrong",
+    "no_answer",
+    "refused",
+    "parse_failures",
+    "gold_parse_failures",
+    "timeouts",
+    "crashes",
+    "worker_errors",
+    "worker_deaths",
+    "worker_starts",
+    "worker_recycles",
+    "truncated",
+)
+_OUTCOME_COUNTER = {
+    CORRECT: "correct",
+    WRONG: "wrong",
+    NO_ANSWER: "no_answer",
+    REFUSED: "refused",
+    PARSE_FAILURE: "parse_failures",
+    GOLD_PARSE_FAILURE: "gold_parse_failures",
+    TIMEOUT: "timeouts",
+}
+
+
+def _sanitize(text: Any, max_chars: int) -> tuple[str, bool]:
+    """Untrusted response -> a valid str of at most ``max_chars`` (its tail)."""
+    if text is None:
+        return "", False
+    if isinstance(text, bytes | bytearray | memoryview):
+        text = bytes(text)[-4 * max_chars :].decode("utf-8", errors="replace")
+    elif not isinstance(text, str):
+        text = str(text)
+    truncated = len(text) > max_chars
+    if truncated:
+        text = text[-max_chars:]
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates (e.g. from a bad detokenizer)
+        text = text.encode("utf-8", errors="replace").decode("utf-8")
+    return text, truncated
+
+
+class Verifier:
+    """Binary accuracy by math-verify, bounded per item, safe from any thread.
+
+    ``score(responses, answers) -> float32[B]`` is synchronous and thread-safe;
+    ``await ascore(...)`` is the same without blocking an event loop. Item outcomes
+    (``correct``, ``wrong``, ``no_answer``, ``refused``, ``parse_failure``,
+    ``gold_parse_failure``, ``timeout``, ``crash``) are available per call through
+    :meth:`score_detailed` and in aggregate through :meth:`stats`. Only ``correct`` scores 1.
+
+    Use as a context manager, or call :meth:`close` (workers are daemon processes, so an
+    unclosed verifier does not keep the interpreter alive).
+    """
+
+    def __init__(self, config: VerifierConfig | None = None, **overrides):
+        cfg = config or VerifierConfig()
+        if overrides:
+            cfg = dataclasses.replace(cfg, **overrides)
+        self.config = cfg
+        ctx = multiprocessing.get_context(cfg.start_method)
+        if cfg.start_method == "forkserver":
+            # New workers fork from a server that already imported math-verify/SymPy, so a
+            # killed worker is replaced in milliseconds. (No effect if the server is running.)
+            ctx.set_forkserver_preload(["math_verify", __name__])
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._latency_sum = 0.0
+        self._latency_max = 0.0
+        self._latencies: collections.deque[float] = collections.deque(maxlen=4096)
+        self._closed = False
+        self._idle: collections.deque[_Slot] = collections.deque()
+        self._idle_cv = threading.Condition()
+        self._slots = [_Slot(ctx, cfg) for _ in range(cfg.num_workers)]
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=cfg.num_workers, thread_name_prefix="gjax-verifier"
+        )
+        try:
+            # Start all workers concurrently (import time overlaps).
+            list(self._executor.map(self._start_slot, self._slots))
+        except BaseException:
+            self.close()
+            raise
+        self._idle.extend(self._slots)
+
+    # -- bookkeeping ---------------------------------------------------------------------
+
+    def _start_slot(self, slot: _Slot) -> None:
+        slot.start()
+        with self._lock:
+            self._counts["worker_starts"] += 1
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._counts[key] += n
+
+    def stats(self) -> dict[str, float]:
+        """A snapshot of the counters (items, outcomes, pool events, latency in seconds)."""
+        with self._lock:
+            out: dict[str, float] = dict(self._counts)
+            n = len(self._latencies)
+            lat = np.sort(np.fromiter(self._latencies, dtype=np.float64, count=n))
+            out["latency_s_mean"] = self._latency_sum / max(self._counts["calls"], 1)
+            out["latency_s_max"] = self._latency_max
+        out["latency_s_p50"] = float(lat[n // 2]) if n else 0.0
+        out["latency_s_p95"] = float(lat[min(n - 1, int(0.95 * n))]) if n else 0.0
+        return out
+
+    # -- the per-item path (runs on a dispatcher thread) -------------------------------
+
+    def _acquire(self) -> _Slot:
+        with self._idle_cv:
+            while not self._idle:
+                self._idle_cv.wait()
+            return self._idle.popleft()
+
+    def _release(self, slot: _Slot) -> None:
+        with self._idle_cv:
+            self._idle.append(slot)
+            self._idle_cv.notify()
+
+    def _run_item(self, response: str, gold: str) -> str:
+        slot = self._acquire()
+        outcome = CRASH
+        t0 = time.perf_counter()
+        try:
+            if not slot.alive():
+                if slot.proc is not None:  # died between items (e.g. killed from outside)
+                    self._count("worker_deaths")
+                    slot.kill()
+                self._start_slot(slot)
+            t0 = time.perf_counter()
+            try:
+                outcome, detail = slot.run((response, gold), self.config.timeout_s)
+            except _ItemTimeout:
+                outcome = TIMEOUT
+                slot.kill()
+            except _WorkerDied as e:
+                outcome = CRASH
+                self._count("worker_deaths")
+                logger.warning("verifier worker died on an item (%s); replacing it", e)
+                slot.kill()
+            else:
+                if outcome == ERROR:
+                    outcome = CRASH
+                    self._count("worker_errors")
+                    logger.warning("verifier item raised in the worker: %s", detail)
+                    slot.stop()  # state after e.g. MemoryError is suspect: recycle
+                    self._count("worker_recycles")
+                elif slot.tasks >= self.config.max_tasks_per_worker:
+                    slot.stop()
+                    self._count("worker_recycles")
+        except Exception as e:  # noqa: BLE001 (e.g. a replacement worker failed to start)
+            logger.warning("verifier worker unavailable (%s); item scored 0", e)
+            slot.kill()
+            outcome = CRASH
+        finally:
+            latency = time.perf_counter() - t0
+            with self._lock:
+                self._counts["calls"] += 1
+                self._counts["crashes" if outcome == CRASH else _OUTCOME_COUNTER[outcome]] += 1
+                self._latency_sum += latency
+                self._latency_max = max(self._latency_max, latency)
+                self._latencies.append(latency)
+            self._release(slot)
+        return outcome
+
+    # -- public API -----------------------------------------------------------------------
+
+    def _prepare(self, responses: Sequence[Any], answers: Sequence[Any]):
+        if self._closed:
+            raise RuntimeError("Verifier is closed")
+        if isinstance(responses, str | bytes) or isinstance(answers, str | bytes):
+            raise TypeError("responses and answers must be sequences of strings, not a string")
+        if len(responses) != len(answers):
+            raise ValueError(
+                f"got {len(responses)} responses but {len(answers)} answers; pass one ground "
+                "truth per response (repeat each prompt's answer G times)"
+            )
+        items = []
+        n_trunc = 0
+        for r, a in zip(responses, answers):
+            r, truncated = _sanitize(r, self.config.max_response_chars)
+            a, _ = _sanitize(a, 4 * self.config.max_answer_chars)
+            n_trunc += truncated
+            items.append((r, a))
+        with self._lock:
+            self._counts["batches"] += 1
+            self._counts["truncated"] += n_trunc
+        return items
+
+    def _submit(self, item: tuple[str, str]):
+        response, gold = item
+        if len(gold.strip()) == 0 or len(gold) > self.config.max_answer_chars:
+            # Refused without a worker round trip (a data problem, never the policy's fault).
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            with self._lock:
+                self._counts["calls"] += 1
+                self._counts["gold_parse_failures"] += 1
+            fut.set_result(GOLD_PARSE_FAILURE)
+            return fut
+        return self._executor.submit(self._run_item, response, gold)
+
+    def score_detailed(self, responses: Sequence[Any], answers: Sequence[Any]) -> list[str]:
+        """Per-item outcome names (see the class docstring)."""
+        futures = [self._submit(it) for it in self._prepare(responses, answers)]
+        return [f.result() for f in futures]
+
+    def score(self, responses: Sequence[Any], answers: Sequence[Any]) -> np.ndarray:
+        """``float32[B]``: 1.0 where the response's final answer equals the ground truth."""
+        return _to_rewards(self.score_detailed(responses, answers))
+
+    async def ascore_detailed(self, responses: Sequence[Any], answers: Sequence[Any]) -> list[str]:
+        futures = [self._submit(it) for it in self._prepare(responses, answers)]
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
+
+    async def ascore(self, responses: Sequence[Any], answers: Sequence[Any]) -> np.ndarray:
+        """Awaitable :meth:`score`; the work runs on the pool, the event loop stays free."""
+        return _to_rewards(await self.ascore_detailed(responses, answers))
+
+    def close(self) -> None:
+        """Stop the dispatchers and the workers (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        for slot in self._slots:
+            slot.stop()
+
+    def __enter__(self) -> Verifier:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):  # best effort; close() is the supported way
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"Verifier(workers={c.num_workers}, timeout_s={c.timeout_s}, "
+            f"extractors={c.extractors}, closed={self._closed})"
+        )
+
+
+def _to_rewards(outcomes: Sequence[str]) -> np.ndarray:
+    return np.fromiter((o == CORRECT for o in outcomes), dtype=np.float32, count=len(outcomes))
