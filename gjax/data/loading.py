@@ -1,0 +1,522 @@
+"""Prompt data: load rows, map fields, template, tokenize, filter, then iterate resumably.
+
+Three steps, each usable alone::
+
+    rows   = load_rows("synthetic" | "path/to/file.jsonl|.parquet|.arrow|dir" | "hub/id", ...)
+    data   = prepare_prompts(rows, tokenizer, fields=FieldMap(...), template="plain",
+                             max_prompt_length=32)
+    it     = PromptIterator(data, global_batch_size=P, seed=0)
+    batch  = next(it)          # PromptBatch: prompt_ids_PxS, prompt_mask_PxS, raw strings
+    it.state()                 # {"epoch": 0, "index": P, ...}: store it in the checkpoint
+    PromptIterator(data, global_batch_size=P, seed=0, state=saved)   # same next batches
+
+or all at once from a config mapping: ``build_prompt_data(DATA_DEFAULTS | overrides, tok)``.
+
+Bad input policy (the counts are in ``PromptData.stats``):
+
+* a mapped field missing from the columns -> ``DataError`` naming the field, the available
+  columns and the config key to set (``data.fields.<name>``);
+* an empty / whitespace-only problem -> counted skip ``skipped_empty``;
+* a malformed row (problem not a string; answer missing, empty or not a string/number;
+  a mapped demonstration missing or not a string) -> counted skip ``skipped_malformed``,
+  or ``DataError`` naming the row when ``strict=True``;
+* a templated prompt longer than ``max_prompt_length`` tokens -> counted skip
+  ``skipped_too_long``;
+* nothing left after filtering -> ``DataError`` with the counts.
+
+Order and sharding. Epoch ``e`` visits the kept rows in the order
+``np.random.default_rng([seed, e]).permutation(n)`` (or in file order with
+``shuffle=False``); global batch ``k`` is rows ``[k*P, (k+1)*P)`` of that order and host
+``h`` of ``H`` takes its ``h``-th contiguous slice of ``P/H`` rows, so the hosts partition
+every global batch. The incomplete last global batch of an epoch is dropped, so every host
+runs the same number of steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from gjax.data import synthetic as synthetic_lib
+from gjax.data.templates import TEMPLATES
+
+SYNTHETIC = "synthetic"
+_FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+}
+# Default sizes of the built-in synthetic source when ``num_examples`` is not given.
+SYNTHETIC_DEFAULT_SIZES = {"train": 8192, "test": 256}
+
+
+class DataError(ValueError):
+    """Bad data or data configuration; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FieldMap:
+    """Column names holding each field; ``demonstration=None`` means the data has none."""
+
+    problem: str = "problem"
+    answer: str = "answer"
+    demonstration: str | None = None
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def _hub_error(source: str, err: Exception) -> DataError:
+    offline = any(os.environ.get(k) == "1" for k in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+    hint = (
+        "offline mode is on (HF_HUB_OFFLINE/HF_DATASETS_OFFLINE=1) and it is not in the local cache"
+        if offline
+        else "the Hub could not be reached or has no such dataset"
+    )
+    return DataError(
+        f"could not load dataset {source!r} from the Hugging Face Hub: {hint} "
+        f"({type(err).__name__}: {err}). Download it where there is internet and set "
+        "data.source to the local .jsonl/.parquet/.arrow file or directory, or use "
+        f"data.source='{SYNTHETIC}' for the built-in task."
+    )
+
+
+def _looks_like_path(source: str) -> bool:
+    return (
+        os.path.exists(source)
+        or source.startswith(("/", "./", "../", "~"))
+        or os.path.splitext(source)[1] in _FORMATS
+        or any(c in source for c in "*?[")
+    )
+
+
+def _load_local(source: str, split: str):
+    import datasets
+
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
+            ds = datasets.load_from_disk(path)
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise DataError(
+                        f"{source!r} has splits {sorted(ds)}, not {split!r}; set data.split"
+                    )
+                ds = ds[split]
+            return ds
+        files = sorted(
+            f for f in glob.glob(os.path.join(path, "**", "*"), recursive=True) if os.path.isfile(f)
+        )
+        files = [f for f in files if os.path.splitext(f)[1] in _FORMATS]
+    else:
+        files = sorted(glob.glob(path))
+    if not files:
+        raise DataError(
+            f"no data files at {source!r}; expected a file or directory with one of "
+            f"{sorted(_FORMATS)} (or a datasets.save_to_disk directory)"
+        )
+    kinds = {_FORMATS.get(os.path.splitext(f)[1]) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise DataError(
+            f"{source!r} must hold files of one format among {sorted(_FORMATS)}, got {files[:5]}"
+        )
+    kind = kinds.pop()
+    if kind == "arrow":
+        return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
+    try:
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as err:
+        raise DataError(
+            f"could not read {source!r} as {kind}: {type(err).__name__}: {err}"
+        ) from err
+
+
+def load_rows(
+    source: str,
+    *,
+    split: str = "train",
+    subset: str | None = None,
+    num_examples: int | None = None,
+    seed: int = 0,
+    synthetic: synthetic_lib.SyntheticConfig | Mapping | None = None,
+):
+    """Loads raw rows as a ``datasets.Dataset``.
+
+    Args:
+      source: ``"synthetic"`` (the built-in task), a local file / glob / directory
+        (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.csv`` or a ``save_to_disk``
+        directory; ``split`` only picks a split of a saved ``DatasetDict``), or a Hub id.
+      split: dataset split; for ``synthetic`` "train" or "test" (disjoint by construction).
+      subset: the Hub configuration name (``load_dataset(source, subset)``).
+      num_examples: keep the first ``num_examples`` rows (``synthetic``: how many to draw,
+        default ``SYNTHETIC_DEFAULT_SIZES[split]``).
+      seed: the synthetic stream's seed.
+      synthetic: ``SyntheticConfig`` or a mapping of its fields (difficulty knobs).
+    """
+    import datasets
+
+    if num_examples is not None and num_examples <= 0:
+        raise DataError(f"data.num_examples must be positive, got {num_examples}")
+    if source == SYNTHETIC:
+        if isinstance(synthetic, Mapping):
+            synthetic = synthetic_lib.SyntheticConfig(**dict(synthetic))
+        cfg = synthetic or synthetic_lib.SyntheticConfig()
+        if split not in synthetic_lib.SPLITS:
+            raise DataError(
+                f"synthetic data has splits {synthetic_lib.SPLITS}, not {split!r}; set data.split"
+            )
+        num = num_examples or SYNTHETIC_DEFAULT_SIZES[split]
+        problems = synthetic_lib.generate(num, split, seed=seed, config=cfg)
+        return datasets.Dataset.from_list([p.as_dict() for p in problems])
+    if _looks_like_path(source):
+        ds = _load_local(source, split)
+    else:
+        try:
+            ds = datasets.load_dataset(source, subset, split=split)
+        except Exception as err:
+            raise _hub_error(source, err) from err
+    if num_examples is not None:
+        ds = ds.select(range(min(num_examples, len(ds))))
+    return ds
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+@dataclasses.dataclass
+class PromptData:
+    """Templated, tokenized prompts that passed the filters, in source order."""
+
+    prompt_ids: list[np.ndarray]  # int32 token ids per prompt, unpadded
+    prompts: list[str]  # templated prompt text
+    problems: list[str]
+    answers: list[str]
+    demonstrations: list[str]  # "" where the data has none
+    row_index: np.ndarray  # [n] index of each kept row in the loaded rows
+    max_prompt_length: int
+    pad_id: int
+    stats: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+
+def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
+    for name in ("problem", "answer", "demonstration"):
+        column = getattr(fields, name)
+        if column is not None and column not in columns:
+            raise DataError(
+                f"the data has no column {column!r} for the {name} field; available columns: "
+                f"{sorted(columns)}. Set data.fields.{name} to one of them"
+                + (
+                    " (or None if the data has no demonstrations)"
+                    if name == "demonstration"
+                    else ""
+                )
+            )
+
+
+def _clean_row(row: Mapping, fields: FieldMap) -> tuple[str, str, str] | str:
+    """(problem, answer, demonstration), or the reason the row is rejected."""
+    problem = row.get(fields.problem)
+    if not isinstance(problem, str):
+        return f"malformed: {fields.problem!r} is {type(problem).__name__}, not a string"
+    if not problem.strip():
+        return "empty"
+    answer = row.get(fields.answer)
+    if isinstance(answer, bool) or not isinstance(answer, str | int | float):
+        return f"malformed: {fields.answer!r} is {type(answer).__name__}, not a string or number"
+    answer = str(answer).strip()
+    if not answer:
+        return f"malformed: {fields.answer!r} is empty"
+    demonstration = ""
+    if fields.demonstration is not None:
+        demonstration = row.get(fields.demonstration)
+        if not isinstance(demonstration, str) or not demonstration.strip():
+            return f"malformed: {fields.demonstration!r} is missing or not a non-empty string"
+    return problem, answer, demonstration
+
+
+def prepare_prompts(
+    rows,
+    tokenizer,
+    *,
+    fields: FieldMap = FieldMap(),
+    template: str = "plain",
+    max_prompt_length: int,
+    strict: bool = False,
+    add_special_tokens: bool = False,
+) -> PromptData:
+    """Maps fields, applies the template, tokenizes and filters (see the module docstring).
+
+    Args:
+      rows: a ``datasets.Dataset`` or a list of dicts.
+      tokenizer: a ``transformers`` tokenizer with a pad token.
+      max_prompt_length: longest prompt kept, in tokens; also the padded width ``S``.
+      strict: raise on a malformed row instead of skipping it.
+      add_special_tokens: let the tokenizer add its BOS/EOS (the templates already hold
+        whatever the model needs, so off by default).
+    """
+    if max_prompt_length <= 0:
+        raise DataError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
+    if tokenizer.pad_token_id is None:
+        raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
+    render = TEMPLATES.get(template)
+    columns = (
+        rows.column_names if hasattr(rows, "column_names") else sorted({k for r in rows for k in r})
+    )
+    _check_columns(columns, fields)
+
+    stats = {"rows": len(rows), "skipped_empty": 0, "skipped_malformed": 0, "skipped_too_long": 0}
+    problems, answers, demos, index = [], [], [], []
+    for i, row in enumerate(rows):
+        cleaned = _clean_row(row, fields)
+        if isinstance(cleaned, str):
+            if cleaned == "empty":
+                stats["skipped_empty"] += 1
+                continue
+            if strict:
+                raise DataError(f"row {i}: {cleaned}; fix the data or set data.strict=False")
+            stats["skipped_malformed"] += 1
+            continue
+        problems.append(cleaned[0])
+        answers.append(cleaned[1])
+        demos.append(cleaned[2])
+        index.append(i)
+
+    prompts = [render(p, tokenizer) for p in problems]
+    encoded = (
+        tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if prompts else []
+    )
+    keep = [j for j, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
+    stats["skipped_too_long"] = len(encoded) - len(keep)
+    stats["kept"] = len(keep)
+    if not keep:
+        raise DataError(
+            f"no prompts left after filtering: {stats}. Check data.fields, data.template and "
+            f"data.max_prompt_length={max_prompt_length}"
+        )
+    return PromptData(
+        prompt_ids=[np.asarray(encoded[j], np.int32) for j in keep],
+        prompts=[prompts[j] for j in keep],
+        problems=[problems[j] for j in keep],
+        answers=[answers[j] for j in keep],
+        demonstrations=[demos[j] for j in keep],
+        row_index=np.asarray([index[j] for j in keep], np.int64),
+        max_prompt_length=max_prompt_length,
+        pad_id=int(tokenizer.pad_token_id),
+        stats=stats,
+    )
+
+
+def left_pad(seqs: Sequence[np.ndarray], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids_PxS, mask_PxS)``: sequences right-aligned in ``width`` columns, int32."""
+    ids = np.full((len(seqs), width), pad_id, np.int32)
+    mask = np.zeros((len(seqs), width), np.int32)
+    for r, s in enumerate(seqs):
+        if len(s) > width:
+            raise DataError(f"sequence of length {len(s)} does not fit width {width}")
+        if len(s):
+            ids[r, width - len(s) :] = s
+            mask[r, width - len(s) :] = 1
+    return ids, mask
+
+
+# --------------------------------------------------------------------------- iteration
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptBatch:
+    """This host's ``P`` prompts: ids left-padded to ``S = max_prompt_length``."""
+
+    prompt_ids_PxS: np.ndarray  # int32, pad_id on the left
+    prompt_mask_PxS: np.ndarray  # int32, 1 on real tokens
+    prompts: list[str]
+    problems: list[str]
+    answers: list[str]
+    demonstrations: list[str]
+    row_index_P: np.ndarray  # index of each prompt in the loaded rows
+    epoch: int
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+
+class PromptIterator(Iterator[PromptBatch]):
+    """Deterministic, per-host sharded, resumable batches of prompts (see module docstring).
+
+    ``state()`` is a small dict ``{"epoch", "index", "num_rows", "seed"}`` (``index`` counts
+    global rows consumed in the epoch); passing it back as ``state=`` continues with exactly
+    the batches the saved iterator would have produced next.
+    """
+
+    def __init__(
+        self,
+        data: PromptData,
+        *,
+        global_batch_size: int,
+        seed: int = 0,
+        shuffle: bool = True,
+        process_index: int | None = None,
+        process_count: int | None = None,
+        num_epochs: int | None = None,
+        state: Mapping[str, Any] | None = None,
+    ):
+        if process_index is None or process_count is None:
+            import jax
+
+            process_index = jax.process_index() if process_index is None else process_index
+            process_count = jax.process_count() if process_count is None else process_count
+        if not 0 <= process_index < process_count:
+            raise DataError(
+                f"need 0 <= process_index < process_count, got {process_index}, {process_count}"
+            )
+        if global_batch_size <= 0 or global_batch_size % process_count:
+            raise DataError(
+                f"the global prompt batch size ({global_batch_size}) must be a positive multiple "
+                f"of the process count ({process_count})"
+            )
+        if global_batch_size > len(data):
+            raise DataError(
+                f"the global prompt batch size ({global_batch_size}) exceeds the {len(data)} "
+                f"prompts kept ({data.stats}); use more data or a smaller batch"
+            )
+        if num_epochs is not None and num_epochs <= 0:
+            raise DataError(f"num_epochs must be positive or None, got {num_epochs}")
+        self.data = data
+        self.global_batch_size = global_batch_size
+        self.local_batch_size = global_batch_size // process_count
+        self.seed = seed
+        self.shuffle = shuffle
+        self.process_index = process_index
+        self.process_count = process_count
+        self.num_epochs = num_epochs
+        self.steps_per_epoch = len(data) // global_batch_size
+        self._epoch, self._index = 0, 0
+        self._order_epoch, self._order = -1, None
+        if state is not None:
+            self.restore(state)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            n = len(self.data)
+            self._order = (
+                np.random.default_rng([self.seed, epoch]).permutation(n)
+                if self.shuffle
+                else np.arange(n)
+            )
+            self._order_epoch = epoch
+        return self._order
+
+    def state(self) -> dict[str, int]:
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "num_rows": len(self.data),
+            "seed": self.seed,
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        missing = {"epoch", "index"} - set(state)
+        if missing:
+            raise DataError(f"data state {dict(state)} lacks {sorted(missing)}")
+        for key, mine in (("num_rows", len(self.data)), ("seed", self.seed)):
+            if key in state and int(state[key]) != mine:
+                raise DataError(
+                    f"the saved data position was taken with {key}={int(state[key])}, this run has "
+                    f"{key}={mine}: the checkpoint belongs to a different data configuration"
+                )
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= len(self.data) or index % self.global_batch_size:
+            raise DataError(
+                f"invalid data position {dict(state)} for {len(self.data)} rows and global batch "
+                f"size {self.global_batch_size}"
+            )
+        self._epoch, self._index = epoch, index
+
+    def __iter__(self) -> PromptIterator:
+        return self
+
+    def __next__(self) -> PromptBatch:
+        if self._index + self.global_batch_size > len(self.data):
+            self._epoch, self._index = self._epoch + 1, 0
+        if self.num_epochs is not None and self._epoch >= self.num_epochs:
+            raise StopIteration
+        order = self._epoch_order(self._epoch)
+        start = self._index + self.process_index * self.local_batch_size
+        rows = order[start : start + self.local_batch_size]
+        epoch = self._epoch
+        self._index += self.global_batch_size
+        d = self.data
+        ids, mask = left_pad([d.prompt_ids[r] for r in rows], d.max_prompt_length, d.pad_id)
+        return PromptBatch(
+            prompt_ids_PxS=ids,
+            prompt_mask_PxS=mask,
+            prompts=[d.prompts[r] for r in rows],
+            problems=[d.problems[r] for r in rows],
+            answers=[d.answers[r] for r in rows],
+            demonstrations=[d.demonstrations[r] for r in rows],
+            row_index_P=d.row_index[rows],
+            epoch=epoch,
+        )
+
+
+# --------------------------------------------------------------------------- from a config
+
+DATA_DEFAULTS: dict[str, Any] = {
+    "source": SYNTHETIC,  # "synthetic", a local file/dir, or a Hub id
+    "subset": None,  # Hub configuration name
+    "split": "train",
+    "num_examples": None,  # None: all rows (synthetic: SYNTHETIC_DEFAULT_SIZES[split])
+    "fields": {"problem": "problem", "answer": "answer", "demonstration": "demonstration"},
+    "template": "plain",
+    "max_prompt_length": 32,
+    "strict": False,
+    "shuffle": True,
+    "seed": 0,  # shuffling seed (and the synthetic stream's seed)
+    "synthetic": {},  # SyntheticConfig overrides
+}
+
+
+def build_prompt_data(cfg: Mapping[str, Any], tokenizer) -> PromptData:
+    """``load_rows`` + ``prepare_prompts`` from a mapping with the keys of ``DATA_DEFAULTS``.
+
+    Missing keys take the defaults; an unknown key is an error listing the valid ones. Accepts
+    an ``ml_collections.ConfigDict`` (anything with ``to_dict``).
+    """
+    cfg = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+    unknown = set(cfg) - set(DATA_DEFAULTS)
+    if unknown:
+        raise DataError(
+            f"unknown data config keys {sorted(unknown)}; valid: {sorted(DATA_DEFAULTS)}"
+        )
+    cfg = {**DATA_DEFAULTS, **cfg}
+    fields = dict(cfg["fields"])
+    unknown = set(fields) - {f.name for f in dataclasses.fields(FieldMap)}
+    if unknown:
+        raise DataError(
+            f"unknown data.fields keys {sorted(unknown)}; valid: problem, answer, demonstration"
+        )
+    rows = load_rows(
+        cfg["source"],
+        split=cfg["split"],
+        subset=cfg["subset"],
+        num_examples=cfg["num_examples"],
+        seed=cfg["seed"],
+        synthetic=cfg["synthetic"],
+    )
+    return prepare_prompts(
+        rows,
+        tokenizer,
+        fields=FieldMap(**fields),
+        template=cfg["template"],
+        max_prompt_length=cfg["max_prompt_length"],
+        strict=cfg["strict"],
+    )

@@ -1,0 +1,73 @@
+"""Prompt templates, registered by name: ``problem text -> prompt text``.
+
+=============  ==============================================================================
+name           prompt
+=============  ==============================================================================
+``qwen_boxed`` Qwen2.5-Math CoT (A-GRAE App. C; GPG App. "System Prompt for Qwen 7B"): ChatML
+               with the system line "Please reason step by step, and put your final answer
+               within \\boxed{}." then the problem as the user turn.
+``r1``         The DeepSeek-R1-Zero think/answer template (GPG App., "System Prompt for
+               Reasoning"): reasoning in ``<think> </think>``, answer in ``<answer> </answer>``;
+               the prompt ends with ``Assistant: <think>``.
+``chat``       The tokenizer's own chat template, one user turn, generation prompt added.
+``plain``      ``"{problem}\\n"``: the compact prompt of the embedded synthetic task.
+=============  ==============================================================================
+
+Each template is ``fn(problem: str, tokenizer) -> str``; only ``chat`` uses the tokenizer.
+Add your own with ``@TEMPLATES.register("name")``.
+"""
+
+from __future__ import annotations
+
+from gjax.registry import Registry
+
+TEMPLATES: Registry = Registry("prompt template")
+
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+R1_SYSTEM = (
+    "A conversation between User and Assistant. The user asks a question, and the Assistant "
+    "solves it. The assistant first thinks about the reasoning process in the mind and then "
+    "provides the user with the answer. The reasoning process and answer are enclosed within "
+    "<think> </think> and <answer> </answer> tags, respectively, i.e., <think> reasoning "
+    "process here </think> <answer> answer here </answer>."
+)
+
+
+@TEMPLATES.register("qwen_boxed")
+def qwen_boxed(problem: str, tokenizer=None) -> str:
+    del tokenizer
+    return (
+        f"<|im_start|>system\n{BOXED_INSTRUCTION}<|im_end|>\n"
+        f"<|im_start|>user\n{problem}<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+@TEMPLATES.register("r1")
+def r1(problem: str, tokenizer=None) -> str:
+    del tokenizer
+    return f"{R1_SYSTEM} User: {problem} Assistant: <think>"
+
+
+@TEMPLATES.register("chat")
+def chat(problem: str, tokenizer=None) -> str:
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "template 'chat' needs a tokenizer with a chat_template; pick another template "
+            f"(valid: {', '.join(TEMPLATES.names())}) or use a chat tokenizer"
+        )
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": problem}], tokenize=False, add_generation_prompt=True
+    )
+
+
+@TEMPLATES.register("plain")
+def plain(problem: str, tokenizer=None) -> str:
+    del tokenizer
+    return f"{problem}\n"
+
+
+def apply_template(name: str, problem: str, tokenizer=None) -> str:
+    """``TEMPLATES.get(name)(problem, tokenizer)``; unknown names list the valid ones."""
+    return TEMPLATES.get(name)(problem, tokenizer)

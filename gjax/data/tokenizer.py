@@ -1,0 +1,91 @@
+"""A tiny character-level tokenizer for the embedded task, built with ``tokenizers``.
+
+Vocabulary (102 ids, fixed order so ids are stable across builds)::
+
+    0 <|pad|>   1 <|endoftext|> (eos)   2 <|im_start|>   3 <|im_end|>   4 <|unk|>
+    5 "\\n"   6..100 printable ASCII " " .. "~"   101 "\\boxed{" (one token)
+
+Every printable ASCII character is its own token, so any English prompt template (the
+papers' Qwen or R1 prompts) round-trips; other characters map to ``<|unk|>``. ``\\boxed{``
+is a single added token because every demonstration ends with it. The chat template is
+ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), as in Qwen2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+PAD, EOS, IM_START, IM_END, UNK = (
+    "<|pad|>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|unk|>",
+)
+SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END, UNK)
+CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
+MULTI_CHAR_TOKENS = ("\\boxed{",)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
+    """The task tokenizer as a ``PreTrainedTokenizerFast`` (vocab size 102).
+
+    >>> tok = build_tokenizer()
+    >>> tok.decode(tok("7+5=12")["input_ids"])
+    '7+5=12'
+    """
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    for ch in CHARACTERS:
+        vocab[ch] = len(vocab)
+    # BPE without merges is a character-level model with an unknown token.
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in MULTI_CHAR_TOKENS])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        bos_token=None,
+        additional_special_tokens=[IM_START, IM_END],
+        model_max_length=model_max_length,
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    expected = len(SPECIAL_TOKENS) + len(CHARACTERS) + len(MULTI_CHAR_TOKENS)
+    if len(tok) != expected:  # A tokenizers change that merged or dropped ids: fail loudly.
+        raise RuntimeError(f"tokenizer has {len(tok)} ids, expected {expected}")
+    return tok
+
+
+def save_tokenizer(tok: PreTrainedTokenizerFast, directory: str) -> list[str]:
+    """``save_pretrained`` plus ``special_tokens_map.json`` (transformers 5 no longer writes it).
+
+    Returns the paths written.
+    """
+    paths = list(tok.save_pretrained(directory))
+    special = {
+        "pad_token": tok.pad_token,
+        "eos_token": tok.eos_token,
+        "unk_token": tok.unk_token,
+        "additional_special_tokens": [IM_START, IM_END],
+    }
+    path = os.path.join(directory, "special_tokens_map.json")
+    with open(path, "w") as f:
+        json.dump(special, f, indent=2)
+    if path not in paths:
+        paths.append(path)
+    return paths
