@@ -1,0 +1,244 @@
+"""jit-compiled group sampler with a shared-prefix KV cache.
+
+`generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples=G, sampling=sp)`
+draws G completions for each of P prompts; rows are prompt-major (row b belongs to prompt
+b // G, B = P*G).
+
+How it runs (one XLA program, no Python per token):
+1. Prefill: one forward over the P prompts (left-padded, mixed lengths; positions count from
+   each prompt's first real token) gives the prompt KV cache `[L, P, S, K, Dh]` and each
+   prompt's next-token logits. The cache is computed ONCE per prompt and never copied G
+   times: decode queries are reshaped to `[P, G, ...]` and attend the prompt cache by
+   broadcasting (see `gjax.models.transformer.decode_step`).
+2. Decode: a `lax.while_loop` over new tokens with a preallocated per-sample cache
+   `[L, B, N, K, Dh]` (N = max_new_tokens), written in place one slot per step; the loop
+   stops early once every row has emitted a stop token.
+
+Returned per-token log-probs (`logps_BxN`), precisely: for temperature T > 0,
+    logps[b, n] = log_softmax(logits[b, n] / T)[tokens[b, n]]
+over the FULL vocabulary, i.e. before top-k/top-p truncation: the quantity the trainer's loss
+recomputes by teacher forcing (log pi(y_n | x, y_<n) at temperature T). For greedy decoding
+(T == 0) they are log_softmax(logits) (T = 1). Tokens are drawn from the top-k/top-p
+truncated, renormalized softmax(logits / T). Entries after the stop token have mask 0,
+logp 0 and token `pad_token_id`. The mask is 1 up to and including the stop token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import Params, decode_step, logits_from_hidden, prefill
+from gjax.sharding import constrain
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Static sampling settings (hashable: a static jit argument).
+
+    temperature: 0 means greedy (argmax). top_k: 0 disables. top_p: 1.0 disables (nucleus
+    over softmax(logits / T) after top-k; tokens tied with the threshold logit are kept).
+    stop_token_ids: a row finishes at the first of these it emits (e.g. the tokenizer's EOS
+    ids); empty means always generate `max_new_tokens`. decode_unroll: how many layers the
+    decode step's layer scan unrolls (True = all; faster on CPU, longer compile).
+    """
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    pad_token_id: int = 0
+    decode_unroll: int | bool = True
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise ValueError(f"stop_token_ids must be a tuple, got {self.stop_token_ids!r}")
+
+
+class SampleOutput(NamedTuple):
+    """Completions, B = P*G rows, prompt-major. See the module docstring for `logps_BxN`."""
+
+    tokens_BxN: jax.Array  # int32
+    mask_BxN: jax.Array  # int32, 1 up to and including the stop token
+    logps_BxN: jax.Array  # f32, log_softmax(logits / T) at the sampled tokens, 0 where masked
+    lengths_B: jax.Array  # int32, mask_BxN.sum(-1)
+
+
+def _process_logits(logits_BxV, sp: SamplingParams):
+    """-> (sampling logits with truncated tokens at -inf, full-vocab log-probs)."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
+    if sp.temperature == 0:
+        return logits_BxV, jax.nn.log_softmax(logits_BxV, axis=-1)
+    scaled = logits_BxV / sp.temperature
+    logps = jax.nn.log_softmax(scaled, axis=-1)
+    vocab = scaled.shape[-1]
+    top_k = sp.top_k if 0 < sp.top_k < vocab else 0
+    if not top_k and sp.top_p >= 1.0:
+        return scaled, logps
+    if top_k:
+        sorted_BxK = jax.lax.top_k(scaled, top_k)[0]  # descending
+    else:
+        sorted_BxK = -jnp.sort(-scaled, axis=-1)
+    threshold_B = sorted_BxK[:, -1]
+    if sp.top_p < 1.0:
+        probs = jax.nn.softmax(sorted_BxK, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p
+        n_keep = keep.sum(-1)
+        threshold_B = jnp.take_along_axis(sorted_BxK, (n_keep - 1)[:, None], axis=-1)[:, 0]
+    return jnp.where(scaled >= threshold_B[:, None], scaled, -jnp.inf), logps
+
+
+def _sample(logits_BxV, key, sp: SamplingParams):
+    """Draws one token per row; returns (tokens_B, logps_B)."""
+    sample_logits, logps_BxV = _process_logits(logits_BxV, sp)
+    if sp.temperature == 0:
+        tokens = jnp.argmax(sample_logits, axis=-1)
+    else:
+        # Inverse-CDF sampling: one uniform per row instead of V Gumbel draws (cheaper on CPU).
+        # Zero-probability (truncated) tokens occupy an empty CDF interval and are never drawn.
+        probs = jnp.exp(sample_logits - sample_logits.max(-1, keepdims=True))
+        cdf = jnp.cumsum(probs, axis=-1)
+        u = jax.random.uniform(key, (cdf.shape[0], 1), minval=1e-12, maxval=1.0)
+        tokens = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
+        tokens = jnp.minimum(tokens, cdf.shape[-1] - 1)
+    tokens = tokens.astype(jnp.int32)
+    return tokens, jnp.take_along_axis(logps_BxV, tokens[:, None], axis=-1)[:, 0]
+
+
+def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling):
+    sp = sampling
+    p_, s_ = prompt_tokens_PxS.shape
+    g_ = num_samples
+    b_ = p_ * g_
+    n_ = sp.max_new_tokens
+    dtype = cfg.jnp_dtype
+    mask_PxS = prompt_mask_PxS.astype(jnp.int32)
+    positions_PxS = jnp.maximum(jnp.cumsum(mask_PxS, axis=-1) - 1, 0)
+    prompt_len_P = mask_PxS.sum(-1)
+    # Last real token (any padding side; left padding is the usual case).
+    last_P = s_ - 1 - jnp.argmax(mask_PxS[:, ::-1], axis=-1)
+
+    # 1. Prefill the P prompts once.
+    hidden_PxSxD, prefix_k, prefix_v = prefill(
+        params, cfg, prompt_tokens_PxS.astype(jnp.int32), positions_PxS, mask_PxS
+    )
+    kv_axes = ("layers", "batch", "length", "kv_heads", None)
+    prefix_k, prefix_v = constrain(prefix_k, kv_axes), constrain(prefix_v, kv_axes)
+    hidden_PxD = jnp.take_along_axis(hidden_PxSxD, last_P[:, None, None], axis=1)[:, 0]
+    logits_BxV = jnp.repeat(logits_from_hidden(params, cfg, hidden_PxD), g_, axis=0)
+    logits_BxV = constrain(logits_BxV, ("batch", "vocab"))
+    token_B, logp_B = _sample(logits_BxV, jax.random.fold_in(rng, 0), sp)
+    start_pos_B = jnp.repeat(prompt_len_P, g_)
+
+    # 2. Decode with a preallocated per-sample cache.
+    cache_shape = (cfg.num_layers, b_, n_, cfg.num_kv_heads, cfg.head_dim)
+    cache_k = constrain(jnp.zeros(cache_shape, dtype), kv_axes)
+    cache_v = constrain(jnp.zeros(cache_shape, dtype), kv_axes)
+    stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
+
+    def cond(state):
+        step, done_B = state[0], state[3]
+        return (step < n_) & ~jnp.all(done_B)
+
+    def body(state):
+        step, token_B, logp_B, done_B, tokens, mask, logps, cache_k, cache_v = state
+        alive_B = ~done_B
+        token_B = jnp.where(alive_B, token_B, sp.pad_token_id)
+        tokens = jax.lax.dynamic_update_slice(tokens, token_B[:, None], (0, step))
+        mask = jax.lax.dynamic_update_slice(mask, alive_B.astype(jnp.int32)[:, None], (0, step))
+        logps = jax.lax.dynamic_update_slice(
+            logps, jnp.where(alive_B, logp_B, 0.0)[:, None], (0, step)
+        )
+        if sp.stop_token_ids:
+            done_B = done_B | (alive_B & jnp.isin(token_B, stop_ids))
+        hidden_BxD, k_new, v_new = decode_step(
+            params,
+            cfg,
+            token_B,
+            start_pos_B + step,
+            prefix_k,
+            prefix_v,
+            mask_PxS,
+            cache_k,
+            cache_v,
+            step,
+            unroll=sp.decode_unroll,
+        )
+        cache_k = jax.lax.dynamic_update_slice(cache_k, k_new[:, :, None], (0, 0, step, 0, 0))
+        cache_v = jax.lax.dynamic_update_slice(cache_v, v_new[:, :, None], (0, 0, step, 0, 0))
+        logits_BxV = logits_from_hidden(params, cfg, hidden_BxD)
+        token_B, logp_B = _sample(logits_BxV, jax.random.fold_in(rng, step + 1), sp)
+        return step + 1, token_B, logp_B, done_B, tokens, mask, logps, cache_k, cache_v
+
+    state = (
+        jnp.int32(0),
+        token_B,
+        logp_B,
+        jnp.zeros((b_,), bool),
+        jnp.full((b_, n_), sp.pad_token_id, jnp.int32),
+        jnp.zeros((b_, n_), jnp.int32),
+        jnp.zeros((b_, n_), jnp.float32),
+        cache_k,
+        cache_v,
+    )
+    state = jax.lax.while_loop(cond, body, state)
+    tokens, mask, logps = state[4], state[5], state[6]
+    return SampleOutput(tokens, mask, logps, mask.sum(-1))
+
+
+_generate_jit = jax.jit(_generate, static_argnames=("cfg", "num_samples", "sampling"))
+
+
+def generate(
+    params: Params,
+    cfg: ModelConfig,
+    prompt_tokens_PxS,
+    prompt_mask_PxS,
+    rng,
+    *,
+    num_samples: int,
+    sampling: SamplingParams,
+) -> SampleOutput:
+    """Samples `num_samples` completions per prompt (jit-compiled; see the module docstring).
+
+    Args:
+      params: the policy params (possibly sharded; the program follows their shardings).
+      cfg: the model config (static).
+      prompt_tokens_PxS: int prompt ids, normally left-padded; every row needs >= 1 real token.
+      prompt_mask_PxS: 1 for real prompt tokens, 0 for padding.
+      rng: a PRNG key; the same key gives the same output.
+      num_samples: G, samples per prompt.
+      sampling: `SamplingParams` (static).
+    Returns:
+      `SampleOutput` with B = P*G prompt-major rows and N = sampling.max_new_tokens columns.
+    """
+    if prompt_tokens_PxS.shape != prompt_mask_PxS.shape or prompt_tokens_PxS.ndim != 2:
+        raise ValueError(
+            f"prompt tokens {prompt_tokens_PxS.shape} and mask {prompt_mask_PxS.shape} must be "
+            "the same [P, S] shape"
+        )
+    if not isinstance(num_samples, int) or num_samples <= 0:
+        raise ValueError(f"num_samples must be a positive int, got {num_samples!r}")
+    return _generate_jit(
+        params,
+        cfg,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        num_samples=num_samples,
+        sampling=sampling,
+    )
