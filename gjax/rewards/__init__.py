@@ -1,0 +1,26 @@
+"""Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
+
+from gjax.rewards.registry import (
+    REWARDS,
+    CombinedReward,
+    RewardFunctionError,
+    RewardResult,
+    RewardSpec,
+    build_reward,
+    soft_overlong_penalty,
+)
+from gjax.rewards.verifier import EXTRACTORS, Verifier, VerifierConfig, extract_answer
+
+__all__ = [
+    "EXTRACTORS",
+    "REWARDS",
+    "CombinedReward",
+    "RewardFunctionError",
+    "RewardResult",
+    "RewardSpec",
+    "Verifier",
+    "VerifierConfig",
+    "build_reward",
+    "extract_answer",
+    "soft_overlong_penalty",
+]
