@@ -1,0 +1,38 @@
+"""Prompt data: the embedded synthetic task, its tokenizer, templates and resumable loading."""
+
+from gjax.data.loading import (
+    DATA_DEFAULTS,
+    DataError,
+    FieldMap,
+    PromptBatch,
+    PromptData,
+    PromptIterator,
+    build_prompt_data,
+    left_pad,
+    load_rows,
+    prepare_prompts,
+)
+from gjax.data.synthetic import Problem, SyntheticConfig, generate, iter_problems
+from gjax.data.templates import TEMPLATES, apply_template
+from gjax.data.tokenizer import build_tokenizer, save_tokenizer
+
+__all__ = [
+    "DATA_DEFAULTS",
+    "TEMPLATES",
+    "DataError",
+    "FieldMap",
+    "Problem",
+    "PromptBatch",
+    "PromptData",
+    "PromptIterator",
+    "SyntheticConfig",
+    "apply_template",
+    "build_prompt_data",
+    "build_tokenizer",
+    "generate",
+    "iter_problems",
+    "left_pad",
+    "load_rows",
+    "prepare_prompts",
+    "save_tokenizer",
+]

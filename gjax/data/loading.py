@@ -223,6 +223,20 @@ def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
             )
 
 
+def _iter_mapped(rows, fields: FieldMap) -> Iterator[dict]:
+    """Rows restricted to the mapped columns (column-wise from a ``datasets.Dataset``: fast)."""
+    names = [c for c in (fields.problem, fields.answer, fields.demonstration) if c is not None]
+    if hasattr(rows, "column_names"):
+        columns = [rows[c] for c in names]
+        for values in zip(*columns):
+            yield dict(zip(names, values))
+    else:
+        for row in rows:
+            if not isinstance(row, Mapping):
+                raise DataError(f"rows must be mappings, got {type(row).__name__}: {row!r:.80}")
+            yield row
+
+
 def _clean_row(row: Mapping, fields: FieldMap) -> tuple[str, str, str] | str:
     """(problem, answer, demonstration), or the reason the row is rejected."""
     problem = row.get(fields.problem)
@@ -276,7 +290,7 @@ def prepare_prompts(
 
     stats = {"rows": len(rows), "skipped_empty": 0, "skipped_malformed": 0, "skipped_too_long": 0}
     problems, answers, demos, index = [], [], [], []
-    for i, row in enumerate(rows):
+    for i, row in enumerate(_iter_mapped(rows, fields)):
         cleaned = _clean_row(row, fields)
         if isinstance(cleaned, str):
             if cleaned == "empty":
