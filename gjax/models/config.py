@@ -58,6 +58,10 @@ class ModelConfig:
     remat: str = "none"
 
     def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # keep the config hashable
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if isinstance(self.eos_token_id, int):
+            object.__setattr__(self, "eos_token_id", (self.eos_token_id,))
         if self.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"unsupported model_type {self.model_type!r}; gjax supports {SUPPORTED_MODEL_TYPES}"
@@ -135,7 +139,23 @@ class ModelConfig:
                     f"unsupported rope_scaling type {rope_type!r}; gjax supports 'llama3' or none"
                 )
             else:
-                scaling = tuple(sorted((k, v) for k, v in scaling.items() if k != "type"))
+                scaling = {k: v for k, v in scaling.items() if k not in ("type", "rope_theta")}
+                scaling["rope_type"] = rope_type
+                needed = ("factor", "low_freq_factor", "high_freq_factor")
+                needed += ("original_max_position_embeddings",)
+                absent = [k for k in needed if k not in scaling]
+                if absent:
+                    raise ValueError(f"llama3 rope_scaling in config.json lacks {absent}")
+                scaling = tuple(sorted(scaling.items()))
+        unsupported = []
+        if hf.get("hidden_act", "silu") != "silu":
+            unsupported.append(f"hidden_act={hf['hidden_act']!r} (gjax implements 'silu')")
+        if hf.get("mlp_bias"):
+            unsupported.append("mlp_bias=true")
+        if hf.get("use_sliding_window"):
+            unsupported.append("use_sliding_window=true (sliding-window attention)")
+        if unsupported:
+            raise ValueError(f"config.json uses unsupported feature(s): {unsupported}")
         eos = hf.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (int(eos),)
         kwargs = dict(
@@ -151,18 +171,25 @@ class ModelConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            # HF Qwen2 always has q/k/v biases (it ignores `attention_bias`).
+            attention_bias=model_type == "qwen2" or bool(hf.get("attention_bias", False)),
             max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=eos,
             pad_token_id=hf.get("pad_token_id"),
         )
+        unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            valid = sorted(f.name for f in dataclasses.fields(cls))
+            raise ValueError(f"unknown ModelConfig override(s) {unknown}; valid fields: {valid}")
         kwargs.update(overrides)
         return cls(**kwargs)
 
     @classmethod
     def from_pretrained_dir(cls, path: str, **overrides) -> ModelConfig:
         config_path = os.path.join(path, "config.json")
+        if not os.path.exists(config_path):
+            raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
         with open(config_path) as f:
             return cls.from_hf(json.load(f), **overrides)
 
@@ -184,7 +211,7 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": self.param_dtype,
+            "dtype": self.param_dtype,
         }
         if self.rope_scaling:
             out["rope_scaling"] = dict(self.rope_scaling)
