@@ -342,7 +342,7 @@ def generate(
     """The first ``num`` problems of ``split``; ``unique`` drops repeated expressions.
 
     With ``unique`` the stream may run dry for tiny configs (few distinct expressions): after
-    ``1000 * num`` candidates without enough new ones this raises rather than loop forever.
+    ``100 * num + 1000`` candidates without enough new ones this raises rather than loop forever.
     """
     if num < 0:
         raise ValueError(f"num must be >= 0, got {num}")
@@ -351,7 +351,7 @@ def generate(
     for tried, p in enumerate(iter_problems(split, seed=seed, config=config)):
         if len(out) == num:
             break
-        if tried > 1000 * max(num, 1):
+        if tried > 100 * num + 1000:
             raise ValueError(
                 f"only {len(out)} unique {split} problems after {tried} draws; widen {config}"
             )
