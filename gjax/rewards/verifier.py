@@ -28,13 +28,14 @@ Size limits (applied in the parent before anything is sent to a worker):
 
 Answer extraction (``VerifierConfig.extractors``, tried in order, the first hit wins):
   * ``"boxed"``: the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or the
-    brace-less ``\\boxed 5`` form (up to the next whitespace or ``$``);
+    brace-less ``\\boxed 5`` form (up to the next whitespace or ``$``, trailing ``.,;:``
+    dropped);
   * ``"answer_tag"``: the content of the last ``<answer>...</answer>`` pair;
   * ``"regex"``: group 1 (or the whole match) of the last match of ``answer_regex``;
   * ``"math_verify"``: the whole response, left to math-verify's own extraction.
 
 Extracted answers are handed to ``math_verify.parse`` as ``\\boxed{answer}`` (LaTeX)
-unless they already contain math delimiters (``$``, ``\\(``, ``\\[``, ``\\boxed``), in which
+unless they already contain math delimiters (unescaped ``$``, ``\\(``, ``\\[``, ``\\boxed``), in which
 case math-verify extracts from them. Gold answers are treated the same way. Then
 ``math_verify.verify(gold, pred)`` decides (gold first: verify is not symmetric).
 
@@ -74,7 +75,8 @@ Extractor = Callable[[str], "str | None"]
 EXTRACTORS: Registry[Extractor] = Registry("answer extractor")
 
 _BOXED_COMMANDS = ("\\boxed", "\\fbox")
-_MATH_DELIMITERS = ("$", "\\(", "\\[", "\\boxed", "\\fbox")
+# Unescaped $, \( or \[, or a box command: math-verify extracts from such text itself.
+_MATH_DELIMITER_RE = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 
 
 def _balanced_group(text: str, open_idx: int) -> str | None:
@@ -121,12 +123,13 @@ def extract_boxed(text: str) -> str | None:
             content = _balanced_group(text, k)
             if content is not None:
                 return content.strip()
-        elif k > j and k < len(text):  # "\boxed 5": up to the next whitespace or '$'
+        elif k > j and k < len(text):  # "\boxed 5.": to whitespace or '$', minus punctuation
             end = k
             while end < len(text) and not text[end].isspace() and text[end] != "$":
                 end += 1
-            if end > k:
-                return text[k:end]
+            content = text[k:end].rstrip(".,;:")
+            if content:
+                return content
     return None
 
 
@@ -176,7 +179,7 @@ def extract_answer(
 
 def _to_parse_input(answer: str) -> str:
     """LaTeX answers go to math-verify as ``\\boxed{...}``; delimited text as is."""
-    if any(d in answer for d in _MATH_DELIMITERS):
+    if _MATH_DELIMITER_RE.search(answer):
         return answer
     return "\\boxed{" + answer + "}"
 
@@ -438,6 +441,7 @@ _COUNTERS = (
     "worker_starts",
     "worker_recycles",
     "truncated",
+    "in_flight",  # a gauge: items at a worker right now
 )
 _OUTCOME_COUNTER = {
     CORRECT: "correct",
@@ -534,6 +538,10 @@ class Verifier:
         out["latency_s_p95"] = float(lat[min(n - 1, int(0.95 * n))]) if n else 0.0
         return out
 
+    def worker_pids(self) -> list[int | None]:
+        """Process ids of the workers (None for a slot waiting to be restarted)."""
+        return [s.proc.pid if s.alive() else None for s in self._slots]
+
     # -- the per-item path (runs on a dispatcher thread) -------------------------------
 
     def _acquire(self) -> _Slot:
@@ -558,6 +566,7 @@ class Verifier:
                     slot.kill()
                 self._start_slot(slot)
             t0 = time.perf_counter()
+            self._count("in_flight")
             try:
                 outcome, detail = slot.run((response, gold), self.config.timeout_s)
             except _ItemTimeout:
@@ -568,16 +577,17 @@ class Verifier:
                 self._count("worker_deaths")
                 logger.warning("verifier worker died on an item (%s); replacing it", e)
                 slot.kill()
-            else:
-                if outcome == ERROR:
-                    outcome = CRASH
-                    self._count("worker_errors")
-                    logger.warning("verifier item raised in the worker: %s", detail)
-                    slot.stop()  # state after e.g. MemoryError is suspect: recycle
-                    self._count("worker_recycles")
-                elif slot.tasks >= self.config.max_tasks_per_worker:
-                    slot.stop()
-                    self._count("worker_recycles")
+            finally:
+                self._count("in_flight", -1)
+            if outcome == ERROR:
+                outcome = CRASH
+                self._count("worker_errors")
+                logger.warning("verifier item raised in the worker: %s", detail)
+                slot.stop()  # state after e.g. MemoryError is suspect: recycle
+                self._count("worker_recycles")
+            elif slot.tasks >= self.config.max_tasks_per_worker:
+                slot.stop()
+                self._count("worker_recycles")
         except Exception as e:  # noqa: BLE001 (e.g. a replacement worker failed to start)
             logger.warning("verifier worker unavailable (%s); item scored 0", e)
             slot.kill()
