@@ -283,9 +283,13 @@ def prepare_prompts(
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
     render = TEMPLATES.get(template)
-    columns = (
-        rows.column_names if hasattr(rows, "column_names") else sorted({k for r in rows for k in r})
-    )
+    if hasattr(rows, "column_names"):
+        columns = rows.column_names
+    else:
+        bad = next((r for r in rows if not isinstance(r, Mapping)), None)
+        if bad is not None:
+            raise DataError(f"rows must be mappings, got {type(bad).__name__}: {bad!r:.80}")
+        columns = sorted({k for r in rows for k in r})
     _check_columns(columns, fields)
 
     stats = {"rows": len(rows), "skipped_empty": 0, "skipped_malformed": 0, "skipped_too_long": 0}

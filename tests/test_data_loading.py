@@ -1,0 +1,329 @@
+"""Tokenizer, templates and prompt loading: files, field mapping, filters, sharding, resume."""
+
+import json
+import os
+
+import datasets
+import numpy as np
+import pytest
+
+from gjax.data import loading
+from gjax.data import synthetic as syn
+from gjax.data.loading import DataError, FieldMap, PromptIterator
+from gjax.data.templates import BOXED_INSTRUCTION, TEMPLATES, apply_template
+from gjax.data.tokenizer import (
+    CHARACTERS,
+    EOS,
+    IM_END,
+    IM_START,
+    PAD,
+    build_tokenizer,
+    save_tokenizer,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def rows():
+    """Mapped under non-default column names, with a demonstration column."""
+    probs = syn.generate(60, "train", seed=1)
+    return [
+        {"question": p.problem, "solution": int(p.answer), "ref": p.demonstration, "extra": i}
+        for i, p in enumerate(probs)
+    ]
+
+
+FIELDS = FieldMap(problem="question", answer="solution", demonstration="ref")
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trips_every_character(tok):
+    assert len(tok) < 128
+    for ch in CHARACTERS:
+        ids = tok(ch, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and ids[0] != tok.unk_token_id, repr(ch)
+        assert tok.decode(ids) == ch
+    text = "".join(CHARACTERS)
+    assert tok.decode(tok(text)["input_ids"]) == text
+    for p in syn.generate(50, seed=3):
+        for s in (p.problem, p.demonstration):
+            assert tok.decode(tok(s)["input_ids"]) == s
+    boxed = tok("\\boxed{7}")["input_ids"]
+    assert len(boxed) == 3  # "\boxed{" is one token
+    for special in (PAD, EOS, IM_START, IM_END):
+        assert len(tok(special)["input_ids"]) == 1
+    assert tok.pad_token == PAD and tok.eos_token == EOS and tok.pad_token_id != tok.eos_token_id
+    assert tok.decode(tok("é")["input_ids"]) == tok.unk_token
+
+
+def test_tokenizer_saves_and_loads_with_auto_tokenizer(tok, tmp_path):
+    from transformers import AutoTokenizer
+
+    save_tokenizer(tok, str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / name).exists(), name
+    special = json.loads((tmp_path / "special_tokens_map.json").read_text())
+    assert special["eos_token"] == EOS and special["pad_token"] == PAD
+    loaded = AutoTokenizer.from_pretrained(str(tmp_path))
+    text = "Compute ((7+5)*3)-4.\n7+5=12\n\\boxed{32}"
+    assert loaded(text)["input_ids"] == tok(text)["input_ids"]
+    assert loaded.eos_token_id == tok.eos_token_id and loaded.pad_token_id == tok.pad_token_id
+    assert loaded.padding_side == "left"
+    msgs = [{"role": "user", "content": "Compute 1+2."}]
+    assert loaded.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>user\nCompute 1+2.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+# --------------------------------------------------------------------------- templates
+
+
+def test_templates(tok):
+    assert set(TEMPLATES.names()) >= {"qwen_boxed", "r1", "chat", "plain"}
+    q = apply_template("qwen_boxed", "What is 1+1?")
+    assert q.startswith("<|im_start|>system\n" + BOXED_INSTRUCTION)
+    assert "<|im_start|>user\nWhat is 1+1?<|im_end|>" in q and q.endswith("<|im_start|>assistant\n")
+    assert BOXED_INSTRUCTION.endswith("put your final answer within \\boxed{}.")
+    r = apply_template("r1", "What is 1+1?")
+    assert "<think> </think> and <answer> </answer>" in r and r.endswith("Assistant: <think>")
+    assert (
+        apply_template("chat", "hi", tok)
+        == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert apply_template("plain", "Compute 1+2.") == "Compute 1+2.\n"
+    with pytest.raises(ValueError, match="chat_template"):
+        apply_template("chat", "hi", None)
+    with pytest.raises(KeyError, match="plain"):
+        apply_template("nope", "hi")
+    # The templates' text is all in the task alphabet: no unknown tokens.
+    for name in ("qwen_boxed", "r1", "chat", "plain"):
+        assert tok.unk_token_id not in tok(apply_template(name, "Compute 1+2.", tok))["input_ids"]
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _check_mapped(data, rows):
+    assert data.stats["kept"] == len(rows) == len(data)
+    assert data.problems == [r["question"] for r in rows]
+    assert data.answers == [str(r["solution"]) for r in rows]
+    assert data.demonstrations == [r["ref"] for r in rows]
+    assert data.prompts[0] == rows[0]["question"] + "\n"
+
+
+def test_load_jsonl_with_field_mapping(tok, rows, tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = loading.load_rows(str(path))
+    data = loading.prepare_prompts(ds, tok, fields=FIELDS, max_prompt_length=32)
+    _check_mapped(data, rows)
+
+
+def test_load_parquet_and_arrow_with_field_mapping(tok, rows, tmp_path):
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "train.parquet"))
+    data = loading.prepare_prompts(
+        loading.load_rows(str(tmp_path / "train.parquet")), tok, fields=FIELDS, max_prompt_length=32
+    )
+    _check_mapped(data, rows)
+    ds.save_to_disk(str(tmp_path / "saved"))
+    data = loading.prepare_prompts(
+        loading.load_rows(str(tmp_path / "saved")), tok, fields=FIELDS, max_prompt_length=32
+    )
+    _check_mapped(data, rows)
+    arrow = sorted(f for f in os.listdir(tmp_path / "saved") if f.endswith(".arrow"))
+    data = loading.prepare_prompts(
+        loading.load_rows(str(tmp_path / "saved" / arrow[0])),
+        tok,
+        fields=FIELDS,
+        max_prompt_length=32,
+    )
+    _check_mapped(data, rows)
+
+
+def test_synthetic_source_and_config(tok):
+    cfg = {"num_examples": 40, "synthetic": {"max_ops": 2}, "seed": 3}
+    data = loading.build_prompt_data(cfg, tok)
+    expected = syn.generate(40, "train", seed=3, config=syn.SyntheticConfig(max_ops=2))
+    assert data.problems == [p.problem for p in expected]
+    assert data.demonstrations == [p.demonstration for p in expected]
+    test = loading.build_prompt_data({**cfg, "split": "test"}, tok)
+    assert not set(test.problems) & set(data.problems)
+    with pytest.raises(DataError, match="valid:.*max_prompt_length"):
+        loading.build_prompt_data({"max_prompt_len": 3}, tok)
+    with pytest.raises(DataError, match="splits"):
+        loading.build_prompt_data({"split": "validation"}, tok)
+
+
+def test_length_filter_is_counted(tok):
+    rows = [{"problem": "Compute 1+2.", "answer": "3"}, {"problem": "x" * 40, "answer": "1"}] * 3
+    data = loading.prepare_prompts(rows, tok, max_prompt_length=20)
+    assert data.stats["skipped_too_long"] == 3 and data.stats["kept"] == 3
+    assert all(len(ids) <= 20 for ids in data.prompt_ids)
+    assert data.row_index.tolist() == [0, 2, 4]
+    # The limit is in tokens of the templated prompt, inclusive.
+    n = len(tok(apply_template("plain", "Compute 1+2."))["input_ids"])
+    assert loading.prepare_prompts(rows[:1], tok, max_prompt_length=n).stats["kept"] == 1
+    with pytest.raises(DataError, match="no prompts left"):
+        loading.prepare_prompts(rows[:1], tok, max_prompt_length=n - 1)
+
+
+def test_missing_field_names_field_columns_and_key(tok, rows):
+    with pytest.raises(DataError) as err:
+        loading.prepare_prompts(rows, tok, max_prompt_length=32)  # default "problem" column
+    msg = str(err.value)
+    assert "'problem'" in msg and "'question'" in msg and "data.fields.problem" in msg
+    with pytest.raises(DataError, match="data.fields.demonstration"):
+        loading.prepare_prompts(
+            rows, tok, fields=FieldMap("question", "solution", "demo"), max_prompt_length=32
+        )
+
+
+def test_bad_rows_are_counted_or_raise_when_strict(tok):
+    rows = [
+        {"problem": "Compute 1+2.", "answer": "3"},
+        {"problem": "   ", "answer": "1"},  # empty
+        {"problem": None, "answer": "1"},  # malformed
+        {"problem": "Compute 2+2.", "answer": ""},  # malformed
+        {"problem": "Compute 2+3.", "answer": 5},  # fine: numeric answer
+        {"problem": "Compute 3+3."},  # malformed: no answer
+    ]
+    data = loading.prepare_prompts(rows, tok, max_prompt_length=32)
+    assert data.stats == {
+        "rows": 6,
+        "skipped_empty": 1,
+        "skipped_malformed": 3,
+        "skipped_too_long": 0,
+        "kept": 2,
+    }
+    assert data.answers == ["3", "5"]
+    with pytest.raises(DataError, match=r"row 2: .*'problem'"):
+        loading.prepare_prompts(rows, tok, max_prompt_length=32, strict=True)
+    with pytest.raises(DataError, match="mappings"):
+        loading.prepare_prompts(["not a dict"], tok, max_prompt_length=32)
+
+
+def test_hub_offline_gives_clear_error():
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"  # set by conftest: no network in tests
+    with pytest.raises(DataError, match="data.source"):
+        loading.load_rows("no-such-org/no-such-dataset")
+
+
+def test_missing_local_file_gives_clear_error(tmp_path):
+    with pytest.raises(DataError, match="no data files"):
+        loading.load_rows(str(tmp_path / "missing.jsonl"))
+
+
+# --------------------------------------------------------------------------- iteration
+
+
+@pytest.fixture(scope="module")
+def data(tok):
+    return loading.build_prompt_data({"num_examples": 50, "seed": 0}, tok)
+
+
+def _take(it, n):
+    return [next(it) for _ in range(n)]
+
+
+def _same(a, b):
+    return (
+        np.array_equal(a.prompt_ids_PxS, b.prompt_ids_PxS)
+        and np.array_equal(a.prompt_mask_PxS, b.prompt_mask_PxS)
+        and a.problems == b.problems
+        and a.answers == b.answers
+        and a.demonstrations == b.demonstrations
+        and a.epoch == b.epoch
+    )
+
+
+def test_batches_are_left_padded(data):
+    batch = next(PromptIterator(data, global_batch_size=8, process_index=0, process_count=1))
+    assert batch.prompt_ids_PxS.shape == batch.prompt_mask_PxS.shape == (8, data.max_prompt_length)
+    assert batch.prompt_ids_PxS.dtype == np.int32
+    for ids, mask, row in zip(batch.prompt_ids_PxS, batch.prompt_mask_PxS, batch.row_index_P):
+        n = int(mask.sum())
+        assert mask[-n:].all() and not mask[:-n].any()
+        assert (ids[:-n] == data.pad_id).all()
+        assert ids[-n:].tolist() == data.prompt_ids[row].tolist()
+
+
+def test_shuffle_is_deterministic_per_epoch(data):
+    it = PromptIterator(data, global_batch_size=10, seed=4, process_index=0, process_count=1)
+    batches = _take(it, 10)  # 5 per epoch
+    again = _take(
+        PromptIterator(data, global_batch_size=10, seed=4, process_index=0, process_count=1), 10
+    )
+    assert all(_same(a, b) for a, b in zip(batches, again))
+    epoch0 = np.concatenate([b.row_index_P for b in batches[:5]])
+    epoch1 = np.concatenate([b.row_index_P for b in batches[5:]])
+    assert sorted(epoch0) == sorted(epoch1) == list(range(50))  # each epoch visits every row
+    assert epoch0.tolist() != epoch1.tolist() and [b.epoch for b in batches] == [0] * 5 + [1] * 5
+    other = next(
+        PromptIterator(data, global_batch_size=10, seed=5, process_index=0, process_count=1)
+    )
+    assert other.row_index_P.tolist() != batches[0].row_index_P.tolist()
+    ordered = next(
+        PromptIterator(data, global_batch_size=10, shuffle=False, process_index=0, process_count=1)
+    )
+    assert ordered.row_index_P.tolist() == list(range(10))
+
+
+def test_per_host_sharding_partitions_each_global_batch(data):
+    whole = _take(
+        PromptIterator(data, global_batch_size=12, seed=1, process_index=0, process_count=1), 6
+    )
+    hosts = [
+        _take(
+            PromptIterator(data, global_batch_size=12, seed=1, process_index=h, process_count=4), 6
+        )
+        for h in range(4)
+    ]
+    for k, batch in enumerate(whole):
+        parts = [hosts[h][k] for h in range(4)]
+        assert all(len(p) == 3 for p in parts)
+        joined = np.concatenate([p.row_index_P for p in parts])
+        assert joined.tolist() == batch.row_index_P.tolist()  # disjoint, in order, complete
+        assert np.array_equal(
+            np.concatenate([p.prompt_ids_PxS for p in parts]), batch.prompt_ids_PxS
+        )
+    with pytest.raises(DataError, match="multiple of the process count"):
+        PromptIterator(data, global_batch_size=10, process_index=0, process_count=4)
+
+
+def test_resume_from_saved_state_yields_the_same_batches(data):
+    it = PromptIterator(data, global_batch_size=8, seed=2, process_index=1, process_count=2)
+    _take(it, 5)  # 6 batches per epoch: the next ones cross into epoch 1
+    state = json.loads(json.dumps(it.state()))  # survives a JSON checkpoint
+    assert state == {"epoch": 0, "index": 40, "num_rows": 50, "seed": 2}
+    expected = _take(it, 4)
+    resumed = PromptIterator(
+        data, global_batch_size=8, seed=2, process_index=1, process_count=2, state=state
+    )
+    got = _take(resumed, 4)
+    assert all(_same(a, b) for a, b in zip(expected, got))
+    assert [b.epoch for b in got] == [0, 1, 1, 1]
+    with pytest.raises(DataError, match="different data configuration"):
+        PromptIterator(
+            data, global_batch_size=8, seed=3, process_index=1, process_count=2, state=state
+        )
+    with pytest.raises(DataError, match="invalid data position"):
+        PromptIterator(
+            data,
+            global_batch_size=8,
+            seed=2,
+            process_index=1,
+            process_count=2,
+            state={"epoch": 0, "index": 3},
+        )
+
+
+def test_num_epochs_stops(data):
+    it = PromptIterator(data, global_batch_size=25, num_epochs=2, process_index=0, process_count=1)
+    assert len(list(it)) == 4
