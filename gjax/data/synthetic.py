@@ -245,18 +245,26 @@ def parse_step(line: str) -> tuple[int, str, int, int] | None:
     return int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))
 
 
+_BRACES = re.compile(r"\\boxed\{|[{}]")
+
+
 def extract_boxed(text: str) -> str | None:
-    """Contents of the last ``\\boxed{...}`` (balanced braces), or ``None``."""
-    start = text.rfind(BOXED)
-    while start != -1:
-        depth, pos = 1, start + len(BOXED)
-        while pos < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[pos], 0)
-            pos += 1
-        if depth == 0:
-            return text[start + len(BOXED) : pos - 1].strip()
-        start = text.rfind(BOXED, 0, start)
-    return None
+    """Contents of the last ``\\boxed{...}`` with balanced braces, or ``None``.
+
+    One pass with a stack of open braces (linear even for pathological nesting).
+    """
+    stack: list[tuple[int, bool]] = []  # (content start, opened by \boxed{)
+    best: tuple[int, int] | None = None
+    for m in _BRACES.finditer(text):
+        tok = m.group(0)
+        if tok == "}":
+            if stack:
+                begin, boxed = stack.pop()
+                if boxed and (best is None or begin > best[0]):
+                    best = (begin, m.start())
+        else:
+            stack.append((m.end(), tok != "{"))
+    return None if best is None else text[best[0] : best[1]].strip()
 
 
 # --------------------------------------------------------------------------- generation

@@ -10,7 +10,7 @@ this judge computes them exactly instead of asking an LLM:
 * ``K``: operations in the problem (nodes of its expression tree: the steps a full solution
   needs).
 * ``n``: step attempts in the response: non-empty lines that contain ``=`` and no
-  ``\\boxed{``.
+  ``\\boxed{`` (tags such as ``<think>`` count as line breaks).
 * ``m``: valid steps: attempts that parse as ``a op b = c`` (:func:`parse_step`), are
   arithmetically right (``c == a op b`` exactly), and compute a node of the problem whose
   operands are the problem's numbers or results of earlier valid steps (operand order free
@@ -49,6 +49,7 @@ from gjax.rewards.judge import JUDGES, SCORE_MAX, SCORE_MIN
 _COMMUTATIVE = "+*"
 _EXPR_CANDIDATE = re.compile(r"[\d+\-*/() ]*\d[\d+\-*/() ]*")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+_TAG = re.compile(r"</?[A-Za-z_]{1,20}>")
 _NUMBER = re.compile(r"^[+-]?\d{1,30}(?:/\d{1,30}|\.\d{1,30})?$")
 
 
@@ -118,9 +119,10 @@ def final_answer(response: str) -> Fraction | None:
 
 
 def _step_attempts(response: str) -> list[str]:
+    # Tags (``<think>``, ``</answer>``, ...) separate lines, so R1-style output parses too.
     return [
         line.strip()
-        for line in response.splitlines()
+        for line in _TAG.sub("\n", response).splitlines()
         if "=" in line and BOXED not in line and line.strip()
     ]
 
