@@ -26,6 +26,11 @@ Size limits (applied in the parent before anything is sent to a worker):
   * an extracted answer longer than ``max_answer_chars`` is refused (score 0, ``refused``),
     and so is a gold answer longer than ``max_answer_chars``.
 
+Outcomes (exactly one per item, counted): ``correct`` (the only one scoring 1), ``wrong``,
+``no_answer`` (no extractor matched), ``refused`` (size limits), ``parse_failure`` /
+``gold_parse_failure`` (math-verify built no expression, only its raw-string fallback, and
+the strings differ), ``timeout`` (deadline), ``crash`` (the worker died or raised).
+
 Answer extraction (``VerifierConfig.extractors``, tried in order, the first hit wins):
   * ``"boxed"``: the last ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces, or the
     brace-less ``\\boxed 5`` form (up to the next whitespace or ``$``, trailing ``.,;:``
@@ -297,7 +302,46 @@ def _score_one(response: str, gold: str, cfg: VerifierConfig, gold_cache, regex)
         strict=cfg.strict,
         timeout_seconds=None,
     )
-    return CORRECT if ok else WRONG
+    if ok:
+        return CORRECT
+    # math-verify falls back to the raw string when it cannot build an expression; such an
+    # answer only matches by exact string equality. Count it as a parse failure, not "wrong".
+    if all(isinstance(x, str) for x in gold_parsed):
+        return GOLD_PARSE_FAILURE
+    if all(isinstance(x, str) for x in pred_parsed):
+        return PARSE_FAILURE
+    return WRONG
+
+
+_WARM_UP_PAIRS = (
+    ("\\boxed{1}", "1"),
+    ("\\boxed{(x+1)^2}", "x^2+2x+1"),
+    ("\\boxed{\\frac{\\sqrt{2}}{2}}", "0.7071067811865476"),
+    ("\\boxed{(1,2]}", "\\{1,2\\}"),
+    ("\\boxed{x=1, y=2}", "(1,2)"),
+    ("\\boxed{10\\%}", "\\begin{pmatrix}1\\\\2\\end{pmatrix}"),
+)
+_warm = False
+
+
+def warm_up() -> None:
+    """Run a few symbolic comparisons so SymPy's lazy imports happen now (idempotent)."""
+    global _warm
+    if _warm:
+        return
+    import math_verify.grader
+    import math_verify.parser
+
+    # We disable math-verify's signal timeout on purpose (the parent enforces deadlines);
+    # silence its one-time warning about that, and its per-item debug/warning logs.
+    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
+    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
+    cfg = VerifierConfig()
+    for response, gold in _WARM_UP_PAIRS:
+        _score_one(response, gold, cfg, collections.OrderedDict(), None)
+    _warm = True
 
 
 def _worker_main(conn: multiprocessing.connection.Connection, cfg: VerifierConfig) -> None:
@@ -309,21 +353,10 @@ def _worker_main(conn: multiprocessing.connection.Connection, cfg: VerifierConfi
         # An already-lower hard limit raises: keep the existing one then.
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    import math_verify.grader
-    import math_verify.parser
-
-    # We disable math-verify's signal timeout on purpose (the parent enforces deadlines);
-    # silence its one-time warning about that, and its per-item debug/warning logs.
-    math_verify.grader.TIMEOUT_WARNING_SHOWN = True
-    math_verify.parser.TIMEOUT_WARNING_SHOWN = True
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    logging.getLogger("latex2sympy2_extended").setLevel(logging.CRITICAL)
-
     regex = re.compile(cfg.answer_regex) if cfg.answer_regex else None
     gold_cache: collections.OrderedDict = collections.OrderedDict()
     try:
-        # Warm the lazy parts of the parser before reporting ready.
-        _score_one("\\boxed{1}", "1", cfg, gold_cache, regex)
+        warm_up()  # a no-op when forked from the (already warm) forkserver
         conn.send(("ready", None))
         while True:
             msg = conn.recv()
@@ -492,9 +525,10 @@ class Verifier:
         self.config = cfg
         ctx = multiprocessing.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
-            # New workers fork from a server that already imported math-verify/SymPy, so a
-            # killed worker is replaced in milliseconds. (No effect if the server is running.)
-            ctx.set_forkserver_preload(["math_verify", __name__])
+            # New workers fork from a server that already imported and warmed math-verify and
+            # SymPy, so a killed worker is replaced in milliseconds. (No effect if the server
+            # is already running; the workers then warm up themselves.)
+            ctx.set_forkserver_preload(["gjax.rewards._verifier_warmup"])
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._latency_sum = 0.0
