@@ -148,15 +148,41 @@ def test_load_parquet_and_arrow_with_field_mapping(tok, rows, tmp_path):
 
 
 def test_synthetic_source_and_config(tok):
-    cfg = {"num_examples": 40, "synthetic": {"max_ops": 2}, "seed": 3}
+    import ml_collections
+
+    cfg = {
+        "num_examples": 40,
+        "synthetic": {"max_ops": 2},
+        "synthetic_seed": 3,
+        "demonstration_field": "demonstration",
+    }
     data = loading.build_prompt_data(cfg, tok)
     expected = syn.generate(40, "train", seed=3, config=syn.SyntheticConfig(max_ops=2))
     assert data.problems == [p.problem for p in expected]
     assert data.demonstrations == [p.demonstration for p in expected]
-    test = loading.build_prompt_data({**cfg, "split": "test"}, tok)
-    assert not set(test.problems) & set(data.problems)
-    with pytest.raises(DataError, match="valid:.*max_prompt_length"):
-        loading.build_prompt_data({"max_prompt_len": 3}, tok)
+    assert data.answers == [p.answer for p in expected]
+    for alias in ("test", "heldout"):
+        held = loading.build_prompt_data(
+            {**cfg, "heldout_split": alias, "heldout_size": 20}, tok, heldout=True
+        )
+        assert len(held) == 20 and not set(held.problems) & set(data.problems)
+    # The lead's configs/common.py schema, as a ConfigDict.
+    cd = ml_collections.ConfigDict(
+        {
+            "source": "synthetic",
+            "template": "plain",
+            "max_prompt_len": 32,
+            "num_examples": 16,
+            "shuffle_seed": 5,
+            "demonstration_field": "",
+        }
+    )
+    it = loading.build_prompt_iterator(
+        cd, tok, global_batch_size=8, process_index=0, process_count=1
+    )
+    assert it.state()["seed"] == 5 and len(it.data) == 16 and next(it).demonstrations == [""] * 8
+    with pytest.raises(DataError, match="valid:.*max_prompt_len"):
+        loading.build_prompt_data({"max_prompt_length": 3}, tok)
     with pytest.raises(DataError, match="splits"):
         loading.build_prompt_data({"split": "validation"}, tok)
 
@@ -178,8 +204,8 @@ def test_missing_field_names_field_columns_and_key(tok, rows):
     with pytest.raises(DataError) as err:
         loading.prepare_prompts(rows, tok, max_prompt_length=32)  # default "problem" column
     msg = str(err.value)
-    assert "'problem'" in msg and "'question'" in msg and "data.fields.problem" in msg
-    with pytest.raises(DataError, match="data.fields.demonstration"):
+    assert "'problem'" in msg and "'question'" in msg and "data.problem_field" in msg
+    with pytest.raises(DataError, match="data.demonstration_field"):
         loading.prepare_prompts(
             rows, tok, fields=FieldMap("question", "solution", "demo"), max_prompt_length=32
         )
@@ -225,7 +251,7 @@ def test_missing_local_file_gives_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def data(tok):
-    return loading.build_prompt_data({"num_examples": 50, "seed": 0}, tok)
+    return loading.build_prompt_data({"num_examples": 50}, tok)
 
 
 def _take(it, n):
@@ -327,3 +353,14 @@ def test_resume_from_saved_state_yields_the_same_batches(data):
 def test_num_epochs_stops(data):
     it = PromptIterator(data, global_batch_size=25, num_epochs=2, process_index=0, process_count=1)
     assert len(list(it)) == 4
+
+
+def test_encode_completions(tok):
+    demos = ["7+5=12\n\\boxed{12}", "1+1=2\n\\boxed{2}" * 5]
+    ids, mask, truncated = loading.encode_completions(tok, demos, max_length=16)
+    assert ids.shape == mask.shape == (2, 16) and ids.dtype == np.int32 and truncated == 1
+    n = len(tok(demos[0])["input_ids"]) + 1
+    assert mask[0].tolist() == [1] * n + [0] * (16 - n)
+    assert ids[0, n - 1] == tok.eos_token_id and (ids[0, n:] == tok.pad_token_id).all()
+    assert tok.decode(ids[0, : n - 1]) == demos[0]
+    assert mask[1].all() and tok.eos_token_id not in ids[1].tolist()

@@ -10,12 +10,14 @@ Three steps, each usable alone::
     it.state()                 # {"epoch": 0, "index": P, ...}: store it in the checkpoint
     PromptIterator(data, global_batch_size=P, seed=0, state=saved)   # same next batches
 
-or all at once from a config mapping: ``build_prompt_data(DATA_DEFAULTS | overrides, tok)``.
+or all at once from ``config.data`` (keys of ``DATA_DEFAULTS``, as in ``configs/common.py``):
+``build_prompt_iterator(config.data, tok, global_batch_size=P)`` and
+``build_prompt_data(config.data, tok, heldout=True)`` for held-out evaluation.
 
 Bad input policy (the counts are in ``PromptData.stats``):
 
 * a mapped field missing from the columns -> ``DataError`` naming the field, the available
-  columns and the config key to set (``data.fields.<name>``);
+  columns and the config key to set (``data.<name>_field``);
 * an empty / whitespace-only problem -> counted skip ``skipped_empty``;
 * a malformed row (problem not a string; answer missing, empty or not a string/number;
   a mapped demonstration missing or not a string) -> counted skip ``skipped_malformed``,
@@ -153,7 +155,8 @@ def load_rows(
       source: ``"synthetic"`` (the built-in task), a local file / glob / directory
         (``.jsonl``, ``.json``, ``.parquet``, ``.arrow``, ``.csv`` or a ``save_to_disk``
         directory; ``split`` only picks a split of a saved ``DatasetDict``), or a Hub id.
-      split: dataset split; for ``synthetic`` "train" or "test" (disjoint by construction).
+      split: dataset split; for ``synthetic`` "train" or "test" (alias "heldout"), disjoint
+        by construction.
       subset: the Hub configuration name (``load_dataset(source, subset)``).
       num_examples: keep the first ``num_examples`` rows (``synthetic``: how many to draw,
         default ``SYNTHETIC_DEFAULT_SIZES[split]``).
@@ -168,6 +171,7 @@ def load_rows(
         if isinstance(synthetic, Mapping):
             synthetic = synthetic_lib.SyntheticConfig(**dict(synthetic))
         cfg = synthetic or synthetic_lib.SyntheticConfig()
+        split = {"heldout": "test"}.get(split, split)
         if split not in synthetic_lib.SPLITS:
             raise DataError(
                 f"synthetic data has splits {synthetic_lib.SPLITS}, not {split!r}; set data.split"
@@ -214,12 +218,8 @@ def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
         if column is not None and column not in columns:
             raise DataError(
                 f"the data has no column {column!r} for the {name} field; available columns: "
-                f"{sorted(columns)}. Set data.fields.{name} to one of them"
-                + (
-                    " (or None if the data has no demonstrations)"
-                    if name == "demonstration"
-                    else ""
-                )
+                f"{sorted(columns)}. Set data.{name}_field to one of them"
+                + (' (or "" if the data has no demonstrations)' if name == "demonstration" else "")
             )
 
 
@@ -279,7 +279,7 @@ def prepare_prompts(
         whatever the model needs, so off by default).
     """
     if max_prompt_length <= 0:
-        raise DataError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
+        raise DataError(f"data.max_prompt_len must be positive, got {max_prompt_length}")
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
     render = TEMPLATES.get(template)
@@ -318,8 +318,8 @@ def prepare_prompts(
     stats["kept"] = len(keep)
     if not keep:
         raise DataError(
-            f"no prompts left after filtering: {stats}. Check data.fields, data.template and "
-            f"data.max_prompt_length={max_prompt_length}"
+            f"no prompts left after filtering: {stats}. Check data.*_field, data.template and "
+            f"data.max_prompt_len={max_prompt_length}"
         )
     return PromptData(
         prompt_ids=[np.asarray(encoded[j], np.int32) for j in keep],
@@ -345,6 +345,32 @@ def left_pad(seqs: Sequence[np.ndarray], width: int, pad_id: int) -> tuple[np.nd
             ids[r, width - len(s) :] = s
             mask[r, width - len(s) :] = 1
     return ids, mask
+
+
+def encode_completions(
+    tokenizer, texts: Sequence[str], max_length: int, *, add_eos: bool = True
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(ids_BxT, mask_BxT, num_truncated)``: completions (e.g. demonstrations used as
+    DaGRPO anchors or SFT targets) right-padded to ``T = max_length``, int32.
+
+    ``add_eos`` appends the tokenizer's eos; a completion longer than ``max_length`` keeps its
+    first ``max_length`` tokens (eos lost) and is counted in ``num_truncated``.
+    """
+    if max_length <= 0:
+        raise DataError(f"max_length must be positive, got {max_length}")
+    if add_eos and tokenizer.eos_token_id is None:
+        raise DataError("the tokenizer has no eos token; set tokenizer.eos_token")
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"] if len(texts) else []
+    ids = np.full((len(encoded), max_length), tokenizer.pad_token_id, np.int32)
+    mask = np.zeros((len(encoded), max_length), np.int32)
+    truncated = 0
+    for r, seq in enumerate(encoded):
+        seq = list(seq) + ([tokenizer.eos_token_id] if add_eos else [])
+        truncated += len(seq) > max_length
+        seq = seq[:max_length]
+        ids[r, : len(seq)] = seq
+        mask[r, : len(seq)] = 1
+    return ids, mask, truncated
 
 
 # --------------------------------------------------------------------------- iteration
@@ -488,53 +514,84 @@ class PromptIterator(Iterator[PromptBatch]):
 
 # --------------------------------------------------------------------------- from a config
 
+# The ``config.data`` schema (the keys of ``configs/common.py``; missing keys take these).
 DATA_DEFAULTS: dict[str, Any] = {
-    "source": SYNTHETIC,  # "synthetic", a local file/dir, or a Hub id
+    "source": SYNTHETIC,  # "synthetic", a local file/dir/glob, or a Hub id
     "subset": None,  # Hub configuration name
     "split": "train",
-    "num_examples": None,  # None: all rows (synthetic: SYNTHETIC_DEFAULT_SIZES[split])
-    "fields": {"problem": "problem", "answer": "answer", "demonstration": "demonstration"},
-    "template": "plain",
-    "max_prompt_length": 32,
-    "strict": False,
+    "heldout_split": "test",  # synthetic: "test" (alias "heldout")
+    "problem_field": "problem",
+    "answer_field": "answer",
+    "demonstration_field": "",  # "" or None: the data has no demonstrations
+    "template": "plain",  # a name in gjax.data.templates.TEMPLATES
+    "max_prompt_len": 32,  # tokens; longer prompts are skipped (counted)
     "shuffle": True,
-    "seed": 0,  # shuffling seed (and the synthetic stream's seed)
-    "synthetic": {},  # SyntheticConfig overrides
+    "shuffle_seed": 0,
+    "num_examples": None,  # rows of the train split (None: all; synthetic: 8192)
+    "heldout_size": 256,  # rows of the held-out split
+    "strict": False,  # raise on malformed rows instead of skipping them
+    "synthetic": {},  # SyntheticConfig overrides (difficulty knobs)
+    "synthetic_seed": 0,  # seed of the synthetic problem stream
 }
 
 
-def build_prompt_data(cfg: Mapping[str, Any], tokenizer) -> PromptData:
-    """``load_rows`` + ``prepare_prompts`` from a mapping with the keys of ``DATA_DEFAULTS``.
-
-    Missing keys take the defaults; an unknown key is an error listing the valid ones. Accepts
-    an ``ml_collections.ConfigDict`` (anything with ``to_dict``).
-    """
-    cfg = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
+def data_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``DATA_DEFAULTS`` updated by ``cfg`` (a dict or ``ConfigDict``); unknown keys raise."""
+    cfg = dict((cfg.to_dict() if hasattr(cfg, "to_dict") else cfg) or {})
     unknown = set(cfg) - set(DATA_DEFAULTS)
     if unknown:
         raise DataError(
             f"unknown data config keys {sorted(unknown)}; valid: {sorted(DATA_DEFAULTS)}"
         )
-    cfg = {**DATA_DEFAULTS, **cfg}
-    fields = dict(cfg["fields"])
-    unknown = set(fields) - {f.name for f in dataclasses.fields(FieldMap)}
-    if unknown:
-        raise DataError(
-            f"unknown data.fields keys {sorted(unknown)}; valid: problem, answer, demonstration"
-        )
+    return {**DATA_DEFAULTS, **cfg}
+
+
+def build_prompt_data(
+    cfg: Mapping[str, Any] | None, tokenizer, *, heldout: bool = False
+) -> PromptData:
+    """``load_rows`` + ``prepare_prompts`` for ``config.data`` (keys of ``DATA_DEFAULTS``).
+
+    ``heldout=True`` loads ``heldout_split`` (first ``heldout_size`` rows) instead of ``split``
+    (first ``num_examples`` rows).
+    """
+    cfg = data_config(cfg)
+    demonstration = cfg["demonstration_field"] or None
     rows = load_rows(
         cfg["source"],
-        split=cfg["split"],
+        split=cfg["heldout_split"] if heldout else cfg["split"],
         subset=cfg["subset"],
-        num_examples=cfg["num_examples"],
-        seed=cfg["seed"],
+        num_examples=cfg["heldout_size"] if heldout else cfg["num_examples"],
+        seed=cfg["synthetic_seed"],
         synthetic=cfg["synthetic"],
     )
     return prepare_prompts(
         rows,
         tokenizer,
-        fields=FieldMap(**fields),
+        fields=FieldMap(cfg["problem_field"], cfg["answer_field"], demonstration),
         template=cfg["template"],
-        max_prompt_length=cfg["max_prompt_length"],
+        max_prompt_length=cfg["max_prompt_len"],
         strict=cfg["strict"],
+    )
+
+
+def build_prompt_iterator(
+    cfg: Mapping[str, Any] | None,
+    tokenizer,
+    *,
+    global_batch_size: int,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    state: Mapping[str, Any] | None = None,
+) -> PromptIterator:
+    """The training iterator for ``config.data``: ``build_prompt_data`` + ``PromptIterator``."""
+    data = build_prompt_data(cfg, tokenizer)
+    cfg = data_config(cfg)
+    return PromptIterator(
+        data,
+        global_batch_size=global_batch_size,
+        seed=cfg["shuffle_seed"],
+        shuffle=cfg["shuffle"],
+        process_index=process_index,
+        process_count=process_count,
+        state=state,
     )
