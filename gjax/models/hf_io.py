@@ -358,15 +358,20 @@ def _wanted(name: str) -> bool:
     return name in _CHECKPOINT_FILES or name in TOKENIZER_FILES or name.endswith(".safetensors")
 
 
+def _remote_path(url: str):
+    """An `etils.epath.Path` for a URL (gs:// needs gcsfs: the `gcs` extra)."""
+    from etils import epath
+
+    return epath.Path(url)
+
+
 def _copy_remote_dir(url: str) -> str:
     """Copies a remote checkpoint dir's useful files (config, weights, tokenizer) to the cache.
 
     Files already there with the same size are kept. Needs `etils[epath]` plus a filesystem
     for the scheme (gs://: `pip install gjax[gcs]`, i.e. gcsfs).
     """
-    from etils import epath
-
-    src = epath.Path(url)
+    src = _remote_path(url)
     scheme, rest = url.split("://", 1)
     local = os.path.join(cache_dir(), "remote", scheme, rest.strip("/"))
     os.makedirs(local, exist_ok=True)
@@ -670,9 +675,7 @@ def _save_tokenizer(tokenizer, directory: str) -> None:
 
 
 def _upload_dir(local: str, url: str) -> None:
-    from etils import epath
-
-    dest = epath.Path(url)
+    dest = _remote_path(url)
     dest.mkdir(parents=True, exist_ok=True)
     for name in sorted(os.listdir(local)):
         with open(os.path.join(local, name), "rb") as fin, (dest / name).open("wb") as fout:
