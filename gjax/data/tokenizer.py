@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported on use: it is slow to import
+    from transformers import PreTrainedTokenizerFast
 
 PAD, EOS, IM_START, IM_END, UNK = (
     "<|pad|>",
@@ -45,6 +48,8 @@ def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     >>> tok.decode(tok("7+5=12")["input_ids"])
     '7+5=12'
     """
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARACTERS:
         vocab[ch] = len(vocab)

@@ -9,6 +9,7 @@ from gjax.rewards.registry import (
     build_reward,
     soft_overlong_penalty,
 )
+from gjax.rewards.rule_judge import RuleJudge  # registers the offline judge as "rule"
 from gjax.rewards.verifier import EXTRACTORS, Verifier, VerifierConfig, extract_answer
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardResult",
     "RewardSpec",
+    "RuleJudge",
     "Verifier",
     "VerifierConfig",
     "build_reward",
