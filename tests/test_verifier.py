@@ -102,6 +102,8 @@ def test_boxed_last_balanced():
     # Other commands that start with \boxed are not boxes.
     assert extract_boxed(r"\boxedsymbol{3}") is None
     assert extract_boxed("no box") is None
+    assert extract_boxed(r"\boxed{\\{1}") is None  # "\\" is an escaped backslash: { opens
+    assert extract_boxed(r"\boxed{1}" + r"\boxed{" * 20_000) == "1"
 
 
 def test_answer_tag_and_regex():
@@ -302,6 +304,7 @@ def test_adversarial_items_score_zero_and_are_counted(tight_verifier):
         assert by_name[n] in ("timeout", "crash"), (n, by_name[n])
     assert by_name["deep_braces_huge"] in ("refused", "no_answer")  # refused before parsing
     assert by_name["many_boxes"] == "refused"
+    assert by_name["unbalanced_braces"] == "no_answer"  # extraction is linear, not quadratic
     d = _delta(before, v.stats())
     assert d["calls"] == len(names)
     assert d["timeouts"] + d["crashes"] >= len(MUST_TIME_OUT)

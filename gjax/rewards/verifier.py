@@ -84,24 +84,25 @@ _BOXED_COMMANDS = ("\\boxed", "\\fbox")
 _MATH_DELIMITER_RE = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed|\\fbox")
 
 
-def _balanced_group(text: str, open_idx: int) -> str | None:
-    """Content of the brace group opening at ``text[open_idx] == '{'`` (None if unbalanced)."""
-    depth = 0
-    i = open_idx
-    n = len(text)
-    while i < n:
-        c = text[i]
-        if c == "\\":  # an escaped character (e.g. \{ or \}) never opens or closes a group
-            i += 2
-            continue
+_BRACE_TOKEN_RE = re.compile(r"\\.|[{}]", re.DOTALL)
+
+
+def _brace_matches(text: str) -> dict[int, int]:
+    """``{index of '{': index of its matching '}'}`` in one linear pass.
+
+    A backslash escapes the next character, so ``\\{`` and ``\\}`` never open or close a
+    group. Linear time matters: responses are untrusted, and a quadratic scan over thousands
+    of unbalanced ``\\boxed{`` would burn a worker until its deadline.
+    """
+    stack: list[int] = []
+    match: dict[int, int] = {}
+    for m in _BRACE_TOKEN_RE.finditer(text):
+        c = m.group()
         if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_idx + 1 : i]
-        i += 1
-    return None
+            stack.append(m.start())
+        elif c == "}" and stack:
+            match[stack.pop()] = m.start()
+    return match
 
 
 @EXTRACTORS.register("boxed")
@@ -112,6 +113,7 @@ def extract_boxed(text: str) -> str | None:
     falls back to the previous complete one.
     """
     starts = []
+    matches = None
     for cmd in _BOXED_COMMANDS:
         pos = text.find(cmd)
         while pos != -1:
@@ -125,9 +127,11 @@ def extract_boxed(text: str) -> str | None:
         while k < len(text) and text[k] in " \t":
             k += 1
         if k < len(text) and text[k] == "{":
-            content = _balanced_group(text, k)
-            if content is not None:
-                return content.strip()
+            if matches is None:
+                matches = _brace_matches(text)
+            close = matches.get(k)
+            if close is not None:
+                return text[k + 1 : close].strip()
         elif k > j and k < len(text):  # "\boxed 5.": to whitespace or '$', minus punctuation
             end = k
             while end < len(text) and not text[end].isspace() and text[end] != "$":
