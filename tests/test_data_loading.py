@@ -185,6 +185,8 @@ def test_synthetic_source_and_config(tok):
         loading.build_prompt_data({"max_prompt_length": 3}, tok)
     with pytest.raises(DataError, match="splits"):
         loading.build_prompt_data({"split": "validation"}, tok)
+    with pytest.raises(DataError, match="valid:.*max_ops"):
+        loading.build_prompt_data({"synthetic": {"max_opps": 3}}, tok)
 
 
 def test_length_filter_is_counted(tok):

@@ -169,12 +169,17 @@ def load_rows(
         raise DataError(f"data.num_examples must be positive, got {num_examples}")
     if source == SYNTHETIC:
         if isinstance(synthetic, Mapping):
+            valid = [f.name for f in dataclasses.fields(synthetic_lib.SyntheticConfig)]
+            unknown = sorted(set(synthetic) - set(valid))
+            if unknown:
+                raise DataError(f"unknown data.synthetic keys {unknown}; valid: {valid}")
             synthetic = synthetic_lib.SyntheticConfig(**dict(synthetic))
         cfg = synthetic or synthetic_lib.SyntheticConfig()
         split = {"heldout": "test"}.get(split, split)
         if split not in synthetic_lib.SPLITS:
             raise DataError(
-                f"synthetic data has splits {synthetic_lib.SPLITS}, not {split!r}; set data.split"
+                f"synthetic data has splits {synthetic_lib.SPLITS} (alias 'heldout' for 'test'), "
+                f"not {split!r}; set data.split / data.heldout_split"
             )
         num = num_examples or SYNTHETIC_DEFAULT_SIZES[split]
         problems = synthetic_lib.generate(num, split, seed=seed, config=cfg)
