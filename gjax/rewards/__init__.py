@@ -1,5 +1,19 @@
 """Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
 
+from gjax.rewards.judge import (
+    JUDGES,
+    Judge,
+    OpenAIJudge,
+    make_judge,
+    parse_score,
+    resolve_missing_scores,
+)
+from gjax.rewards.pipeline import (
+    PipelineResult,
+    RewardHandle,
+    RewardPipeline,
+    RewardPipelineError,
+)
 from gjax.rewards.registry import (
     REWARDS,
     CombinedReward,
@@ -13,6 +27,16 @@ from gjax.rewards.rule_judge import RuleJudge  # registers the offline judge as 
 from gjax.rewards.verifier import EXTRACTORS, Verifier, VerifierConfig, extract_answer
 
 __all__ = [
+    "JUDGES",
+    "Judge",
+    "OpenAIJudge",
+    "PipelineResult",
+    "RewardHandle",
+    "RewardPipeline",
+    "RewardPipelineError",
+    "make_judge",
+    "parse_score",
+    "resolve_missing_scores",
     "EXTRACTORS",
     "REWARDS",
     "CombinedReward",

@@ -457,12 +457,17 @@ class OpenAIJudge:
         if key is None and api_key_env:
             key = os.environ.get(api_key_env) or None
         if key is None:
-            if base_url is None:
+            if base_url is None or "api.openai.com" in base_url:
                 raise ValueError(
                     "OpenAIJudge has no API key: set config 'api_key' or the environment "
                     f"variable named by 'api_key_env' ({api_key_env!r}), or point 'base_url' "
-                    "at a local server"
+                    "at a server that needs none"
                 )
+            log.warning(
+                "judge at %s: no API key (api_key_env=%r unset); sending a placeholder",
+                base_url,
+                api_key_env,
+            )
             key = "EMPTY"
         self._api_key = _Secret(key)
         self.model = model
@@ -689,6 +694,13 @@ class OpenAIJudge:
             self._stats.add(kind)
             if not retryable or attempt == self.max_retries:
                 self._stats.add("failures")
+                if detail in ("HTTP 401", "HTTP 403"):
+                    log.error(
+                        "judge at %s rejected the credentials (%s): check the key in $%s",
+                        self.base_url,
+                        detail,
+                        self.api_key_env,
+                    )
                 log.warning(
                     "judge %s at %s: giving up after %d attempt(s): %s",
                     self.model,
