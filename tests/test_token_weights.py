@@ -1,0 +1,200 @@
+"""Token weights (CW-GRPO Sec. 2.3, Clip-Cov, KL-Cov) against hand-computed values."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gjax.objective.token_weights import TOKEN_WEIGHTS, compute_token_weights, token_covariance
+
+KEY = jax.random.PRNGKey(0)
+
+
+def _random_batch(seed=0, b=4, t=12):
+    rng = np.random.default_rng(seed)
+    lp = -rng.exponential(1.5, (b, t)).astype(np.float32)
+    adv = np.repeat(rng.normal(size=(b, 1)), t, axis=1).astype(np.float32)
+    lengths = rng.integers(3, t + 1, size=b)
+    mask = np.arange(t)[None, :] < lengths[:, None]
+    return jnp.asarray(lp), jnp.asarray(adv), jnp.asarray(mask)
+
+
+# ----------------------------------------------------------------------------- CW-GRPO
+
+
+def test_cw_gaussian_golden_with_padding():
+    # Valid tokens: logp (-1, -2 | -3, -2), A (1, 1 | -1, -1). Means over valid tokens: -2, 0.
+    # c = (1*1, 0*1, -1*-1, 0*-1) = (1, 0, 1, 0); mean 1/2, sigma = 1/2.
+    # w = exp(-c^2 / (2 * 1/4)) = (e^-2, 1, e^-2, 1); w~ = w * 4 / (2 + 2 e^-2).
+    lp = jnp.asarray([[-1.0, -2.0, 7.0], [-3.0, -2.0, -50.0]])
+    adv = jnp.asarray([[1.0, 1.0, 9.0], [-1.0, -1.0, 9.0]])
+    mask = jnp.asarray([[1, 1, 0], [1, 1, 0]], jnp.float32)
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv, mask)
+    lo, hi = 4 * math.exp(-2) / (2 + 2 * math.exp(-2)), 4 / (2 + 2 * math.exp(-2))
+    np.testing.assert_allclose(out.w_BxT, [[lo, hi, 0.0], [lo, hi, 0.0]], rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["w_mean"], 1.0, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["w_min"], lo, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["w_max"], hi, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["cov_std"], 0.5, rtol=1e-6)
+    assert float(jnp.abs(out.kl_coef_BxT).sum()) == 0.0
+
+
+def test_cw_mean_one_and_extreme_covariance_smallest():
+    lp, adv, mask = _random_batch(1)
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv, mask)
+    w, m = np.asarray(out.w_BxT), np.asarray(mask)
+    np.testing.assert_allclose(w[m].mean(), 1.0, rtol=1e-6)
+    assert np.all(w[~m] == 0.0)
+    c = np.abs(np.asarray(token_covariance(lp, adv, mask)))[m]
+    order = np.argsort(c)  # increasing |c| -> non-increasing weight
+    assert np.all(np.diff(w[m][order]) <= 1e-7)
+    assert w[m][np.argmax(c)] == w[m].min()
+
+
+def test_cw_padding_values_and_extra_padding_do_not_change_weights():
+    lp, adv, mask = _random_batch(2)
+    base = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv, mask).w_BxT
+    junk = jnp.where(mask, lp, jnp.nan), jnp.where(mask, adv, 1e6)
+    pad = [(0, 0), (0, 5)]
+    lp2, adv2 = jnp.pad(junk[0], pad, constant_values=3.0), jnp.pad(junk[1], pad)
+    mask2 = jnp.pad(mask, pad)
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(lp2, adv2, mask2)
+    np.testing.assert_allclose(out.w_BxT[:, :12], base, rtol=1e-6)
+    assert np.all(np.asarray(out.w_BxT[:, 12:]) == 0.0)
+    assert float(out.metrics["nonfinite_tokens"]) == 0.0
+
+
+def test_per_sequence_adv_broadcasts():
+    lp, adv, mask = _random_batch(3)
+    a = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv, mask).w_BxT
+    b = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv[:, 0], mask).w_BxT
+    np.testing.assert_array_equal(a, b)
+
+
+def test_cw_sigma_zero_gives_unit_weights():
+    lp = jnp.full((2, 3), -1.0)  # all logp equal -> c = 0 everywhere
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(lp, jnp.ones((2, 3)), jnp.ones((2, 3)))
+    np.testing.assert_allclose(out.w_BxT, 1.0)
+
+
+@pytest.mark.parametrize("name", ["none", "cw_gaussian", "clip_cov", "kl_cov"])
+def test_no_gradient_through_weights(name):
+    lp, adv, mask = _random_batch(4)
+    hp = {"clip_cov": {"ratio": 0.2, "omega_low": 0.0}, "kl_cov": {"ratio": 0.2}}.get(name, {})
+
+    def f(lp, adv):
+        out = compute_token_weights(name, lp, adv, mask, rng=KEY, **hp)
+        return jnp.sum(out.w_BxT * 3.0) + jnp.sum(out.kl_coef_BxT**2)
+
+    g_lp, g_adv = jax.grad(f, argnums=(0, 1))(lp, adv)
+    assert np.all(np.asarray(g_lp) == 0.0) and np.all(np.asarray(g_adv) == 0.0)
+
+
+# ------------------------------------------------------------------------ Clip-Cov / KL-Cov
+# One row, logp deviations d and per-token advantages +-1 (both mean 0 over the 8 valid
+# tokens), so c = d * A by hand. The 9th token is padding with an absurd logp.
+D = [3.0, -2.5, 2.0, -1.5, 1.0, -0.5, 0.25, -1.75]
+A = [1.0, -1.0, 1.0, -1.0, 1.0, -1.0, 1.0, -1.0]
+C = [3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.25, 1.75]
+LP = jnp.asarray([[d - 2.0 for d in D] + [40.0]])
+ADV = jnp.asarray([A + [-30.0]])
+MASK = jnp.asarray([[1] * 8 + [0]])
+
+
+def test_covariance_by_hand():
+    np.testing.assert_allclose(token_covariance(LP, ADV, MASK.astype(bool)), [C + [0.0]])
+
+
+def test_clip_cov_detaches_k_random_tokens_inside_band():
+    # Band (1, 5) strictly: c in {3, 2.5, 2, 1.5, 1.75} -> tokens {0, 1, 2, 3, 7}.
+    # ratio 0.25: k = floor(0.25 * 8) = 2 detached tokens.
+    band = {0, 1, 2, 3, 7}
+    seen = set()
+    for seed in range(12):
+        out = TOKEN_WEIGHTS.get("clip_cov")(
+            LP, ADV, MASK, rng=jax.random.PRNGKey(seed), ratio=0.25, omega_low=1.0, omega_high=5.0
+        )
+        w = np.asarray(out.w_BxT[0])
+        zero = set(np.flatnonzero(w[:8] == 0.0).tolist())
+        assert len(zero) == 2 and zero <= band
+        assert w[8] == 0.0 and np.all(w[:8][[i for i in range(8) if i not in zero]] == 1.0)
+        np.testing.assert_allclose(out.metrics["clip_cov_fraction"], 2 / 8)
+        assert float(out.metrics["clip_cov_candidates"]) == 5
+        seen |= zero
+    assert seen == band  # the choice is random over the whole band
+
+
+def test_clip_cov_count_floor_and_minimum_one():
+    kw = dict(rng=KEY, omega_low=1.0, omega_high=5.0)
+    tiny = TOKEN_WEIGHTS.get("clip_cov")(LP, ADV, MASK, ratio=1e-4, **kw)  # max(floor(8e-4), 1)
+    assert int(jnp.sum(tiny.w_BxT[0, :8] == 0)) == 1
+    full = TOKEN_WEIGHTS.get("clip_cov")(LP, ADV, MASK, ratio=1.0, **kw)  # k = 8 > 5 candidates
+    np.testing.assert_array_equal(full.w_BxT[0], [0, 0, 0, 0, 1, 1, 1, 0, 0])
+    same = TOKEN_WEIGHTS.get("clip_cov")(LP, ADV, MASK, ratio=0.25, **kw)
+    again = TOKEN_WEIGHTS.get("clip_cov")(LP, ADV, MASK, ratio=0.25, **kw)
+    np.testing.assert_array_equal(same.w_BxT, again.w_BxT)  # deterministic given the key
+
+
+@pytest.mark.parametrize(
+    "ratio,selected", [(0.25, [0, 1]), (0.375, [0, 1, 2]), (0.5, [0, 1, 2, 7]), (1e-4, [0])]
+)
+def test_kl_cov_top_k_by_covariance(ratio, selected):
+    out = TOKEN_WEIGHTS.get("kl_cov")(LP, ADV, MASK, ratio=ratio, kl_coef=0.7)
+    expect = np.zeros(9, np.float32)
+    expect[selected] = 0.7
+    np.testing.assert_allclose(out.kl_coef_BxT[0], expect)
+    np.testing.assert_array_equal(out.w_BxT[0], [1] * 8 + [0])
+    np.testing.assert_allclose(out.metrics["kl_cov_fraction"], len(selected) / 8)
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("name", TOKEN_WEIGHTS.names())
+def test_all_masked_and_nonfinite_tokens(name):
+    lp, adv, mask = _random_batch(5)
+    out = compute_token_weights(name, lp, adv, jnp.zeros_like(mask), rng=KEY)
+    assert np.all(np.asarray(out.w_BxT) == 0) and np.all(np.asarray(out.kl_coef_BxT) == 0)
+    assert all(np.isfinite(float(v)) for v in out.metrics.values())
+    # A NaN logp on a valid token: that token is dropped (weight 0) and counted.
+    bad = lp.at[0, 0].set(jnp.nan)
+    out = compute_token_weights(name, bad, adv, mask, rng=KEY)
+    ref = compute_token_weights(name, lp, adv, mask.at[0, 0].set(False), rng=KEY)
+    np.testing.assert_allclose(out.w_BxT, ref.w_BxT, rtol=1e-6)
+    assert float(out.metrics["nonfinite_tokens"]) == 1.0
+
+
+def test_bad_inputs_raise():
+    lp, adv, mask = _random_batch(6)
+    with pytest.raises(ValueError, match="loss_mask_BxT shape"):
+        compute_token_weights("cw_gaussian", lp, adv, mask[:, :5])
+    with pytest.raises(ValueError, match="adv must be"):
+        compute_token_weights("cw_gaussian", lp, adv[:2], mask)
+    with pytest.raises(TypeError, match="floating"):
+        compute_token_weights("cw_gaussian", lp.astype(jnp.int32), adv, mask)
+    with pytest.raises(ValueError, match="2-D"):
+        compute_token_weights("cw_gaussian", lp[0], adv[0], mask[0])
+    with pytest.raises(ValueError, match="rng"):
+        compute_token_weights("clip_cov", lp, adv, mask)
+    with pytest.raises(ValueError, match="ratio"):
+        compute_token_weights("kl_cov", lp, adv, mask, ratio=1.5)
+    with pytest.raises(ValueError, match="omega_low"):
+        compute_token_weights("clip_cov", lp, adv, mask, rng=KEY, omega_low=5.0, omega_high=1.0)
+    with pytest.raises(ValueError, match="kl_coef"):
+        compute_token_weights("kl_cov", lp, adv, mask, kl_coef=-1.0)
+    with pytest.raises(KeyError, match="valid names"):
+        compute_token_weights("gaussian", lp, adv, mask)
+
+
+def test_jit_matches_eager():
+    lp, adv, mask = _random_batch(7)
+    for name in TOKEN_WEIGHTS:
+        eager = compute_token_weights(name, lp, adv, mask, rng=KEY)
+        jitted = jax.jit(
+            lambda lp, a, m, k, name=name: compute_token_weights(name, lp, a, m, rng=k)
+        )
+        out = jitted(lp, adv, mask, KEY)
+        np.testing.assert_allclose(out.w_BxT, eager.w_BxT, rtol=1e-6)
+        np.testing.assert_allclose(out.kl_coef_BxT, eager.kl_coef_BxT)
