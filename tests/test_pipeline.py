@@ -311,3 +311,35 @@ def test_combined_reward_from_the_registry():
         res = pipe.submit(PROMPTS, COMPLETIONS, ANSWERS, completion_lengths=[3] * B).result()
     assert res.rewards.shape == (B,) and res.valid.shape == (B,)
     assert any(k.startswith("rewards/format") for k in res.metrics)
+
+
+@pytest.mark.slow
+def test_end_to_end_verifier_and_openai_judge_overlap_device():
+    """The real stack: math-verify accuracy (process pool) + OpenAIJudge over HTTP || jax."""
+    from gjax.rewards.registry import build_reward
+    from gjax.rewards.verifier import Verifier
+
+    @jax.jit
+    def device_logps(x):
+        return jax.nn.log_softmax(jnp.tanh(x @ x.T) @ x, axis=-1)
+
+    x = jnp.ones((32, 32)) / 32
+    device_logps(x).block_until_ready()
+    completions = ["so \\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{2}", "garbage"]
+    answers = ["1/2"] * 4
+    with (
+        JudgeServer(default="sleep:0.05|score:8") as server,
+        Verifier(num_workers=1, timeout_s=60.0) as verifier,
+    ):
+        judge = OpenAIJudge(model="m", base_url=server.base_url, api_key="k", timeout_s=30)
+        reward = build_reward([{"name": "accuracy"}], verifier=verifier)
+        with RewardPipeline({"reward": reward}, judge=judge) as pipe:
+            handle = pipe.submit(["p"] * 4, completions, answers, REFS, completion_lengths=[5] * 4)
+            device_logps(x).block_until_ready()
+            res = handle.result(timeout=120)
+    np.testing.assert_array_equal(res.rewards, [1, 1, 0, 0])
+    np.testing.assert_array_equal(res.scores, [8, 8, 8, 8])
+    assert res.valid.all() and res.scored.all()
+    assert res.metrics["judge/calls"] == 4 and server.requests == 4
+    # (Ordering/overlap is asserted deterministically in test_rewards_overlap_device_work.)
+    assert 0 <= res.metrics["rewards/overlap_frac"] <= 1
