@@ -315,6 +315,11 @@ def _boxed_init(cfg: ModelConfig, rng):
 
 def init_params(cfg: ModelConfig, rng) -> Params:
     """Random params (normal(0.02) kernels, unit norms, zero biases) as a plain dict tree."""
+    return _init_jit(cfg, rng)
+
+
+@jax.jit(static_argnums=0)
+def _init_jit(cfg: ModelConfig, rng) -> Params:
     return nn.meta.unbox(_boxed_init(cfg, rng))
 
 
