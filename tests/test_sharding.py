@@ -1,0 +1,245 @@
+"""Mesh, logical-axis rules and sharded forward (8 fake CPU devices, see conftest.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from gjax import sharding
+from gjax.models import transformer as T
+from gjax.models.config import ModelConfig
+
+CFG = ModelConfig(
+    model_type="qwen2",
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=8,
+    attention_bias=True,
+    tie_word_embeddings=False,
+)
+
+# Expected specs under DEFAULT_RULES for every leaf of the param tree.
+EXPECTED_SPECS = {
+    "embed/embedding": P("tensor", "fsdp"),
+    "final_norm/scale": P("fsdp"),
+    "lm_head/kernel": P("fsdp", "tensor"),
+    "layers/input_norm/scale": P(None, "fsdp"),
+    "layers/post_attn_norm/scale": P(None, "fsdp"),
+    "layers/attn/q/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/k/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/v/kernel": P(None, "fsdp", "tensor"),
+    "layers/attn/q/bias": P(None, "tensor"),
+    "layers/attn/k/bias": P(None, "tensor"),
+    "layers/attn/v/bias": P(None, "tensor"),
+    "layers/attn/o/kernel": P(None, "tensor", "fsdp"),
+    "layers/mlp/gate/kernel": P(None, "fsdp", "tensor"),
+    "layers/mlp/up/kernel": P(None, "fsdp", "tensor"),
+    "layers/mlp/down/kernel": P(None, "tensor", "fsdp"),
+}
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+
+
+def _specs(tree):
+    return {
+        sharding.path_str(path): leaf.spec if hasattr(leaf, "spec") else leaf.sharding.spec
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def _is(x, mesh, spec):
+    """x is laid out as `spec` on `mesh` (specs compare loosely: P("a") == P("a", None))."""
+    return x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+
+
+def _random_params(cfg, seed=0):
+    """init_params plus noise on every leaf (init leaves norms at 1 and biases at 0)."""
+    params = T.init_params(cfg, jax.random.key(seed))
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
+    return jax.tree.unflatten(treedef, noisy)
+
+
+def _padded_batch(b=8, t=12, seed=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, CFG.vocab_size, size=(b, t))
+    lengths = rng.integers(3, t + 1, size=b)
+    left = rng.integers(0, 2, size=b).astype(bool)  # half left-, half right-padded
+    seg = np.zeros((b, t), np.int32)
+    for i, (n, lp) in enumerate(zip(lengths, left)):
+        if lp:
+            seg[i, t - n :] = 1
+        else:
+            seg[i, :n] = 1
+    positions = np.maximum(np.cumsum(seg, axis=1) - 1, 0)
+    return (
+        jnp.asarray(np.where(seg == 1, tokens, 0), jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        jnp.asarray(seg),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Mesh
+
+
+def test_make_mesh_axes_and_fill():
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert mesh.axis_names == ("data", "fsdp", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert dict(sharding.make_mesh({"fsdp": -1, "tensor": 2}).shape) == {
+        "data": 1,
+        "fsdp": 4,
+        "tensor": 2,
+    }
+    sub = sharding.make_mesh({"tensor": 4}, devices=jax.devices()[:4])
+    assert dict(sub.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+
+
+@pytest.mark.parametrize(
+    "shape, match",
+    [
+        ({"data": 3}, r"has 3 devices but 8 are available"),
+        ({"data": 2, "tensor": 2}, r"has 4 devices but 8 are available"),
+        ({"pipeline": 2}, r"unknown mesh axes \['pipeline'\]; valid axes"),
+        ({"data": -1, "fsdp": -1}, r"at most one mesh axis may be -1"),
+        ({"data": -1, "tensor": 3}, r"do not divide the 8 devices"),
+        ({"data": 0}, r"must be positive"),
+    ],
+)
+def test_make_mesh_errors(shape, match):
+    with pytest.raises(ValueError, match=match):
+        sharding.make_mesh(shape)
+
+
+# --------------------------------------------------------------------------------------------
+# Rules
+
+
+def test_logical_to_spec():
+    assert sharding.logical_to_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
+    assert sharding.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    assert sharding.logical_to_spec(("layers", None, "vocab")) == P(None, None, "tensor")
+    with pytest.raises(KeyError, match=r"no sharding rule for logical axis 'heads'; rules cover"):
+        sharding.logical_to_spec(("batch", "heads"))
+    with pytest.raises(ValueError, match=r"unknown mesh axis 'model'"):
+        sharding.check_rules({"mlp": "model"})
+
+
+def test_param_shardings_follow_rules(mesh):
+    abstract = T.abstract_params(CFG)
+    assert _specs(sharding.param_shardings(abstract, mesh)) == EXPECTED_SPECS
+    # flax's boxed logical metadata gives the same answer as the path table.
+    boxed = jax.eval_shape(lambda: T._boxed_init(CFG, jax.random.key(0)))
+    assert _specs(sharding.param_shardings(boxed, mesh)) == EXPECTED_SPECS
+    # Rules are data: change them, the layout follows.
+    rules = {**sharding.DEFAULT_RULES, "embed": None, "mlp": ("fsdp", "tensor")}
+    specs = _specs(sharding.param_shardings(abstract, mesh, rules))
+    assert specs["layers/mlp/up/kernel"] == P(None, None, ("fsdp", "tensor"))
+    assert specs["embed/embedding"] == P("tensor", None)
+
+
+def test_unknown_param_path_is_an_error(mesh):
+    with pytest.raises(KeyError, match=r"parameter 'layers/attn/qkv/kernel' is not in the gjax"):
+        sharding.param_shardings(
+            {"layers": {"attn": {"qkv": {"kernel": jnp.zeros((2, 4, 4))}}}}, mesh
+        )
+
+
+def test_mesh_not_dividing_model_names_field_and_axis():
+    mesh = sharding.make_mesh({"data": 4, "tensor": 2})
+    bad = CFG.replace(num_heads=3, num_kv_heads=1, vocab_size=65)
+    with pytest.raises(ValueError) as err:
+        sharding.validate_model_sharding(bad, mesh)
+    msg = str(err.value)
+    assert "ModelConfig.num_heads=3 is not divisible by mesh axis 'tensor' (size 2)" in msg
+    assert "logical axis 'q_heads'" in msg
+    assert "ModelConfig.num_kv_heads=1" in msg and "ModelConfig.vocab_size=65" in msg
+    assert "intermediate_size" not in msg
+    sharding.validate_model_sharding(CFG, mesh)  # fine
+    # A rule mapping kv_heads to no mesh axis (replicated kv heads) accepts K=1.
+    rules = {**sharding.DEFAULT_RULES, "kv_heads": None}
+    sharding.validate_model_sharding(CFG.replace(num_kv_heads=1), mesh, rules)
+
+
+def test_param_shardings_name_the_tensor(mesh):
+    abstract = T.abstract_params(CFG.replace(vocab_size=65))
+    with pytest.raises(ValueError) as err:
+        sharding.param_shardings(abstract, mesh)
+    msg = str(err.value)
+    assert (
+        "embed/embedding: dim 0 (size 65, logical axis 'vocab') is not divisible by mesh "
+        "axis 'tensor' (size 2)" in msg
+    )
+    assert "lm_head/kernel: dim 1 (size 65" in msg
+
+
+# --------------------------------------------------------------------------------------------
+# Placement and forward
+
+
+def test_sharded_init_places_shards(mesh):
+    def init(rng):
+        return T.init_params(CFG, rng)
+
+    params = sharding.sharded_init(init, jax.random.key(3), mesh)
+    assert _specs(params) == EXPECTED_SPECS
+    q = params["layers"]["attn"]["q"]["kernel"]  # [2, 32, 32] on (None, fsdp, tensor)
+    assert {s.data.shape for s in q.addressable_shards} == {(2, 16, 16)}
+    emb = params["embed"]["embedding"]  # [64, 32] on (tensor, fsdp)
+    assert {s.data.shape for s in emb.addressable_shards} == {(32, 16)}
+    ref = jax.jit(init)(jax.random.key(3))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-7), params, ref)
+
+
+def test_sharded_forward_matches_single_device(mesh):
+    params = _random_params(CFG)
+    tokens, positions, seg = _padded_batch()
+    forward = jax.jit(T.forward, static_argnums=1, static_argnames="return_logits")
+    hidden_ref, logits_ref = forward(params, CFG, tokens, positions, seg, return_logits=True)
+
+    sharded = sharding.shard_params(params, mesh)
+    assert _specs(sharded) == EXPECTED_SPECS
+    batch = sharding.activation_sharding(mesh, ("batch", "length"))
+    tokens_s, positions_s, seg_s = (jax.device_put(x, batch) for x in (tokens, positions, seg))
+    with jax.set_mesh(mesh), sharding.use_rules():
+        hidden, logits = forward(sharded, CFG, tokens_s, positions_s, seg_s, return_logits=True)
+    # The model's logical activation constraints took effect on the mesh.
+    assert _is(logits, mesh, P(("data", "fsdp"), None, "tensor"))
+    assert _is(hidden, mesh, P(("data", "fsdp"), None, None))
+    valid = np.asarray(seg, bool)
+    np.testing.assert_array_less(np.abs(np.asarray(logits) - np.asarray(logits_ref))[valid], 1e-5)
+    np.testing.assert_array_less(np.abs(np.asarray(hidden) - np.asarray(hidden_ref))[valid], 1e-5)
+
+
+def test_constrain_inside_jit(mesh):
+    x = jnp.ones((8, 4, 6))
+    f = lambda v: sharding.constrain(v * 2, ("batch", "length", "embed"))
+    assert f(x) is not None and sharding.constrain(x, ("batch", "length", "embed")) is x
+    with jax.set_mesh(mesh):
+        y = jax.jit(f)(x)
+        # A batch of 2 does not divide data*fsdp = 4: replicated instead of failing.
+        z = jax.jit(f)(jnp.ones((2, 4, 6)))
+        w = jax.jit(lambda v: sharding.constrain(v, ("batch", "vocab")))(jnp.ones((4, 6)))
+    assert _is(y, mesh, P(("data", "fsdp"), None, None))
+    assert _is(z, mesh, P(None, None, None))
+    assert _is(w, mesh, P(("data", "fsdp"), "tensor"))
+    with pytest.raises(ValueError, match="do not match shape"), jax.set_mesh(mesh):
+        sharding.constrain(x, ("batch", "length"))
+
+
+def test_activation_sharding_drops_indivisible(mesh):
+    s = sharding.activation_sharding(mesh, ("batch", "length"), shape=(6, 10))
+    assert s.spec == P(None, None)
+    s = sharding.activation_sharding(mesh, ("batch", "length"), shape=(8, 10))
+    assert s.spec == P(("data", "fsdp"), None)
