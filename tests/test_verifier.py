@@ -390,3 +390,51 @@ def test_close_is_final():
         v.score([r"\boxed{1}"], ["1"])
     for pid in pids:
         _wait_gone(pid)
+
+
+def test_worker_loop_reports_exceptions(monkeypatch):
+    # The worker loop itself (run in a thread here): an exception in one item is reported as
+    # an error reply and the loop goes on.
+    import multiprocessing
+
+    from gjax.rewards import verifier as vmod
+
+    real = vmod._score_one
+
+    def flaky(response, gold, *args):
+        if response == "BOOM":
+            raise RecursionError("maximum recursion depth exceeded")
+        return real(response, gold, *args)
+
+    monkeypatch.setattr(vmod, "_score_one", flaky)
+    parent, child = multiprocessing.Pipe()
+    t = threading.Thread(
+        target=vmod._worker_main, args=(child, VerifierConfig(worker_memory_mb=None))
+    )
+    t.start()
+    assert parent.recv() == ("ready", None)
+    parent.send(("BOOM", "1"))
+    assert parent.recv() == ("error", "RecursionError: maximum recursion depth exceeded")
+    parent.send((r"\boxed{1}", "1"))
+    assert parent.recv() == ("correct", None)
+    parent.send(None)
+    t.join(timeout=10)
+    assert not t.is_alive()
+
+
+def test_item_error_is_a_counted_crash_and_recycles(monkeypatch):
+    from gjax.rewards import verifier as vmod
+
+    real_run = vmod._Slot.run
+
+    def run(self, payload, timeout_s):
+        out = real_run(self, payload, timeout_s)
+        return ("error", "RuntimeError: boom") if payload[0] == "BOOM" else out
+
+    with Verifier(num_workers=1, timeout_s=20.0) as v:
+        monkeypatch.setattr(vmod._Slot, "run", run)
+        (pid,) = v.worker_pids()
+        assert v.score_detailed(["BOOM", r"\boxed{1}"], ["1", "1"]) == ["crash", "correct"]
+        s = v.stats()
+        assert (s["crashes"], s["worker_errors"], s["worker_recycles"]) == (1, 1, 1)
+        assert v.worker_pids()[0] != pid

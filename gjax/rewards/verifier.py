@@ -13,7 +13,7 @@ is useless inside the async reward pipeline. This module therefore:
    killed (SIGKILL) and replaced, a worker that dies is replaced, and every worker is
    recycled after ``max_tasks_per_worker`` items (and after any exception) to bound memory.
    Workers also get an address-space limit (``worker_memory_mb``), so a huge integer is a
-   ``MemoryError`` (counted) rather than a swapping host.
+   ``MemoryError`` (a counted crash) rather than a swapping host.
 
 A timed-out, crashing or unparseable item scores 0 and is counted in :meth:`Verifier.stats`;
 nothing is raised into the training loop except programming errors (mismatched lengths,
@@ -43,6 +43,12 @@ Extracted answers are handed to ``math_verify.parse`` as ``\\boxed{answer}`` (La
 unless they already contain math delimiters (unescaped ``$``, ``\\(``, ``\\[``, ``\\boxed``), in which
 case math-verify extracts from them. Gold answers are treated the same way. Then
 ``math_verify.verify(gold, pred)`` decides (gold first: verify is not symmetric).
+
+Worker processes are started with ``forkserver`` (or ``spawn``), never ``fork`` (the parent
+runs JAX threads). As with any such pool, a script that creates a Verifier must keep its
+entry point under ``if __name__ == "__main__":``; the workers import the main module (for
+``python -m gjax.train`` that is ``gjax.train`` and its imports: a slower worker start, not
+a correctness problem).
 
 Example::
 
