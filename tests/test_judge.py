@@ -262,9 +262,9 @@ def test_client_errors_are_not_retried(server):
 
 
 def test_slow_replies_time_out_and_are_retried(server):
-    server.program("slow", ["sleep:1.0|score:7", "score:7"])
-    server.program("always_slow", ["sleep:1.0|score:7"])
-    judge = _judge(server, timeout_s=0.2, max_retries=1)
+    server.program("slow", ["sleep:2.0|score:7", "score:7"])
+    server.program("always_slow", ["sleep:2.0|score:7"])
+    judge = _judge(server, timeout_s=0.5, max_retries=1)
     assert _score(judge, ["slow", "always_slow"]) == [7.0, None]
     assert _counts(judge, "calls", "retries", "timeouts", "failures") == dict(
         calls=4, retries=2, timeouts=3, failures=1
