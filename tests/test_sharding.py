@@ -8,6 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gjax import sharding
+from gjax.models import hf_io
 from gjax.models import transformer as T
 from gjax.models.config import ModelConfig
 
@@ -62,12 +63,15 @@ def _is(x, mesh, spec):
 
 
 def _random_params(cfg, seed=0):
-    """init_params plus noise on every leaf (init leaves norms at 1 and biases at 0)."""
-    params = T.init_params(cfg, jax.random.key(seed))
-    leaves, treedef = jax.tree.flatten(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    noisy = [x + 0.1 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
-    return jax.tree.unflatten(treedef, noisy)
+    """Host-random params in the model's layout (no init compile; norms near 1)."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, shape):
+        base = 1.0 if "norm" in sharding.path_str(path) else 0.0
+        return jnp.asarray(base + 0.15 * rng.standard_normal(shape), jnp.float32)
+
+    shapes = hf_io.param_shapes(cfg)
+    return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def _padded_batch(b=8, t=12, seed=0):
@@ -198,8 +202,6 @@ def test_sharded_init_places_shards(mesh):
     assert {s.data.shape for s in q.addressable_shards} == {(2, 16, 16)}
     emb = params["embed"]["embedding"]  # [64, 32] on (tensor, fsdp)
     assert {s.data.shape for s in emb.addressable_shards} == {(32, 16)}
-    ref = jax.jit(init)(jax.random.key(3))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-7), params, ref)
 
 
 def test_sharded_forward_matches_single_device(mesh):
