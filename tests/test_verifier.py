@@ -438,3 +438,31 @@ def test_item_error_is_a_counted_crash_and_recycles(monkeypatch):
         s = v.stats()
         assert (s["crashes"], s["worker_errors"], s["worker_recycles"]) == (1, 1, 1)
         assert v.worker_pids()[0] != pid
+
+
+def _child_scores(q):
+    try:
+        with Verifier(num_workers=1, timeout_s=ADVERSARIAL_TIMEOUT_S) as v:
+            out = v.score([r"\boxed{1}", ADVERSARIAL["power_tower"]], ["1", "1"])
+            q.put(("ok", out.tolist(), v.stats()["timeouts"]))
+    except BaseException as e:  # noqa: BLE001 (reported to the parent)
+        q.put(("error", f"{type(e).__name__}: {e}"))
+
+
+@pytest.mark.slow
+def test_inside_a_child_process():
+    # Deadlines work when the Verifier itself lives in a (non-daemonic) worker process; a
+    # daemonic one (a multiprocessing.Pool worker) gets a clear error instead of a hang.
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    for daemon, expected in ((False, ("ok", [1.0, 0.0], 1)), (True, None)):
+        q = ctx.Queue()
+        p = ctx.Process(target=_child_scores, args=(q,), daemon=daemon)
+        p.start()
+        got = q.get(timeout=120)
+        p.join(timeout=30)
+        if expected is not None:
+            assert got == expected
+        else:
+            assert got[0] == "error" and "daemonic process" in got[1], got

@@ -533,6 +533,12 @@ class Verifier:
         if overrides:
             cfg = dataclasses.replace(cfg, **overrides)
         self.config = cfg
+        if multiprocessing.current_process().daemon:
+            raise RuntimeError(
+                "Verifier needs worker processes, which a daemonic process (e.g. a "
+                "multiprocessing.Pool worker) may not start: create the Verifier in the main "
+                "process or a non-daemonic child, and call it from threads or asyncio there"
+            )
         ctx = multiprocessing.get_context(cfg.start_method)
         if cfg.start_method == "forkserver":
             # New workers fork from a server that already imported and warmed math-verify and
