@@ -4,11 +4,11 @@
     save_pretrained(params, cfg, "/out/step_1000", tokenizer="/ckpt/Qwen2.5-Math-1.5B")
     tokenizer = load_tokenizer("/ckpt/Qwen2.5-Math-1.5B")
 
-Loading streams one tensor at a time straight into (sharded) device arrays: the safetensors
-files are memory-mapped and `jax.make_array_from_callback` asks for each device's slice,
-which is read from the map (only the pages under that slice), transposed from HF's `[out, in]`
-to our `[in, out]`, stacked over layers for the scanned `L` axis and cast to the param dtype.
-No full host copy of the model is ever built. Before a single weight is read, the checkpoint
+Loading streams straight into (sharded) device arrays: the safetensors files are
+memory-mapped and, param by param and device by device, only that device's slice is read
+(only the pages under it), transposed from HF's `[out, in]` to our `[in, out]`, stacked over
+layers for the scanned `L` axis, cast to the param dtype and put on its device before the
+next slice is read. Host memory peaks at one device shard; no host copy of the model. Before a single weight is read, the checkpoint
 is checked against the config (missing, unexpected and mis-shaped tensors, all listed at once)
 and the mesh against the model dimensions.
 
@@ -482,12 +482,26 @@ def load_pretrained(
 
     def load_leaf(path, leaf, sharding):
         entries = by_path[_path_tuple(path)]
-        return jax.make_array_from_callback(
-            leaf.shape, sharding, lambda index: _read_slice(ckpt, entries, index, dtype)
-        )
+        return _assemble(leaf.shape, sharding, lambda i: _read_slice(ckpt, entries, i, dtype))
 
     params = jax.tree_util.tree_map_with_path(load_leaf, abstract, shardings)
     return cfg, params
+
+
+def _assemble(shape, sharding, read) -> jax.Array:
+    """A global array built shard by shard: each distinct slice is read once, put on its
+    device, and dropped from the host before the next is read (devices holding a replica
+    get a device-to-device copy), so host memory peaks at one shard."""
+    placed: dict[tuple, jax.Array] = {}
+    shards = []
+    for device, index in sharding.addressable_devices_indices_map(shape).items():
+        key = tuple(sl.indices(n) for sl, n in zip(index, shape))
+        if key in placed:
+            shards.append(jax.device_put(placed[key], device))
+        else:
+            placed[key] = jax.device_put(read(index), device)
+            shards.append(placed[key])
+    return jax.make_array_from_single_device_arrays(shape, sharding, shards)
 
 
 def _read_slice(ckpt: Checkpoint, entries: list[_Entry], index: tuple, dtype) -> np.ndarray:
