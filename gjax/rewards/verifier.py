@@ -590,7 +590,14 @@ class Verifier:
 
     def worker_pids(self) -> list[int | None]:
         """Process ids of the workers (None for a slot waiting to be restarted)."""
-        return [s.proc.pid if s.alive() else None for s in self._slots]
+        pids: list[int | None] = []
+        for slot in self._slots:
+            proc = slot.proc  # read once: a dispatcher may be replacing it right now
+            try:
+                pids.append(proc.pid if proc is not None and proc.is_alive() else None)
+            except ValueError:  # closed by a concurrent kill()
+                pids.append(None)
+        return pids
 
     # -- the per-item path (runs on a dispatcher thread) -------------------------------
 
