@@ -1,6 +1,7 @@
 """The policy model: `ModelConfig` and the Flax Qwen2/Llama decoder."""
 
 from gjax.models.config import ModelConfig
+from gjax.models.hf_io import load_pretrained, load_tokenizer, save_pretrained
 from gjax.models.transformer import (
     Transformer,
     abstract_params,
@@ -21,7 +22,10 @@ __all__ = [
     "forward",
     "init_params",
     "lm_head_kernel",
+    "load_pretrained",
+    "load_tokenizer",
     "logits_from_hidden",
     "param_logical_axes",
     "prefill",
+    "save_pretrained",
 ]
