@@ -391,3 +391,44 @@ def test_every_estimator_jits_with_static_hparams():
         jitted = jax.jit(lambda r, v, kw=kw, name=name: compute_advantages(name, r, v, **kw))(r, v)
         np.testing.assert_allclose(eager.adv_PxG, jitted.adv_PxG, rtol=1e-6, atol=1e-7)
         assert eager.adv_PxG.dtype == jnp.float32 and eager.keep_PxG.dtype == jnp.bool_
+
+
+# ------------------------------------------------------------------ properties (hypothesis)
+
+hyp = pytest.importorskip("hypothesis")
+st = hyp.strategies
+
+
+def _kw(name, scores):
+    return {"scores_PxG": jnp.asarray(scores)} if name == "dagrpo" else {}
+
+
+@hyp.settings(max_examples=6, deadline=None, derandomize=True)
+@hyp.given(
+    r=st.lists(st.sampled_from([0.0, 0.0, 1.0, 0.5, 0.25]), min_size=12, max_size=12),
+    v=st.lists(st.booleans(), min_size=12, max_size=12),
+    s=st.lists(st.integers(1, 10), min_size=12, max_size=12),
+    junk=st.sampled_from([0.0, 1.0, 7.0, float("nan")]),
+    perm=st.permutations(range(4)),
+)
+def test_padding_samples_and_order_do_not_matter(r, v, s, junk, perm):
+    """Extra invalid samples (any reward, even NaN) change nothing; permuting a group's samples
+    permutes its advantages (every estimator is permutation-equivariant within a group)."""
+    r = np.asarray(r, np.float32).reshape(3, 4)
+    v = np.asarray(v).reshape(3, 4)
+    s = np.asarray(s, np.float32).reshape(3, 4)
+    pad = ((0, 0), (0, 2))
+    r2, v2 = np.pad(r, pad, constant_values=junk), np.pad(v, pad, constant_values=False)
+    s2 = np.pad(s, pad, constant_values=junk)
+    for name in ADVANTAGES:
+        base = compute_advantages(name, jnp.asarray(r), jnp.asarray(v), **_kw(name, s))
+        padded = compute_advantages(name, jnp.asarray(r2), jnp.asarray(v2), **_kw(name, s2))
+        np.testing.assert_allclose(padded.adv_PxG[:, :4], base.adv_PxG, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(padded.keep_PxG[:, :4], base.keep_PxG)
+        assert np.all(np.asarray(padded.adv_PxG[:, 4:]) == 0)
+        assert not np.any(np.asarray(padded.keep_PxG[:, 4:]))
+        p = list(perm)
+        permuted = compute_advantages(
+            name, jnp.asarray(r[:, p]), jnp.asarray(v[:, p]), **_kw(name, s[:, p])
+        )
+        np.testing.assert_allclose(permuted.adv_PxG, base.adv_PxG[:, p], rtol=1e-5, atol=1e-6)
