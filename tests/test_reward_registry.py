@@ -291,6 +291,7 @@ def test_bad_specs_fail_at_build_time(verifier):
         build_reward([_register("test_too_many", too_many)])
     with pytest.raises(ValueError, match="duplicate"):
         build_reward(["format", "format"])
+    assert build_reward(["format"]).on_error == "invalid"  # the documented default
     with pytest.raises(ValueError, match="on_error"):
         build_reward(["format"], on_error="ignore")
     with pytest.raises(ValueError, match="non-finite weight"):

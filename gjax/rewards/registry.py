@@ -25,9 +25,12 @@ Register your own with ``@REWARDS.register("name")`` and combine by name::
 Failure policy (``on_error``), for a function that raises or returns unusable output, and
 for single items it returns as ``None``/NaN; every case is counted and logged with the
 exception, never raised into the training loop:
-  * ``"zero"`` (default): that component is 0 for the affected items; they stay valid.
-  * ``"invalid"``: the affected items get ``valid_B = False`` (and reward 0), so the
-    advantage estimator can drop them through ``valid_PxG``.
+  * ``"invalid"`` (default): the affected items get ``valid_B = False`` (and reward 0), so
+    the advantage estimator drops them through ``valid_PxG``: no sample trains on a reward
+    that was not computed (the same default as gjax/rewards/pipeline.py).
+  * ``"zero"``: that component is 0 for the affected items; they stay valid.
+The verifier never produces unscored items: its timeouts and crashes are a counted 0
+(see gjax/rewards/verifier.py).
 Fail fast instead: a bad spec (unknown name, missing or unknown kwargs, a function without
 ``**metadata``) raises at build time, and a programming error on a function's FIRST call
 (``TypeError``, ``NameError``, ``AttributeError``, ``ImportError``, output of the wrong
@@ -57,7 +60,7 @@ logger = logging.getLogger(__name__)
 RewardFn = Callable[..., Any]
 REWARDS: Registry[RewardFn] = Registry("reward function")
 
-ON_ERROR_POLICIES = ("zero", "invalid")
+ON_ERROR_POLICIES = ("invalid", "zero")
 _PROGRAMMING_ERRORS = (TypeError, NameError, AttributeError, ImportError)
 
 
@@ -299,7 +302,7 @@ class CombinedReward:
         specs: Sequence[Any],
         *,
         verifier: Verifier | None = None,
-        on_error: str = "zero",
+        on_error: str = "invalid",
     ):
         if on_error not in ON_ERROR_POLICIES:
             raise ValueError(f"on_error must be one of {ON_ERROR_POLICIES}, got {on_error!r}")
@@ -433,7 +436,7 @@ class CombinedReward:
 
 
 def build_reward(
-    specs: Sequence[Any], *, verifier: Verifier | None = None, on_error: str = "zero"
+    specs: Sequence[Any], *, verifier: Verifier | None = None, on_error: str = "invalid"
 ) -> CombinedReward:
     """A :class:`CombinedReward` from specs (see :meth:`RewardSpec.parse` for the forms)."""
     return CombinedReward(specs, verifier=verifier, on_error=on_error)
