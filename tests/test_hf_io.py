@@ -219,7 +219,7 @@ def test_bf16_checkpoint_loads_as_f32(hf_models, tmp_path):
     np.testing.assert_array_equal(np.asarray(params["layers"]["mlp"]["down"]["kernel"][1]), want)
 
 
-def test_sharded_load_streams_device_slices(hf_models, monkeypatch):
+def test_sharded_load_streams_device_slices(hf_models, monkeypatch, tmp_path):
     """On a 2x2x2 mesh every leaf is sharded by the rules, each read covers one device's
     slice only (never a whole stacked tensor), replicas are not re-read, and the values equal
     a plain load."""
@@ -251,6 +251,11 @@ def test_sharded_load_streams_device_slices(hf_models, monkeypatch):
     assert q_reads == [(2, 16, 16)] * 4  # 4 distinct slices, each read once for 8 devices
     emb_reads = {shape for path, shape in reads if path == ("embed", "embedding")}
     assert emb_reads == {(48, 16)}  # [V, D] = [96, 32] on (tensor, fsdp)
+
+    # Exporting the sharded params gathers them back to the same checkpoint.
+    hf_io.save_pretrained(params, cfg, str(tmp_path / "from_mesh"), max_shard_size="20KB")
+    _, again = hf_io.load_pretrained(str(tmp_path / "from_mesh"))
+    jax.tree.map(np.testing.assert_array_equal, plain, again)
 
 
 def test_tied_checkpoint_with_lm_head_present(hf_models, tmp_path):
@@ -423,9 +428,10 @@ def test_tokenizer_and_gcs_round_trip(hf_models, tmp_path, monkeypatch):
     assert os.path.isdir(tmp_path / "cache" / "remote" / "gs" / "bucket" / "run" / "step_1")
     tok2 = hf_io.load_tokenizer("gs://bucket/run/step_1")
     assert tok2("five plus one")["input_ids"] == fast("five plus one")["input_ids"]
-    # The export also loads in transformers with its tokenizer.
-    local = hf_io.resolve_dir("gs://bucket/run/step_1")
-    assert transformers.AutoTokenizer.from_pretrained(local).eos_token == "<eos>"
+    # A tokenizer object works too, and transformers reads the export's tokenizer.
+    out = str(tmp_path / "with_tok_object")
+    hf_io.save_pretrained(params, cfg, out, tokenizer=tok)
+    assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "<eos>"
 
 
 def test_save_rejects_params_not_matching_config(hf_models, tmp_path):
