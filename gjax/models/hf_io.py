@@ -537,13 +537,19 @@ def _parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * base**power)
 
 
+@jax.jit
+def _take_layer(x, layer):
+    # The layer index is traced: one compile per leaf, not one per (leaf, layer).
+    return jax.lax.dynamic_index_in_dim(x, layer, axis=0, keepdims=False)
+
+
 def _fetch_hf(params: Params, e: _Entry, dtype) -> np.ndarray | None:
     """One HF tensor on the host (gathered across processes when needed); None off process 0."""
     leaf = params
     for key in e.path:
         leaf = leaf[key]
     if e.layer is not None:
-        leaf = leaf[e.layer]
+        leaf = _take_layer(leaf, e.layer) if isinstance(leaf, jax.Array) else leaf[e.layer]
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
         from jax.experimental import multihost_utils
 
