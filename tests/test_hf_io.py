@@ -198,6 +198,11 @@ def test_export_single_file_and_bf16(hf_models, tmp_path):
     assert os.path.exists(os.path.join(out, hf_io.SINGLE_FILE))
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
+    # Written over an earlier sharded export: its shards and index are removed.
+    hf_io.save_pretrained(params, cfg, out, max_shard_size="16KB")
+    assert os.path.exists(os.path.join(out, hf_io.INDEX_FILE))
+    hf_io.save_pretrained(params, cfg, out, dtype="bfloat16")
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == [hf_io.SINGLE_FILE]
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
     cfg_bf16, params_bf16 = hf_io.load_pretrained(out, param_dtype=jnp.bfloat16)

@@ -632,6 +632,7 @@ def save_pretrained(
     local = tempfile.mkdtemp(prefix="gjax_export_") if remote else path
     if writer:
         os.makedirs(local, exist_ok=True)
+        _remove_stale_weights(local, keep=names)
     total = 0
     weight_map = {}
     for file_name, shard in zip(names, shards):
@@ -664,6 +665,17 @@ def save_pretrained(
         shutil.rmtree(local, ignore_errors=True)
 
 
+_WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+
+
+def _remove_stale_weights(directory: str, keep: list[str]) -> None:
+    """Deletes weight files / index of an earlier export that this one would not overwrite
+    (an old index next to a new single file would be read instead of it)."""
+    for name in os.listdir(directory):
+        if (name == INDEX_FILE or _WEIGHT_FILE.match(name)) and name not in keep:
+            os.remove(os.path.join(directory, name))
+
+
 def _generation_config(cfg: ModelConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if cfg.bos_token_id is not None:
@@ -691,7 +703,9 @@ def _save_tokenizer(tokenizer, directory: str) -> None:
     if not copied:
         raise FileNotFoundError(f"no tokenizer files in {tokenizer} (looked for {TOKENIZER_FILES})")
     for name in copied:
-        shutil.copyfile(os.path.join(src, name), os.path.join(directory, name))
+        source, target = os.path.join(src, name), os.path.join(directory, name)
+        if not (os.path.exists(target) and os.path.samefile(source, target)):
+            shutil.copyfile(source, target)
 
 
 def _upload_dir(local: str, url: str) -> None:
