@@ -374,22 +374,13 @@ def a_grae(
         adv = jnp.where(pos, adv * beta, adv)
     elif group_level == "negative_dominant":
         adv = jnp.where(pos, adv / beta, adv)
-    out_of_range = jnp.sum(valid & ((r < 0.0) | (r > 1.0)))
-    return AdvantageOutput(
-        adv,
-        valid,
-        _metrics(
-            adv,
-            valid,
-            valid,
-            r,
-            zero_var,
-            nonfinite,
-            omega_s=omega_raw,
-            ass_scale=jnp.minimum(1.0, omega / alpha),
-            rewards_outside_01=out_of_range,
-        ),
-    )
+    extra = {
+        "omega_s": omega_raw,
+        "rewards_outside_01": jnp.sum(valid & ((r < 0.0) | (r > 1.0))),
+    }
+    if group_level == "ass":
+        extra["ass_scale"] = jnp.minimum(1.0, omega / alpha)
+    return AdvantageOutput(adv, valid, _metrics(adv, valid, valid, r, zero_var, nonfinite, **extra))
 
 
 # --------------------------------------------------------------------------------------------
