@@ -2,6 +2,7 @@
 additivity, padding invariance, every preset, GPG / A-GRAE theory on a softmax bandit, bad input.
 """
 
+import functools
 import math
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gjax.objective import aggregation, policy_losses
+from gjax.objective import aggregation
 from gjax.objective.advantages import ADVANTAGES
 from gjax.objective.objective import (
     PRESETS,
@@ -53,11 +54,16 @@ def make_batch(seed=0, p=P, g=G, t=T, d=D, v=V, stale=0.3, lengths=None):
     return hidden, head, batch
 
 
-def grads(cfg, hidden, head, batch, rng=None):
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _grads(hidden, head, batch, rng, cfg):
     def f(h, w):
         return objective(h, w, batch, cfg, rng)
 
-    (loss, metrics), g = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, head)
+    return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, head)
+
+
+def grads(cfg, hidden, head, batch, rng=None):
+    (loss, metrics), g = _grads(hidden, head, batch, rng, cfg=cfg)
     return loss, metrics, g
 
 
@@ -80,16 +86,17 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
     b, t = logp.shape
     adv = out.adv_PxG.reshape(b)[:, None] * jnp.ones((1, t))
     keep = out.keep_PxG.reshape(b)[:, None]
-    valid = batch["valid_PxG"].reshape(b)[:, None] & jnp.isfinite(batch["rewards_PxG"]).reshape(
-        b
-    )[:, None]
+    valid = (
+        batch["valid_PxG"].reshape(b)[:, None]
+        & jnp.isfinite(batch["rewards_PxG"]).reshape(b)[:, None]
+    )
     m = batch["loss_mask_BxT"] & valid
     mf = m.astype(jnp.float32)
     old = jnp.where(m, batch["old_logps_BxT"], 0.0)
     lens = mf.sum(1, keepdims=True)
-    nseq = max(float((lens > 0).sum()), 1.0)
+    nseq = jnp.maximum((lens > 0).sum(), 1.0)
     if cfg.aggregation == "token_mean":
-        w = mf / max(float(mf.sum()), 1.0)
+        w = mf / jnp.maximum(mf.sum(), 1.0)
     elif cfg.aggregation == "seq_mean_token_mean":
         w = mf / (nseq * jnp.maximum(lens, 1.0))
     else:
@@ -126,8 +133,13 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
     return jnp.sum(w * total)
 
 
-def naive_grads(cfg, hidden, head, batch, rng=None):
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _naive_grads(hidden, head, batch, rng, cfg):
     return jax.value_and_grad(naive_objective, argnums=(0, 1))(hidden, head, batch, cfg, rng)
+
+
+def naive_grads(cfg, hidden, head, batch, rng=None):
+    return _naive_grads(hidden, head, batch, rng, cfg=cfg)
 
 
 def assert_close(a, b, tol=1e-5):
@@ -152,7 +164,20 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+EXTRA_METRICS = {
+    "gpg": ["adv/alpha"],
+    "a_grae": ["adv/omega_s"],
+    "dagrpo": ["adv/masked_fraction"],
+    "cw_grpo": ["tw/w_min", "tw/w_mean", "tw/w_max"],
+    "kl_cov": ["loss/kl_cov"],
+}
+FAST_CASES = ("grpo", "gspo", "dagrpo_luffy")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [c if c in FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in sorted(CASES)],
+)
 def test_every_preset_matches_naive_reference(case):
     name = case.split("_luffy")[0]
     cfg = ObjectiveConfig.preset(name, **CASES[case])
@@ -166,6 +191,15 @@ def test_every_preset_matches_naive_reference(case):
     assert_close(metrics["loss/total"], loss)
     for k, v in metrics.items():
         assert np.isfinite(np.asarray(v)).all(), k
+    want = {"loss/pg", "clip_frac_low", "clip_frac_high", "clip_frac_dual", "approx_kl",
+            "entropy", "ratio", "adv/adv_mean", "adv/adv_std", "adv/adv_min", "adv/adv_max",
+            "adv/zero_var_frac", "count/loss_tokens", "count/sequences"}  # fmt: skip
+    want |= set(EXTRA_METRICS.get(name, ()))
+    want |= {"loss/kl"} if cfg.kl_beta > 0 else set()
+    want |= {"loss/entropy"} if cfg.entropy_coef > 0 else set()
+    assert want <= set(metrics), want - set(metrics)
+    if name == "cw_grpo":
+        assert float(metrics["tw/w_mean"]) == pytest.approx(1.0, rel=1e-5)
 
 
 def test_presets_cover_the_trainer_algorithms():
@@ -188,26 +222,6 @@ def test_config_is_hashable_and_static():
     assert float(l1) == float(l2)
 
 
-def test_metrics_present():
-    hidden, head, batch = make_batch()
-    _, m = objective(hidden, head, batch, ObjectiveConfig.preset("grpo", entropy_coef=0.01))
-    for k in (
-        "loss/pg", "loss/kl", "loss/entropy", "clip_frac_low", "clip_frac_high", "approx_kl",
-        "entropy", "adv/adv_mean", "adv/adv_std", "adv/adv_min", "adv/adv_max",
-        "adv/zero_var_frac", "count/loss_tokens", "count/sequences",
-    ):  # fmt: skip
-        assert k in m, k
-    _, m = objective(hidden, head, batch, ObjectiveConfig.preset("gpg"))
-    assert "adv/alpha" in m
-    _, m = objective(hidden, head, batch, ObjectiveConfig.preset("a_grae"))
-    assert "adv/omega_s" in m
-    _, m = objective(hidden, head, batch, ObjectiveConfig.preset("dagrpo"))
-    assert "adv/masked_fraction" in m
-    _, m = objective(hidden, head, batch, ObjectiveConfig.preset("cw_grpo"))
-    assert {"tw/w_min", "tw/w_mean", "tw/w_max"} <= set(m)
-    assert float(m["tw/w_mean"]) == pytest.approx(1.0, rel=1e-5)
-
-
 def test_clip_fraction_metrics_by_hand():
     # One token per sequence, ratios chosen to land on each branch.
     cfg = ObjectiveConfig(advantage="dr_grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean")
@@ -227,24 +241,27 @@ def test_clip_fraction_metrics_by_hand():
 # ------------------------------------------------------------------ micro-batch additivity
 
 
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _mb_grads(hidden, head, mb, prep, cfg):
+    f = functools.partial(micro_batch_loss, cfg=cfg)
+    return jax.value_and_grad(lambda h, w: f(h, w, mb, prep), argnums=(0, 1), has_aux=True)(
+        hidden, head
+    )
+
+
 @pytest.mark.parametrize("mode", aggregation.AGGREGATIONS.names())
 def test_micro_batches_add_up_to_full_batch(mode):
     cfg = ObjectiveConfig(advantage="grpo", aggregation=mode, kl_beta=0.05, entropy_coef=0.01)
     hidden, head, batch = make_batch(seed=3)
     loss, metrics, (gh, gw) = grads(cfg, hidden, head, batch)
-    prep, _ = prepare(batch, cfg)
-    bounds = [0, 1, 5, 9, P * G]  # uneven micro-batches
+    prep, _ = jax.jit(prepare, static_argnums=1)(batch, cfg)
+    bounds = [0, 4, 8, P * G]  # 3 micro-batches (uneven splits: the mesh tests)
     tot_loss, tot_gw, tot_sums, gh_parts = 0.0, 0.0, None, []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         mb = {k: v[lo:hi] for k, v in batch.items() if k.endswith("BxT")}
         pr = {k: v[lo:hi] for k, v in prep.items()}
 
-        def f(h, w, mb=mb, pr=pr):
-            return micro_batch_loss(h, w, mb, pr, cfg)
-
-        (l_k, sums), (gh_k, gw_k) = jax.value_and_grad(f, (0, 1), has_aux=True)(
-            hidden[lo:hi], head
-        )
+        (l_k, sums), (gh_k, gw_k) = _mb_grads(hidden[lo:hi], head, mb, pr, cfg=cfg)
         tot_loss += l_k
         tot_gw += gw_k
         gh_parts.append(gh_k)
@@ -269,9 +286,7 @@ def _pad_tokens(hidden, batch, extra, rng_seed):
     out["targets_BxT"] = jnp.concatenate(
         [batch["targets_BxT"], jnp.full((b, extra), -100, jnp.int32)], 1
     )
-    out["loss_mask_BxT"] = jnp.concatenate(
-        [batch["loss_mask_BxT"], jnp.zeros((b, extra), bool)], 1
-    )
+    out["loss_mask_BxT"] = jnp.concatenate([batch["loss_mask_BxT"], jnp.zeros((b, extra), bool)], 1)
     for key in ("old_logps_BxT", "ref_logps_BxT"):
         out[key] = jnp.concatenate([batch[key], jnp.full((b, extra), jnp.nan)], 1)
     return hidden, out
@@ -293,21 +308,21 @@ def _add_invalid_samples(hidden, batch, extra_g):
         "loss_mask_BxT": widen(batch["loss_mask_BxT"], True),  # real-looking tokens...
         "old_logps_BxT": widen(batch["old_logps_BxT"], -1.0),
         "ref_logps_BxT": widen(batch["ref_logps_BxT"], -1.0),
-        "rewards_PxG": jnp.concatenate(
-            [batch["rewards_PxG"], jnp.full((p, extra_g), 1.0)], 1
-        ),
+        "rewards_PxG": jnp.concatenate([batch["rewards_PxG"], jnp.full((p, extra_g), 1.0)], 1),
         "valid_PxG": jnp.concatenate(
-            [batch["valid_PxG"], jnp.zeros((p, extra_g), bool)], 1  # ...of invalid samples
+            [batch["valid_PxG"], jnp.zeros((p, extra_g), bool)],
+            1,  # ...of invalid samples
         ),
     }
     return widen(hidden, 0.3), out, g + extra_g
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@pytest.mark.slow
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    preset=st.sampled_from(["grpo", "dapo", "dr_grpo", "gpg", "gspo", "cw_grpo"]),
-    extra=st.integers(1, 3),
-    seed=st.integers(0, 3),
+    preset=st.sampled_from(["grpo", "dapo", "dr_grpo", "gspo", "cw_grpo"]),
+    extra=st.sampled_from([2]),
+    seed=st.integers(0, 1000),
 )
 def test_padding_never_changes_loss_or_gradients(preset, extra, seed):
     cfg = ObjectiveConfig.preset(preset, aggregation_constant=float(T))
@@ -429,7 +444,7 @@ def test_agrae_theorem1_logit_update_in_behaviour_space(cfg_name):
     batch["valid_PxG"] = jnp.ones((2, g), bool)
     logp2 = jnp.full((g, 1), -math.log(6.0))  # uniform softmax at zero logits
     batch["old_logps_BxT"] = jnp.concatenate([batch["old_logps_BxT"], logp2])
-    prep, _ = prepare(batch, cfg)
+    prep, _ = jax.jit(prepare, static_argnums=1)(batch, cfg)
     adv = np.asarray(prep["adv_BxT"][:g, 0])
     c = adv.sum()
     if cfg_name == "grpo":
@@ -458,7 +473,7 @@ def test_agrae_theorem1_logit_update_in_behaviour_space(cfg_name):
 def test_all_masked_batch_gives_zero_loss_and_zero_grad():
     hidden, head, batch = make_batch()
     batch["loss_mask_BxT"] = jnp.zeros_like(batch["loss_mask_BxT"])
-    for name in ("grpo", "dapo", "dr_grpo", "gspo"):
+    for name in ("grpo", "dapo"):
         loss, m, (gh, gw) = grads(ObjectiveConfig.preset(name), hidden, head, batch)
         assert float(loss) == 0.0
         assert not np.any(np.asarray(gh)) and not np.any(np.asarray(gw))
@@ -543,16 +558,12 @@ def test_config_errors():
     # Out-of-range estimator hyperparameters fail at trace time.
     hidden, head, batch = make_batch()
     with pytest.raises(ValueError, match="delta"):
-        objective(hidden, head, batch, ObjectiveConfig.preset("dagrpo", advantage_kwargs={"delta": -1.0}))
+        objective(
+            hidden, head, batch, ObjectiveConfig.preset("dagrpo", advantage_kwargs={"delta": -1.0})
+        )
     with pytest.raises(ValueError, match="alpha"):
-        objective(hidden, head, batch, ObjectiveConfig.preset("a_grae", advantage_kwargs={"alpha": 2.0}))
+        objective(
+            hidden, head, batch, ObjectiveConfig.preset("a_grae", advantage_kwargs={"alpha": 2.0})
+        )
     with pytest.raises(ValueError, match="rng"):
         objective(hidden, head, batch, ObjectiveConfig.preset("clip_cov"))
-
-
-def test_policy_loss_registry_used_by_objective():
-    # Every registered policy loss runs through the composed objective.
-    hidden, head, batch = make_batch()
-    for name in policy_losses.POLICY_LOSSES:
-        loss, m = objective(hidden, head, batch, ObjectiveConfig(policy_loss=name))
-        assert np.isfinite(float(loss)), name
