@@ -164,7 +164,9 @@ def test_export_loads_in_transformers(hf_models, tmp_path, name):
     model, single, _ = hf_models[name]
     cfg, params = hf_io.load_pretrained(single)
     out = str(tmp_path / "export")
-    hf_io.save_pretrained(params, cfg, out, max_shard_size="16KB")
+    hf_io.save_pretrained(
+        params, cfg, out, max_shard_size="16KB", generation_config={"temperature": 0.7}
+    )
     files = sorted(os.listdir(out))
     assert hf_io.INDEX_FILE in files and "config.json" in files
     assert "generation_config.json" in files
@@ -174,6 +176,8 @@ def test_export_loads_in_transformers(hf_models, tmp_path, name):
     assert set(index["weight_map"]) == {n for n, _ in hf_io.iter_hf_names(cfg)}
 
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    assert back.generation_config.temperature == 0.7
+    assert back.generation_config.eos_token_id == model.generation_config.eos_token_id
     # Every tensor survives the trip bit for bit ...
     ref_state, back_state = model.state_dict(), back.state_dict()
     for key, value in ref_state.items():

@@ -587,6 +587,7 @@ def save_pretrained(
     tokenizer=None,
     max_shard_size: int | str = "5GB",
     dtype=None,
+    generation_config: dict[str, Any] | None = None,
 ) -> None:
     """Writes an HF checkpoint loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
 
@@ -599,6 +600,8 @@ def save_pretrained(
       max_shard_size: bytes per safetensors file (int or "5GB"/"500MiB"); more than one file
         adds `model.safetensors.index.json`. A tensor larger than this gets its own file.
       dtype: dtype to write (default: each param's own dtype, i.e. `cfg.param_dtype`).
+      generation_config: extra `generation_config.json` fields (e.g. the source checkpoint's
+        sampling defaults), merged over the bos/eos/pad ids taken from `cfg`.
     """
     path = os.fspath(path)
     _check_params(params, cfg)
@@ -654,7 +657,8 @@ def save_pretrained(
     hf_config["dtype"] = saved_dtype
     hf_config.pop("torch_dtype", None)
     _write_json(os.path.join(local, "config.json"), hf_config)
-    _write_json(os.path.join(local, "generation_config.json"), _generation_config(cfg))
+    gen = {**_generation_config(cfg), **(generation_config or {})}
+    _write_json(os.path.join(local, "generation_config.json"), gen)
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(os.path.join(local, INDEX_FILE), index)
