@@ -516,9 +516,10 @@ def _read_slice(ckpt: Checkpoint, entries: list[_Entry], index: tuple, dtype) ->
 
 def _read_hf(ckpt: Checkpoint, e: _Entry, index: tuple, dtype) -> np.ndarray:
     view = ckpt.tensor(e.name)
-    if e.transpose:
-        return np.asarray(view[tuple(reversed(index))].T, dtype=dtype)
-    return np.asarray(view[tuple(index)], dtype=dtype)
+    piece = view[tuple(reversed(index))].T if e.transpose else view[tuple(index)]
+    # Always a fresh C-ordered copy: a device array must never alias the file's memory map
+    # (CPU device_put can be zero-copy, and the file may be overwritten by a later export).
+    return np.array(piece, dtype=dtype, order="C", copy=True)
 
 
 # --------------------------------------------------------------------------------------------
