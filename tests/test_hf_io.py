@@ -473,3 +473,16 @@ def test_param_shapes_match_model():
         shapes = hf_io.param_shapes(cfg)
         abstract = jax.tree.map(lambda a: a.shape, T.abstract_params(cfg))
         assert shapes == abstract
+
+
+def test_export_over_the_loaded_checkpoint(hf_models, tmp_path):
+    """Loaded params do not alias the files: re-exporting into the source dir is safe."""
+    _, single, _ = hf_models["llama3"]
+    src = str(tmp_path / "inplace")
+    shutil.copytree(single, src)
+    cfg, params = hf_io.load_pretrained(src)
+    snapshot = jax.tree.map(np.array, params)
+    hf_io.save_pretrained(params, cfg, src, max_shard_size="16KB")
+    jax.tree.map(np.testing.assert_array_equal, snapshot, params)
+    _, again = hf_io.load_pretrained(src)
+    jax.tree.map(np.testing.assert_array_equal, snapshot, again)
