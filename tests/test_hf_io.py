@@ -434,7 +434,14 @@ def test_tokenizer_and_gcs_round_trip(hf_models, tmp_path, monkeypatch):
     cfg2, params2 = hf_io.load_pretrained("gs://bucket/run/step_1")
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params2)
-    assert os.path.isdir(tmp_path / "cache" / "remote" / "gs" / "bucket" / "run" / "step_1")
+    cached = tmp_path / "cache" / "remote" / "gs" / "bucket" / "run" / "step_1"
+    assert os.path.isdir(cached)
+    # Re-exported as shards to the same URL: the cache follows (old single file dropped).
+    hf_io.save_pretrained(params, cfg, "gs://bucket/run/step_1", max_shard_size="16KB")
+    _, params3 = hf_io.load_pretrained("gs://bucket/run/step_1")
+    jax.tree.map(np.testing.assert_array_equal, params, params3)
+    assert hf_io.SINGLE_FILE not in os.listdir(cached)
+    assert hf_io.INDEX_FILE in os.listdir(cached)
     tok2 = hf_io.load_tokenizer("gs://bucket/run/step_1")
     assert tok2("five plus one")["input_ids"] == fast("five plus one")["input_ids"]
     # A tokenizer object works too, and transformers reads the export's tokenizer.

@@ -368,7 +368,8 @@ def _remote_path(url: str):
 def _copy_remote_dir(url: str) -> str:
     """Copies a remote checkpoint dir's useful files (config, weights, tokenizer) to the cache.
 
-    Files already there with the same size are kept. Needs `etils[epath]` plus a filesystem
+    Files already there with the same size are kept; cached files the remote dir no longer
+    has are removed. Needs `etils[epath]` plus a filesystem
     for the scheme (gs://: `pip install gjax[gcs]`, i.e. gcsfs).
     """
     src = _remote_path(url)
@@ -382,6 +383,10 @@ def _copy_remote_dir(url: str) -> str:
             f"cannot list {url} ({type(e).__name__}: {e}); for gs:// paths install the gcs "
             f"extra (pip install 'gjax[gcs]') and check credentials"
         ) from e
+    remote_names = {c.name for c in children}
+    for name in os.listdir(local):  # files the remote dir no longer has (an old index...)
+        if _wanted(name) and name not in remote_names:
+            os.remove(os.path.join(local, name))
     for child in children:
         if not _wanted(child.name) or child.is_dir():
             continue
@@ -716,7 +721,11 @@ def _save_tokenizer(tokenizer, directory: str) -> None:
 def _upload_dir(local: str, url: str) -> None:
     dest = _remote_path(url)
     dest.mkdir(parents=True, exist_ok=True)
-    for name in sorted(os.listdir(local)):
+    names = set(os.listdir(local))
+    for child in dest.iterdir():  # weights of an earlier export that this one replaces
+        if (child.name == INDEX_FILE or _WEIGHT_FILE.match(child.name)) and child.name not in names:
+            child.unlink()
+    for name in sorted(names):
         with open(os.path.join(local, name), "rb") as fin, (dest / name).open("wb") as fout:
             shutil.copyfileobj(fin, fout, length=16 << 20)
 
