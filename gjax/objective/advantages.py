@@ -194,9 +194,14 @@ def grpo(
 
     ``scale``: ``'group'`` F = std of the group's rewards (GRPO); ``'batch'`` F = std of all valid
     rewards in the global batch (the group mean is still subtracted; TRL ``scale_rewards='batch'``,
-    "Lite PPO"); ``'none'`` F = 1 (Dr.GRPO). ``ddof=0`` population std (default, A-GRAE eq. (17));
-    ``ddof=1`` sample std as in TRL/verl. Scores and anchor flags are unused (anchors are group
-    members). ``eps`` guards the division; zero-variance groups get exactly 0.
+    "Lite PPO"); ``'none'`` F = 1 (Dr.GRPO).
+
+    Which std: ``ddof=0`` POPULATION std (default), because that is GRAE as the A-GRAE paper
+    defines it (eq. (17)) and the one under which its Theorem 2 and eq. (5) hold exactly (the
+    tests pin them); DeepSeekMath just says "std". ``ddof=1`` gives the SAMPLE std that TRL and
+    verl use (``torch.std``); for a binary group the two differ by sqrt(n / (n - 1)).
+    Scores and anchor flags are unused (anchors are group members). ``eps`` guards the
+    division; zero-variance groups get exactly 0.
     """
     name = "grpo"
     _check_choice(name, "scale", scale, ("group", "batch", "none"))
