@@ -21,6 +21,7 @@ from gjax.objective.objective import (
     micro_batch_loss,
     objective,
     prepare,
+    split_micro_batches,
 )
 from gjax.objective.token_weights import TOKEN_WEIGHTS
 
@@ -272,6 +273,46 @@ def test_micro_batches_add_up_to_full_batch(mode):
     fin = finalize_metrics(tot_sums)
     for k, v in fin.items():
         assert_close(v, metrics[k])
+
+
+def test_scanned_gradient_accumulation_matches_full_batch():
+    """The trainer pattern: prepare once, lax.scan over stacked micro-batches, sum grads."""
+    cfg = ObjectiveConfig.preset("dapo", kl_beta=0.02)
+    hidden, head, batch = make_batch(seed=5)
+    loss, metrics, (gh, gw) = grads(cfg, hidden, head, batch)
+
+    @jax.jit
+    def accumulate(hidden, head, batch):
+        prep, prep_metrics = prepare(batch, cfg)
+        mbs, preps = split_micro_batches(batch, prep, 3)
+        hs = hidden.reshape((3, -1) + hidden.shape[1:])
+
+        def step(carry, xs):
+            h, mb, pr = xs
+            (l, sums), (g_h, g_w) = jax.value_and_grad(
+                lambda h, w: micro_batch_loss(h, w, mb, pr, cfg), (0, 1), has_aux=True
+            )(h, head)
+            loss, acc_w, acc_sums = carry
+            return (loss + l, acc_w + g_w, jax.tree.map(jnp.add, acc_sums, sums)), g_h
+
+        zeros = jax.tree.map(
+            lambda s: jnp.zeros(s.shape, s.dtype),
+            jax.eval_shape(lambda: micro_batch_loss(hs[0], head, *jax.tree.map(
+                lambda x: x[0], (mbs, preps)), cfg)[1]),
+        )  # fmt: skip
+        (loss, g_w, sums), g_h = jax.lax.scan(
+            step, (jnp.zeros(()), jnp.zeros_like(head), zeros), (hs, mbs, preps)
+        )
+        return loss, g_h.reshape(hidden.shape), g_w, {**prep_metrics, **finalize_metrics(sums)}
+
+    loss_acc, gh_acc, gw_acc, m_acc = accumulate(hidden, head, batch)
+    assert_close(loss_acc, loss)
+    assert_close(gh_acc, gh)
+    assert_close(gw_acc, gw)
+    for k, v in metrics.items():
+        assert_close(m_acc[k], v)
+    with pytest.raises(ValueError, match="equal micro-batches"):
+        split_micro_batches(batch, {}, 5)
 
 
 # ------------------------------------------------------------------ padding invariance

@@ -12,6 +12,7 @@ from gjax.objective.objective import (
     finalize_metrics,
     micro_batch_loss,
     prepare,
+    split_micro_batches,
 )
 from gjax.objective.policy_losses import KL_ESTIMATORS, POLICY_LOSSES
 
@@ -25,4 +26,5 @@ __all__ = [
     "finalize_metrics",
     "micro_batch_loss",
     "prepare",
+    "split_micro_batches",
 ]

@@ -454,6 +454,23 @@ def micro_batch_loss(
     return loss, sums
 
 
+def split_micro_batches(
+    batch: Batch, prep: Mapping[str, Array], num: int
+) -> tuple[dict[str, Array], dict[str, Array]]:
+    """Stack ``num`` equal micro-batches for ``lax.scan``: every ``*_BxT`` array of ``batch``
+    (the ``*_PxG`` ones are full-batch inputs of ``prepare`` only) and every ``prep`` array
+    is reshaped from [B, ...] to [num, B // num, ...] (contiguous rows per micro-batch)."""
+    b = batch["targets_BxT"].shape[0]
+    if num < 1 or b % num:
+        raise ValueError(f"cannot split B = {b} sequences into {num} equal micro-batches")
+
+    def split(x):
+        return x.reshape((num, b // num) + x.shape[1:])
+
+    mbs = {k: split(v) for k, v in batch.items() if k.endswith("_BxT")}
+    return mbs, {k: split(v) for k, v in prep.items()}
+
+
 def _kernel_kwargs(cfg: ObjectiveConfig, fused: bool = True, **extra) -> dict[str, Any]:
     kw: dict[str, Any] = {"temperature": cfg.temperature}
     if cfg.token_chunk is not None:
