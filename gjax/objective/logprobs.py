@@ -147,32 +147,6 @@ def _grad_matmuls(h_CxD, w_DxV, dz_CxV, mm_dtype):
     return dh, dw
 
 
-def _softmax_stats(z_CxV, targets_C, col_offset=0):
-    """Full-row statistics: (lse, logp, entropy, p, onehot, zc = z - m, mean_zc = E_p[z - m])."""
-    m = jnp.max(z_CxV, axis=-1, keepdims=True)
-    zc = z_CxV - m
-    e = jnp.exp(zc)
-    s = jnp.sum(e, axis=-1, keepdims=True)
-    p = e / s
-    cols = lax.broadcasted_iota(jnp.int32, z_CxV.shape, 1) + col_offset
-    onehot = cols == targets_C[:, None]
-    zc_tgt = jnp.sum(jnp.where(onehot, zc, 0.0), axis=-1)
-    log_s = jnp.log(s[:, 0])
-    mean_zc = jnp.sum(p * zc, axis=-1)
-    lse = m[:, 0] + log_s
-    logp = zc_tgt - log_s
-    entropy = log_s - mean_zc
-    return lse, logp, entropy, p, onehot, zc, mean_zc
-
-
-def _dlogits(p, onehot, zc, mean_zc, g_logp, g_ent):
-    """dz = g_logp (1[v=y] - p) + g_ent p (E_p[z] - z)   (see module docstring)."""
-    dz = g_logp[:, None] * (onehot.astype(_F32) - p)
-    if g_ent is not None:
-        dz = dz + g_ent[:, None] * p * (mean_zc[:, None] - zc)
-    return dz
-
-
 # ----------------------------------------------------------- token_logps (vocab tiles)
 
 
@@ -221,15 +195,11 @@ def _logps_forward(hidden_NxD, head_DxV, targets_N, inv_temp, token_chunk, vocab
 
     def chunk(_, xs):
         h, t = xs
-
-        def body(state, w, off):
-            return _tile_stats_update(state, _logits(h, w, inv_temp), t, off)
-
-        init = (jnp.full((c,), jnp.finfo(_F32).min, _F32),) + (jnp.zeros((c,), _F32),) * 3
-        m, s, r, z_tgt = _sweep_tiles(head_DxV, tile, n_full, rem, body, init)
-        log_s = jnp.log(s)
-        lse = m + log_s
-        return None, (z_tgt - lse, log_s - r / s, lse)
+        # Tiles of the head: logits exist only as [C x vocab_tile] tiles.
+        lse, ent, _, z_tgt = _online_stats(
+            head_DxV, t, lambda w: _logits(h, w, inv_temp), vocab_tile
+        )
+        return None, (z_tgt - lse, ent, lse)
 
     _, (logp, ent, lse) = lax.scan(chunk, None, (h_KxCxD, t_KxC))
     return _from_chunks(logp, n), _from_chunks(ent, n), _from_chunks(lse, n)
@@ -356,7 +326,45 @@ def _check_token_args(token_args, n):
             )
 
 
-def _fused_scan(hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args, inv_temp, c, with_grad):
+def _online_stats(x_RxV, targets_R, tile_fn, vocab_tile):
+    """Online log-sum-exp over column tiles: (lse, entropy, E_p[z], z_target) per row, where
+    tile_fn(x_tile) gives the logits of a tile. Only [R x tile] temporaries besides x."""
+    r = targets_R.shape[0]
+    tile, n_full, rem = _vocab_tiles(x_RxV.shape[1], vocab_tile)
+
+    def body(state, x, off):
+        return _tile_stats_update(state, tile_fn(x), targets_R, off)
+
+    init = (jnp.full((r,), jnp.finfo(_F32).min, _F32),) + (jnp.zeros((r,), _F32),) * 3
+    m, s, rr, z_tgt = _sweep_tiles(x_RxV, tile, n_full, rem, body, init)
+    log_s = jnp.log(s)
+    return m + log_s, log_s - rr / s, m + rr / s, z_tgt
+
+
+def _grad_sweep(h_CxD, w_DxV, z_CxV, targets_C, lse_C, a_C, b_C, g_C, dw_DxV, tile, mm_dtype):
+    """dlogits dz = g 1[v = y] + exp(z - lse) (a - b z) tile by tile, and its two matmuls
+    dh = dz W^T, dW += h^T dz: dz exists only as [C x tile] tiles and dW is updated in place
+    (one h^T dz matmul would allocate a second [D x V] f32 buffer)."""
+    tile, n_full, rem = _vocab_tiles(w_DxV.shape[1], tile)
+
+    def body(carry, w, off):
+        dh, dw_acc = carry
+        width = w.shape[1]
+        z = lax.dynamic_slice_in_dim(z_CxV, off, width, axis=1)
+        cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
+        dz = jnp.exp(z - lse_C[:, None]) * (a_C[:, None] - b_C[:, None] * z)
+        dz = dz + jnp.where(cols == targets_C[:, None], g_C[:, None], 0.0)
+        dh_t, dw_t = _grad_matmuls(h_CxD, w, dz, mm_dtype)
+        dw_old = lax.dynamic_slice_in_dim(dw_acc, off, width, axis=1)
+        return dh + dh_t, lax.dynamic_update_slice_in_dim(dw_acc, dw_old + dw_t, off, axis=1)
+
+    dh0 = jnp.zeros((h_CxD.shape[0], w_DxV.shape[0]), _F32)
+    return _sweep_tiles(w_DxV, tile, n_full, rem, body, (dh0, dw_DxV))
+
+
+def _fused_scan(
+    hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args, inv_temp, c, vocab_tile, with_grad
+):
     n = hidden_NxD.shape[0]
     c, n_chunks = _chunk_layout(n, c)
     mm_dtype = _matmul_dtype(hidden_NxD, head_DxV)
@@ -376,8 +384,9 @@ def _fused_scan(hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args, inv_
 
     def chunk(carry, xs):
         h, t, args, vld = xs
-        z = _logits(h, head_DxV, inv_temp)
-        _, logp, ent, p, onehot, zc, mean_zc = _softmax_stats(z, t)
+        z = _logits(h, head_DxV, inv_temp)  # the only [C x V] buffer
+        lse, ent, mean_z, z_tgt = _online_stats(z, t, lambda x: x, vocab_tile)
+        logp = z_tgt - lse
         if not with_grad:
             loss_c, aux_c = chunk_loss(logp, ent, args, vld)
             loss, aux = carry
@@ -385,10 +394,14 @@ def _fused_scan(hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args, inv_
         (loss_c, aux_c), (g_logp, g_ent) = jax.value_and_grad(
             chunk_loss, argnums=(0, 1), has_aux=True
         )(logp, ent, args, vld)
-        dz = _dlogits(p, onehot, zc, mean_zc, g_logp, g_ent) * inv_temp
-        dh, dw = _grad_matmuls(h, head_DxV, dz, mm_dtype)
+        # dz_v = g_logp 1[v = y] + p_v (-g_logp + g_ent (E_p[z] - z_v)), all times 1/tau.
+        a = (g_ent * mean_z - g_logp) * inv_temp
+        b = g_ent * inv_temp
         loss, aux, dw_acc = carry
-        carry = (loss + loss_c, jax.tree.map(jnp.add, aux, aux_c), dw_acc + dw)
+        dh, dw_acc = _grad_sweep(
+            h, head_DxV, z, t, lse, a, b, g_logp * inv_temp, dw_acc, vocab_tile, mm_dtype
+        )
+        carry = (loss + loss_c, jax.tree.map(jnp.add, aux, aux_c), dw_acc)
         return carry, dh.astype(hidden_NxD.dtype)
 
     # Aux structure/dtypes from an abstract evaluation of one chunk.
@@ -415,6 +428,7 @@ def fused_token_loss(
     *,
     temperature: float = 1.0,
     token_chunk: int | None = None,
+    vocab_tile: int = 4096,
 ) -> tuple[jax.Array, Any]:
     """Sum over tokens of an elementwise loss of (logp_t, H_t), gradients fused in the forward.
 
@@ -439,6 +453,8 @@ def fused_token_loss(
       token_args: pytree of arrays with leading dim N.
       token_chunk: static rows per chunk; default `default_token_chunk(V)` (~64 MiB per
         [chunk x V] f32 temporary). Memory ~3 x chunk x V x 4 bytes + the f32 head gradient.
+      vocab_tile: static column tile of the two gradient matmuls (dhidden, dhead): dhead is
+        accumulated tile by tile in place, so no second [D x V] buffer is allocated.
 
     Returns:
       (loss, aux_sums): f32 scalar and the pytree of summed aux values.
@@ -452,6 +468,7 @@ def fused_token_loss(
         token_loss_fn=token_loss_fn,
         inv_temp=1.0 / float(temperature),
         c=int(token_chunk),
+        vocab_tile=int(vocab_tile),
     )
 
     @jax.custom_vjp
