@@ -467,17 +467,15 @@ def test_agrae_theorem1_logit_update_in_behaviour_space(cfg_name):
     actions = [0, 0, 3, 1, 3, 0]  # behaviours 2, 4, 5 unsampled
     rewards = [1.0, 1.0, 0.0, 1.0, 0.0, 0.0]  # p = 0.5 for the group
     hidden, h, batch = bandit(actions, rewards, n_actions=6, seed=3)
-    # A-GRAE's ASS shrinks positives by min(1, omega_s / alpha): use alpha = 1 with a
-    # second, all-wrong prompt so omega_s < 1 and C != 0 in the first group.
+    # A second prompt (all but one wrong) makes omega_s < 1, so A-GRAE's ASS (eq. (13),
+    # alpha = 1) shrinks the first group's positive advantages and C != 0 there; for GRPO
+    # C stays 0. The second prompt's samples get hidden state 0, so their logits are 0 whatever
+    # h is and they add no gradient to h: the update of h is the first group's alone.
     if cfg_name == "a_grae":
         cfg = ObjectiveConfig.preset("a_grae")
-        batch["rewards_PxG"] = jnp.array([rewards, [1.0, 0, 0, 0, 0, 0]])
     else:
         cfg = ObjectiveConfig.preset("grpo", kl_beta=0.0)
-        batch["rewards_PxG"] = jnp.array([rewards, [1.0, 0, 0, 0, 0, 0]])
-    # Second prompt: its samples pick behaviour 1 in a separate softmax? No: keep ONE softmax
-    # but give the second prompt its own hidden state 0, so its logits are 0 and its samples
-    # contribute no gradient to h (hidden = 0 => d logits / d h = 0).
+    batch["rewards_PxG"] = jnp.array([rewards, [1.0, 0, 0, 0, 0, 0]])
     g = len(actions)
     hidden = jnp.concatenate([hidden, jnp.zeros((g, 1, 1))])
     batch["targets_BxT"] = jnp.concatenate([batch["targets_BxT"], batch["targets_BxT"]])
