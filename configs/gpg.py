@@ -1,0 +1,39 @@
+"""GPG (Chu et al.): plain policy gradient -log pi * A, alpha = B/(B-M), beta_th threshold.
+
+Command (TPU v5p-64 class; the paper used 48 NPUs):
+    python -m gjax.train --config=configs/gpg.py --workdir=gs://BUCKET/runs/gpg
+Setup (GPG App. "Training setting on 7B"): Qwen2.5-Math-7B on the DAPO dataset, 144 prompts
+x G=8 per batch, accuracy reward only, AdamW lr 1e-6 constant, weight decay 0.1,
+beta_th = 0.6 (valid groups are carried over and accumulated until they make up 60% of a
+batch), 1100 steps; no ratio, no clip, no KL (GPG eq. (5)). Expected: GPG Table 1's 7B row.
+
+Embedded default (2-core CPU, a few minutes):
+    python -m gjax.train --config=configs/gpg.py:tiny
+"""
+
+from configs import common
+
+
+def get_config(arg=None):
+    arg = common.get_arg(arg)
+    c = common.base()
+    c.algo = "gpg"
+    c.objective = common.objective("gpg")
+    c.model.path = "Qwen/Qwen2.5-Math-7B"
+    c.data.source = "BytedTsinghua-SIA/DAPO-Math-17k"
+    c.data.problem_field = "prompt"
+    c.data.answer_field = "solution"
+    c.data.template = "qwen_boxed"
+    c.data.max_prompt_len = 2048
+    c.data.heldout_split = "train"
+    c.rollout.prompts_per_step = 144
+    c.rollout.num_samples = 8
+    c.rollout.max_new_tokens = 4096
+    c.sampling.min_valid_fraction = 0.6
+    c.sampling.max_rollouts_per_step = 4
+    c.train.steps = 1100
+    c.optim.lr = 1e-6
+    c.optim.weight_decay = 0.1
+    if arg == "tiny":
+        c = common.tiny(c)
+    return c

@@ -1,0 +1,419 @@
+"""The pure, jitted pieces of an RL step, and the host logic that feeds them.
+
+Device side (jitted once each; explicit shardings; the train state is donated):
+  * `policy_logps` : teacher-forced per-token log-probs of completions (old / reference);
+  * `update`       : `gjax.objective.prepare` on the full rollout batch, then
+                     num_iterations x minibatches optax updates inside one jit (`lax.scan`),
+                     each accumulating gradients over microbatches. Normalizers are global:
+                     per minibatch when a rollout batch feeds several updates, never per
+                     microbatch, so the update is independent of the accumulation split.
+Host side (`Rollout`): sample groups with the local sampler, decode, hand the texts to the
+reward pipeline and compute old/ref log-probs on the device while rewards run.
+
+Array naming: `*_BxS` are full sequences (prompt ++ completion, S = S_prompt + T), `*_BxT`
+are aligned with the T completion tokens (hidden[t] predicts targets[t]), `*_PxG` per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gjax import objective as obj
+from gjax import sharding
+from gjax.experience import Groups, append_anchors, to_model_inputs
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import forward, lm_head_kernel
+from gjax.objective.logprobs import token_logps_BxT
+from gjax.rollout.sampler import SamplingParams, generate
+
+# ----------------------------------------------------------------------------------- state
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW after global-norm clipping, with a linear warmup into constant or cosine."""
+    warmup = max(int(optim.warmup_steps), 0)
+    if optim.schedule == "cosine":
+        schedule = optax.warmup_cosine_decay_schedule(
+            0.0, optim.lr, max(warmup, 1), max(total_steps, warmup + 1)
+        )
+    elif warmup:
+        schedule = optax.join_schedules(
+            [optax.linear_schedule(0.0, optim.lr, warmup), optax.constant_schedule(optim.lr)],
+            [warmup],
+        )
+    else:
+        schedule = optax.constant_schedule(optim.lr)
+    tx = optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm),
+        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
+    )
+    return tx, schedule
+
+
+# ------------------------------------------------------------------------------ device steps
+
+
+def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
+    """Final hidden states at the T positions that predict the completion tokens."""
+    t = batch["targets_BxT"].shape[1]
+    hidden_BxSxD = forward(
+        params, cfg, batch["input_ids_BxS"], batch["positions_BxS"], batch["segment_ids_BxS"]
+    )
+    s = hidden_BxSxD.shape[1]
+    return hidden_BxSxD[:, s - t - 1 : s - 1]
+
+
+def policy_logps(params, batch, *, cfg: ModelConfig, temperature: float) -> jax.Array:
+    """log pi(y_t | prompt, y_<t) / temperature-scaled, for every completion token; 0 on padding."""
+    hidden_BxTxD = completion_hidden(params, cfg, batch)
+    logps_BxT, _ = token_logps_BxT(
+        hidden_BxTxD,
+        lm_head_kernel(params, cfg),
+        batch["targets_BxT"],
+        temperature=temperature,
+        with_entropy=False,
+    )
+    return jnp.where(batch["loss_mask_BxT"], logps_BxT, 0.0)
+
+
+def split_rows(tree, n: int):
+    """[B, ...] -> [n, B/n, ...] with row b in piece b % n (strided).
+
+    Strided pieces keep every piece spread over all data-parallel devices when B is sharded
+    contiguously; advantages are already per row, so groups may straddle pieces.
+    """
+    return jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), tree
+    )
+
+
+def minibatch_weight_scale(mask_MxBxT: jax.Array, aggregation: str) -> jax.Array:
+    """Per-minibatch factor turning full-batch aggregation weights into minibatch ones.
+
+    `prepare` normalizes by the full rollout batch (tokens for token_mean, valid sequences for
+    the sequence modes); an update on minibatch m must normalize by m's own count, so its
+    weights are scaled by count(full) / count(m). Exact for all three modes.
+    """
+    if aggregation == "token_mean":
+        count_M = mask_MxBxT.sum(axis=(1, 2))
+    else:
+        count_M = (mask_MxBxT.sum(axis=2) > 0).sum(axis=1).astype(jnp.float32)
+    return count_M.sum() / jnp.maximum(count_M, 1.0)
+
+
+_BATCH_KEYS_FOR_LOSS = ("targets_BxT", "old_logps_BxT", "ref_logps_BxT")
+_MODEL_KEYS = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS")
+
+
+def update(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    rng: jax.Array,
+    *,
+    cfg: ModelConfig,
+    obj_cfg: obj.ObjectiveConfig,
+    tx: optax.GradientTransformation,
+    minibatches: int,
+    microbatches: int,
+    num_iterations: int,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One RL update on a rollout batch: advantages once, then the optimizer updates."""
+    obj_batch = {
+        k: batch[k]
+        for k in (
+            "targets_BxT",
+            "loss_mask_BxT",
+            "old_logps_BxT",
+            "ref_logps_BxT",
+            "rewards_PxG",
+            "valid_PxG",
+            "scores_PxG",
+            "is_anchor_PxG",
+        )
+        if k in batch
+    }
+    prep, prep_metrics = obj.prepare(obj_batch, obj_cfg, rng)
+    rows = {k: batch[k] for k in _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS if k in batch}
+    rows_M = split_rows(rows, minibatches)
+    prep_M = split_rows(prep, minibatches)
+    scale_M = minibatch_weight_scale(prep_M["mask_BxT"], obj_cfg.aggregation)
+    prep_M["weight_BxT"] = prep_M["weight_BxT"] * scale_M[:, None, None]
+
+    def loss_fn(params, micro):
+        mb, mprep = micro
+        hidden_BxTxD = completion_hidden(params, cfg, mb)
+        return obj.micro_batch_loss(hidden_BxTxD, lm_head_kernel(params, cfg), mb, mprep, obj_cfg)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one_update(carry, minibatch):
+        params, opt_state = carry
+        micro_K = split_rows(minibatch, microbatches)
+
+        def accumulate(grads, micro):
+            (loss, sums), g = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, g), (loss, sums)
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, (loss_K, sums_K) = jax.lax.scan(accumulate, zeros, micro_K)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        sums = jax.tree.map(lambda x: x.sum(0), sums_K)
+        return (params, opt_state), (loss_K.sum(), grad_norm, sums)
+
+    carry = (state.params, state.opt_state)
+    gnorms = []
+    sums = None
+    for _ in range(num_iterations):  # static and small (GRPO's mu)
+        carry, (_, gnorm_M, sums_M) = jax.lax.scan(one_update, carry, (rows_M, prep_M))
+        gnorms.append(gnorm_M)
+        it_sums = jax.tree.map(lambda x: x.sum(0), sums_M)
+        sums = it_sums if sums is None else jax.tree.map(jnp.add, sums, it_sums)
+    params, opt_state = carry
+    updates = minibatches * num_iterations
+    policy = obj.finalize_metrics(sums)
+    gnorm = jnp.concatenate(gnorms)
+    metrics = {
+        **prep_metrics,
+        # Loss parts are per update (each minibatch is normalized on its own), averaged.
+        **{k: v / updates for k, v in policy.items() if k.startswith("loss/")},
+        **{f"policy/{k}": v for k, v in policy.items() if not k.startswith("loss/")},
+        "optim/grad_norm": gnorm.mean(),
+        "optim/grad_norm_max": gnorm.max(),
+        "optim/updates": jnp.asarray(updates, jnp.float32),
+    }
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+# ------------------------------------------------------------------------------ jit builders
+
+
+@dataclasses.dataclass
+class Steps:
+    """The jitted device functions of a run (compiled once each)."""
+
+    logps: Callable
+    update: Callable
+    batch_sharding: NamedSharding
+    replicated: NamedSharding
+
+    def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+        """Host arrays -> device: B-leading arrays sharded over the batch axes."""
+        out = {}
+        for k, v in arrays.items():
+            per_row = k.endswith(("_BxS", "_BxT"))
+            out[k] = jax.device_put(v, self.batch_sharding if per_row else self.replicated)
+        return out
+
+
+def build_steps(
+    *,
+    mesh: jax.sharding.Mesh,
+    cfg: ModelConfig,
+    obj_cfg: obj.ObjectiveConfig,
+    tx: optax.GradientTransformation,
+    state_shardings: Any,
+    train_cfg,
+) -> Steps:
+    batch_sharding = sharding.activation_sharding(mesh, ("batch",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    logps = jax.jit(
+        functools.partial(policy_logps, cfg=cfg, temperature=obj_cfg.temperature),
+        out_shardings=batch_sharding,
+    )
+    upd = jax.jit(
+        functools.partial(
+            update,
+            cfg=cfg,
+            obj_cfg=obj_cfg,
+            tx=tx,
+            minibatches=train_cfg.minibatches,
+            microbatches=train_cfg.microbatches,
+            num_iterations=train_cfg.num_iterations,
+        ),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    return Steps(logps=logps, update=upd, batch_sharding=batch_sharding, replicated=replicated)
+
+
+# ------------------------------------------------------------------------------- host rollout
+
+
+def _pad_rows(ids: list[list[int]], width: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    out = np.full((len(ids), width), pad_id, np.int32)
+    mask = np.zeros((len(ids), width), bool)
+    for i, row in enumerate(ids):
+        row = row[:width]
+        out[i, : len(row)] = row
+        mask[i, : len(row)] = True
+    return out, mask
+
+
+@dataclasses.dataclass
+class RolloutResult:
+    groups: Groups
+    metrics: dict[str, float]
+
+
+class Rollout:
+    """Samples groups for a prompt batch and scores them, overlapping host and device work.
+
+    1. the jitted sampler generates G - A completions per prompt (A = DaGRPO anchors);
+    2. completions are decoded and submitted to the reward pipeline (background thread);
+    3. meanwhile the device computes old (and reference) log-probs of the mixed groups;
+    4. rewards/scores are collected and written into the groups.
+    """
+
+    def __init__(self, *, cfg: ModelConfig, tokenizer, pipeline, steps: Steps, config):
+        self.cfg = cfg
+        self.tok = tokenizer
+        self.pipeline = pipeline
+        self.steps = steps
+        r = config.rollout
+        self.G = r.num_samples
+        self.A = config.anchors.per_group
+        self.T = r.max_new_tokens
+        eos = tuple(cfg.eos_token_id) or (tokenizer.eos_token_id,)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+        self.eos = eos
+        self.sampling = SamplingParams(
+            max_new_tokens=self.T,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            stop_token_ids=eos,
+            pad_token_id=self.pad_id,
+        )
+        s = config.sampling
+        self.overlong_filter = s.overlong_filter
+        self.overlong_buffer = s.overlong_buffer
+        self.overlong_penalty = s.overlong_penalty
+        self.need_ref = obj_cfg_needs_ref(config)
+
+    def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
+        ids = [
+            self.tok(d, add_special_tokens=False)["input_ids"] + [self.eos[0]]
+            for d in demonstrations
+        ]
+        tok, mask = _pad_rows(ids, self.T, self.pad_id)
+        reps = lambda x: np.repeat(x[:, None], self.A, axis=1)
+        return reps(tok), reps(mask)
+
+    def __call__(self, params, ref_params, prompts, rng) -> RolloutResult:
+        t0 = time.perf_counter()
+        P = len(prompts)
+        g_on = self.G - self.A
+        out = generate(
+            params,
+            self.cfg,
+            prompts.prompt_ids_PxS,
+            prompts.prompt_mask_PxS,
+            rng,
+            num_samples=g_on,
+            sampling=self.sampling,
+        )
+        tokens = np.asarray(out.tokens_BxN).reshape(P, g_on, self.T)
+        mask = np.asarray(out.mask_BxN).astype(bool).reshape(P, g_on, self.T)
+        t_sample = time.perf_counter() - t0
+        truncated = ~np.any(mask & np.isin(tokens, self.eos), axis=2)
+        groups = Groups(
+            prompt_ids_PxS=np.asarray(prompts.prompt_ids_PxS, np.int32),
+            prompt_mask_PxS=np.asarray(prompts.prompt_mask_PxS, bool),
+            completion_ids_PxGxN=tokens,
+            completion_mask_PxGxN=mask,
+            truncated_PxG=truncated,
+            is_anchor_PxG=np.zeros((P, g_on), bool),
+            rewards_PxG=np.zeros((P, g_on), np.float32),
+            scores_PxG=np.full((P, g_on), np.nan, np.float32),
+            valid_PxG=np.ones((P, g_on), bool),
+        )
+        if self.A:
+            groups = append_anchors(groups, *self.anchors(prompts.demonstrations))
+        P, G, T = groups.completion_ids_PxGxN.shape
+        flat_ids = groups.completion_ids_PxGxN.reshape(P * G, T)
+        flat_mask = groups.completion_mask_PxGxN.reshape(P * G, T)
+        lengths = flat_mask.sum(1)
+        texts = self.tok.batch_decode(
+            [row[:n] for row, n in zip(flat_ids, lengths)], skip_special_tokens=True
+        )
+        rep = lambda xs: [x for x in xs for _ in range(G)]
+        handle = self.pipeline.submit(
+            rep(prompts.prompts),
+            texts,
+            rep(prompts.answers),
+            rep(prompts.demonstrations) if self.pipeline.judge is not None else None,
+            questions=rep(prompts.problems),
+            completion_lengths=lengths,
+        )
+        # Device work overlapping the rewards: old (and reference) log-probs.
+        inputs = self.steps.put_batch(_model_and_targets(groups))
+        old = self.steps.logps(params, inputs)
+        ref = self.steps.logps(ref_params, inputs) if self.need_ref else None
+        res = handle.result()
+        grouped = res.grouped(G)
+        groups.rewards_PxG = grouped["rewards_PxG"].astype(np.float32)
+        groups.valid_PxG = grouped["valid_PxG"] & groups.valid_PxG
+        if "scores_PxG" in grouped:
+            groups.scores_PxG = grouped["scores_PxG"].astype(np.float32)
+        accuracy = groups.rewards_PxG.copy()
+        if self.overlong_buffer:
+            from gjax.rewards.registry import soft_overlong_penalty
+
+            pen = soft_overlong_penalty(
+                lengths, max_length=self.T, cache_length=self.overlong_buffer
+            )
+            groups.rewards_PxG = groups.rewards_PxG + self.overlong_penalty * pen.reshape(P, G)
+        groups.old_logps_PxGxN = np.asarray(old).reshape(P, G, T)
+        if ref is not None:
+            groups.ref_logps_PxGxN = np.asarray(ref).reshape(P, G, T)
+        on = ~groups.is_anchor_PxG
+        metrics = {
+            "reward/mean": float(groups.rewards_PxG[on].mean()),
+            "reward/std": float(groups.rewards_PxG[on].std()),
+            "reward/accuracy": float(accuracy[on].mean()),
+            "reward/all_solved_frac": float(np.all(accuracy >= 1, axis=1).mean()),
+            "reward/all_unsolved_frac": float(np.all(accuracy <= 0, axis=1).mean()),
+            "response/length_mean": float(lengths.reshape(P, G)[on].mean()),
+            "response/length_max": float(lengths.reshape(P, G)[on].max()),
+            "response/clipped_frac": float(groups.truncated_PxG[on].mean()),
+            "time/sample_s": t_sample,
+            **{k: float(v) for k, v in res.metrics.items()},
+        }
+        if groups.scores_PxG is not None and np.isfinite(groups.scores_PxG).any():
+            metrics["judge/score_mean"] = float(np.nanmean(groups.scores_PxG))
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return RolloutResult(groups, metrics)
+
+    def model_inputs(self, groups: Groups) -> dict[str, np.ndarray]:
+        return to_model_inputs(groups, drop_truncated=self.overlong_filter)
+
+
+def _model_and_targets(groups: Groups) -> dict[str, np.ndarray]:
+    arrays = to_model_inputs(groups)
+    return {k: arrays[k] for k in _MODEL_KEYS + ("targets_BxT", "loss_mask_BxT")}
+
+
+def obj_cfg_needs_ref(config) -> bool:
+    return float(config.objective.kl_beta) > 0.0
