@@ -11,6 +11,9 @@ and the split API the trainer uses for gradient accumulation::
         loss_k, sums_k = micro_batch_loss(hidden_k, head, slice(batch, sl), slice(prep, sl), cfg)
     loss = sum(loss_k); metrics = {**prep_metrics, **finalize_metrics(sum(sums_k))}
 
+(``split_micro_batches`` stacks equal micro-batches for a ``lax.scan`` instead of the loop.)
+``rng`` is only needed by ``token_weights='clip_cov'`` (random choice of detached tokens).
+
 Everything that needs the full batch (advantages, GPG alpha, A-GRAE omega_s, CW kernel
 weights, the aggregation denominators) happens in ``prepare``; the result is a dict of arrays
 whose leading axis is B, so slicing it along B with the batch is all a micro-batch needs. The
@@ -73,7 +76,6 @@ Array = jax.Array
 Batch = Mapping[str, Array]
 
 ANCHOR_TREATMENTS = ("ratio", "luffy")
-_RATIO_LOSSES = ("ppo_clip", "gspo")  # losses that take eps_low / eps_high
 
 
 def _freeze(kwargs: Any) -> tuple[tuple[str, Any], ...]:
@@ -490,6 +492,8 @@ def finalize_metrics(sums: Mapping[str, Array]) -> dict[str, Array]:
     """
     n = jnp.maximum(sums["sum/tokens"], 1.0)
     out = {k: v for k, v in sums.items() if k.startswith("loss/")}
+    for k in ("loss/kl", "loss/entropy"):  # same keys whatever the config (0 when off)
+        out.setdefault(k, jnp.zeros((), jnp.float32))
     for k, v in sums.items():
         if k.startswith("sum/") and k != "sum/tokens":
             name = k[len("sum/") :]
