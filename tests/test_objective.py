@@ -504,6 +504,8 @@ def test_agrae_theorem1_logit_update_in_behaviour_space(cfg_name):
     assert_close(delta[unsampled], -(lr / n_seq) * c * pi[unsampled], 1e-6)
     if cfg_name == "grpo":
         assert np.all(np.abs(delta[unsampled]) < 1e-7)
+    else:  # ASS shrinks positives: C < 0, unsampled behaviours gain (A-GRAE eq. (36))
+        assert c < 0 and np.all(delta[unsampled] > 0)
 
 
 # ------------------------------------------------------------------ bad input
