@@ -351,8 +351,15 @@ def prepare(
 _AUX_SUMS = ("clip_low", "clip_high", "clip_dual", "ratio")
 
 
-def _token_loss_fn(cfg: ObjectiveConfig):
-    """The elementwise ``token_loss_fn(logp, entropy, args) -> (loss_t, aux_t)`` for the kernel."""
+def make_token_loss_fn(cfg: ObjectiveConfig):
+    """The elementwise ``token_loss_fn(logp, entropy, args) -> (loss_t, aux_t)`` for the kernel.
+
+    ``args`` (no gradient; arrays of the token shape): ``weight`` (aggregation x keep),
+    ``mask`` (metric tokens), ``adv`` (token-weighted advantage), ``old`` (old log-probs),
+    and as configured ``ref`` (kl_beta > 0), ``kl_coef`` (KL-Cov), ``anchor`` (LUFFY),
+    ``seq_log_ratio`` (GSPO). ``loss_t = weight * ell_t`` (module docstring); ``aux_t`` holds
+    the per-token ``loss/*`` parts and ``sum/*`` diagnostics that the kernel sums.
+    """
     loss_fn = POLICY_LOSSES.get(cfg.policy_loss)
     loss_kwargs = cfg.policy_loss_kwargs
     kl_fn = KL_ESTIMATORS.get(cfg.kl_estimator)
@@ -448,7 +455,7 @@ def micro_batch_loss(
         hidden_BxTxD,
         head_DxV,
         targets_BxT,
-        _token_loss_fn(cfg),
+        make_token_loss_fn(cfg),
         args,
         **_kernel_kwargs(cfg),
     )
