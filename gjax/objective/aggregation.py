@@ -12,10 +12,14 @@ the bug class this avoids, changes the objective with the micro-batch size.
 With m_{i,t} = loss_mask * counted_i (counted_i: sequence i exists and counts in the
 denominators), |o_i| = sum_t m_{i,t}, n_seq = #{i : |o_i| > 0} and n_tok = sum |o_i|:
 
-  token_mean                w = m / n_tok               DAPO eq. (8); GPG eq. (5) (per group)
+  token_mean                w = m / n_tok               DAPO eq. (8); GPG (see below)
   seq_mean_token_mean       w = m / (n_seq |o_i|)       GRPO (DeepSeekMath eq. (3))
   seq_mean_token_sum_norm   w = m / (n_seq * C)         Dr.GRPO (Liu et al. 2025): C constant,
                                                         the maximum completion length
+
+GPG eq. (5) divides by the token count of each GROUP (then averages over prompts); gjax's
+GPG preset uses the global token mean instead, which equals eq. (5) when groups have equal
+token counts and keeps every normaliser global (the point of GPG's Appendix A).
 
 Denominators are guarded (max(., 1)), so an all-masked batch gives all-zero weights: loss 0
 and zero gradient, never NaN. Under jit with sharded global arrays the sums below are global

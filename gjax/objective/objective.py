@@ -193,7 +193,8 @@ def _presets() -> dict[str, ObjectiveConfig]:
         # over the global batch, no KL. Dynamic sampling / overlong shaping live in the loop.
         "dapo": c(advantage="dapo", eps_high=0.28, aggregation="token_mean"),
         # GPG (Chu et al.) eqs. (5)-(8): -logp * A, A = alpha (r - mean) (F_norm = 1, alpha
-        # folded into A by the estimator), token mean, no ratio / clip / KL.
+        # folded into A by the estimator), no ratio / clip / KL. Eq. (5) is a per-group token
+        # mean; we use the global token mean (equal for equal group token counts).
         "gpg": c(advantage="gpg", policy_loss="pg", aggregation="token_mean"),
         # A-GRAE Sec. 5.1 on GRPO: DDAS (eq. (12)) + ASS (eq. (13)) with alpha = 1 (math).
         "a_grae": c(
