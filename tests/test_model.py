@@ -192,7 +192,7 @@ def test_prefill_matches_forward_and_returns_cache():
         PARAMS, CFG, jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray(segments)
     )
     np.testing.assert_allclose(hidden_p, hidden, atol=1e-6)
-    assert k.shape == v.shape == (2, 2, 9, 2, 8)  # [L, P, S, K, Dh]
+    assert k.shape == v.shape == (2, 2, 2, 9, 8)  # [L, P, K, S, Dh]
 
 
 def test_llama3_rope_scaling_bands():

@@ -12,6 +12,7 @@ from gjax.models.transformer import (
     logits_from_hidden,
     param_logical_axes,
     prefill,
+    split_layers,
 )
 
 __all__ = [
@@ -27,5 +28,6 @@ __all__ = [
     "logits_from_hidden",
     "param_logical_axes",
     "prefill",
+    "split_layers",
     "save_pretrained",
 ]

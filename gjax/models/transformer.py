@@ -373,8 +373,9 @@ def logits_from_hidden(params: Params, cfg: ModelConfig, hidden_xD):
 def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment_ids_PxS):
     """Full forward over prompts that also returns their KV cache.
 
-    Returns `(hidden_PxSxD, k_LxPxSxKxDh, v_LxPxSxKxDh)`; keys are stored after RoPE, so a
-    decode step never re-rotates the cache. Same math as `Transformer` (tested to agree).
+    Returns `(hidden_PxSxD, k_LxPxKxSxDh, v_LxPxKxSxDh)`; keys are stored after RoPE, so a
+    decode step never re-rotates the cache. The cache is laid out [.., K, S, Dh] so decode
+    attention is a plain batched matmul over (P, K). Same math as `Transformer` (tested).
     """
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
@@ -390,80 +391,95 @@ def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment
         x = x + _linear(lp["attn"]["o"], att.reshape(*att.shape[:2], -1), dtype)
         h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
         x = x + _mlp(lp["mlp"], h, dtype)
-        return x, (k, v)
+        return x, (k.swapaxes(1, 2), v.swapaxes(1, 2))
 
     x, (k_cache, v_cache) = jax.lax.scan(layer, x, params["layers"])
     hidden = rms_norm(x, params["final_norm"]["scale"], eps)
     return hidden, k_cache, v_cache
 
 
+def split_layers(stacked):
+    """Per-layer views [tree_i for i < L] of a tree stacked on a leading L axis.
+
+    The sampler splits params and caches once, outside its decode loop, so each step reads
+    every layer's weights in place instead of slicing (copying) them from the stacked arrays.
+    """
+    n = jax.tree_util.tree_leaves(stacked)[0].shape[0]
+    return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(n)]
+
+
 def decode_step(
     params: Params,
     cfg: ModelConfig,
+    layers: list[Params],
     tokens_B,
     positions_B,
-    prefix_k_LxPxSxKxDh,
-    prefix_v_LxPxSxKxDh,
+    prefix_k: list,
+    prefix_v: list,
     prefix_mask_PxS,
-    k_LxBxNxKxDh,
-    v_LxBxNxKxDh,
+    cache_k: list,
+    cache_v: list,
     step,
-    *,
-    unroll: int | bool = 1,
 ):
     """One token for B = P*G sequences (prompt-major) given a shared prompt cache.
 
-    Each sequence b attends (i) the prefix cache of its prompt p = b // G (never copied G
-    times: queries are reshaped to [P, G, ...] against [P, S, ...] keys), (ii) its own cache
-    slots n < `step`, and (iii) its own current token. One softmax runs over all three parts.
-    Returns `(hidden_BxD, k_new_LxBxKxDh, v_new_LxBxKxDh)`; the caller writes the new keys
-    and values into slot `step` (one in-place update after all layers).
+    Args:
+      params: the full param tree (embedding, final norm, head); `layers` its per-layer
+        split (`split_layers(params["layers"])`).
+      prefix_k/prefix_v: per layer `[P, K, S, Dh]` prompt keys/values (from `prefill`).
+      cache_k/cache_v: per layer `[B, K, N, Dh]` per-sample caches; slot `step` is written.
+    Each sequence b attends (i) the prefix cache of its prompt p = b // G, never copied G
+    times: the G*R query heads of a prompt sharing kv head k form one [G*R, Dh] block against
+    that prompt's [S, Dh] keys; (ii) its own cache slots n <= `step` (this token included).
+    One softmax spans both parts (a shared max). Returns `(hidden_BxD, cache_k, cache_v)`.
     """
     dtype = cfg.jnp_dtype
+    f32 = jnp.float32
     eps = cfg.rms_norm_eps
     p_, s_ = prefix_mask_PxS.shape
     b_ = tokens_B.shape[0]
     g_ = b_ // p_
-    n_ = k_LxBxNxKxDh.shape[2]
+    n_ = cache_k[0].shape[2]
     h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     r_ = h_ // kv_
     scale = 1.0 / math.sqrt(dh)
     x = jnp.take(params["embed"]["embedding"], tokens_B, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions_B, cfg)
-    own_valid_N = jnp.arange(n_) < step
-    prefix_valid = prefix_mask_PxS.astype(bool)
+    own_valid_N = jnp.arange(n_) <= step
+    prefix_valid_Px1x1xS = prefix_mask_PxS.astype(bool)[:, None, None, :]
 
-    def layer(x, xs):
-        lp, pk, pv, ck, cv = xs
+    def to_prefix_layout(a_BxKxRx_):  # [B, K, R, ...] -> [P, K, G*R, ...]
+        a = a_BxKxRx_.reshape(p_, g_, kv_, r_, *a_BxKxRx_.shape[3:])
+        return jnp.swapaxes(a, 1, 2).reshape(p_, kv_, g_ * r_, *a.shape[4:])
+
+    def from_prefix_layout(a_PxKxGRx_):  # [P, K, G*R, ...] -> [B, K, R, ...]
+        a = a_PxKxGRx_.reshape(p_, kv_, g_, r_, *a_PxKxGRx_.shape[3:])
+        return jnp.swapaxes(a, 1, 2).reshape(b_, kv_, r_, *a.shape[4:])
+
+    cache_k, cache_v = list(cache_k), list(cache_v)
+    for i, lp in enumerate(layers):
         h = rms_norm(x, lp["input_norm"]["scale"], eps)
         q, k, v = _qkv(lp["attn"], h, cfg, dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        at = (0, 0, step, 0)
+        cache_k[i] = jax.lax.dynamic_update_slice(cache_k[i], k[:, :, None].astype(dtype), at)
+        cache_v[i] = jax.lax.dynamic_update_slice(cache_v[i], v[:, :, None].astype(dtype), at)
         q_BxKxRxDh = q.reshape(b_, kv_, r_, dh)
-        q_PxGxKxRxDh = q.reshape(p_, g_, kv_, r_, dh)
-        f32 = jnp.float32
-        s_pre = jnp.einsum("pgkrd,pskd->pgkrs", q_PxGxKxRxDh, pk, preferred_element_type=f32)
-        s_pre = jnp.where(prefix_valid[:, None, None, None], s_pre * scale, _MASK_VALUE)
-        s_pre = s_pre.reshape(b_, kv_, r_, s_)
-        s_own = jnp.einsum("bkrd,bnkd->bkrn", q_BxKxRxDh, ck, preferred_element_type=f32)
+        s_pre = jnp.einsum(
+            "pkqd,pksd->pkqs", to_prefix_layout(q_BxKxRxDh), prefix_k[i], preferred_element_type=f32
+        )
+        s_pre = jnp.where(prefix_valid_Px1x1xS, s_pre * scale, _MASK_VALUE)
+        s_own = jnp.einsum("bkrd,bknd->bkrn", q_BxKxRxDh, cache_k[i], preferred_element_type=f32)
         s_own = jnp.where(own_valid_N, s_own * scale, _MASK_VALUE)
-        s_self = jnp.einsum("bkrd,bkd->bkr", q_BxKxRxDh, k, preferred_element_type=f32) * scale
-        m = jnp.maximum(jnp.maximum(s_pre.max(-1), s_own.max(-1)), s_self)
-        e_pre = jnp.exp(s_pre - m[..., None])
-        e_own = jnp.exp(s_own - m[..., None])
-        e_self = jnp.exp(s_self - m)
-        denom = e_pre.sum(-1) + e_own.sum(-1) + e_self
-        out = jnp.einsum(
-            "pgkrs,pskd->pgkrd", e_pre.reshape(p_, g_, kv_, r_, s_).astype(dtype), pv
-        ).reshape(b_, kv_, r_, dh)
-        out = out + jnp.einsum("bkrn,bnkd->bkrd", e_own.astype(dtype), cv)
-        out = out + e_self[..., None].astype(dtype) * v[:, :, None, :]
+        m_BxKxR = jnp.maximum(from_prefix_layout(s_pre.max(-1)), s_own.max(-1))
+        e_pre = jnp.exp(s_pre - to_prefix_layout(m_BxKxR)[..., None])
+        e_own = jnp.exp(s_own - m_BxKxR[..., None])
+        denom = from_prefix_layout(e_pre.sum(-1)) + e_own.sum(-1)
+        out = from_prefix_layout(jnp.einsum("pkqs,pksd->pkqd", e_pre.astype(dtype), prefix_v[i]))
+        out = out + jnp.einsum("bkrn,bknd->bkrd", e_own.astype(dtype), cache_v[i])
         out = (out / denom[..., None].astype(dtype)).reshape(b_, h_ * dh)
         x = x + _linear(lp["attn"]["o"], out, dtype)
         h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
         x = x + _mlp(lp["mlp"], h, dtype)
-        return x, (k, v)
-
-    xs = (params["layers"], prefix_k_LxPxSxKxDh, prefix_v_LxPxSxKxDh, k_LxBxNxKxDh, v_LxBxNxKxDh)
-    x, (k_new, v_new) = jax.lax.scan(layer, x, xs, unroll=unroll)
     hidden = rms_norm(x, params["final_norm"]["scale"], eps)
-    return hidden, k_new, v_new
+    return hidden, cache_k, cache_v

@@ -6,12 +6,12 @@ b // G, B = P*G).
 
 How it runs (one XLA program, no Python per token):
 1. Prefill: one forward over the P prompts (left-padded, mixed lengths; positions count from
-   each prompt's first real token) gives the prompt KV cache `[L, P, S, K, Dh]` and each
+   each prompt's first real token) gives the prompt KV cache `[L, P, K, S, Dh]` and each
    prompt's next-token logits. The cache is computed ONCE per prompt and never copied G
    times: decode queries are reshaped to `[P, G, ...]` and attend the prompt cache by
    broadcasting (see `gjax.models.transformer.decode_step`).
 2. Decode: a `lax.while_loop` over new tokens with a preallocated per-sample cache
-   `[L, B, N, K, Dh]` (N = max_new_tokens), written in place one slot per step; the loop
+   `[B, K, N, Dh]` per layer (N = max_new_tokens), written in place one slot per step; the loop
    stops early once every row has emitted a stop token.
 
 Returned per-token log-probs (`logps_BxN`), precisely: for temperature T > 0,
@@ -32,7 +32,13 @@ import jax
 import jax.numpy as jnp
 
 from gjax.models.config import ModelConfig
-from gjax.models.transformer import Params, decode_step, logits_from_hidden, prefill
+from gjax.models.transformer import (
+    Params,
+    decode_step,
+    logits_from_hidden,
+    prefill,
+    split_layers,
+)
 from gjax.sharding import constrain
 
 
@@ -43,8 +49,7 @@ class SamplingParams:
     temperature: 0 means greedy (argmax). top_k: 0 disables. top_p: 1.0 disables (nucleus
     over softmax(logits / T) after top-k; tokens tied with the threshold logit are kept).
     stop_token_ids: a row finishes at the first of these it emits (e.g. the tokenizer's EOS
-    ids); empty means always generate `max_new_tokens`. decode_unroll: how many layers the
-    decode step's layer scan unrolls (True = all; faster on CPU, longer compile).
+    ids); empty means always generate `max_new_tokens`.
     """
 
     max_new_tokens: int
@@ -53,7 +58,6 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
-    decode_unroll: int | bool = True
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -77,21 +81,20 @@ class SampleOutput(NamedTuple):
     lengths_B: jax.Array  # int32, mask_BxN.sum(-1)
 
 
-def _process_logits(logits_BxV, sp: SamplingParams):
-    """-> (sampling logits with truncated tokens at -inf, full-vocab log-probs)."""
-    logits_BxV = logits_BxV.astype(jnp.float32)
-    if sp.temperature == 0:
-        return logits_BxV, jax.nn.log_softmax(logits_BxV, axis=-1)
-    scaled = logits_BxV / sp.temperature
-    logps = jax.nn.log_softmax(scaled, axis=-1)
-    vocab = scaled.shape[-1]
+# Vocabulary block for two-level inverse-CDF sampling (V is padded up to a multiple).
+_BLOCK = 128
+
+
+def _truncate(scaled_BxV, sp: SamplingParams):
+    """top-k / top-p: truncated tokens get -inf (ties with the threshold logit are kept)."""
+    vocab = scaled_BxV.shape[-1]
     top_k = sp.top_k if 0 < sp.top_k < vocab else 0
     if not top_k and sp.top_p >= 1.0:
-        return scaled, logps
+        return scaled_BxV
     if top_k:
-        sorted_BxK = jax.lax.top_k(scaled, top_k)[0]  # descending
+        sorted_BxK = jax.lax.top_k(scaled_BxV, top_k)[0]  # descending
     else:
-        sorted_BxK = -jnp.sort(-scaled, axis=-1)
+        sorted_BxK = -jnp.sort(-scaled_BxV, axis=-1)
     threshold_B = sorted_BxK[:, -1]
     if sp.top_p < 1.0:
         probs = jax.nn.softmax(sorted_BxK, axis=-1)
@@ -99,24 +102,53 @@ def _process_logits(logits_BxV, sp: SamplingParams):
         keep = (jnp.cumsum(probs, axis=-1) - probs) < sp.top_p
         n_keep = keep.sum(-1)
         threshold_B = jnp.take_along_axis(sorted_BxK, (n_keep - 1)[:, None], axis=-1)[:, 0]
-    return jnp.where(scaled >= threshold_B[:, None], scaled, -jnp.inf), logps
+    return jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, -jnp.inf)
+
+
+def _inverse_cdf_sample(logits_BxV, key):
+    """Exact categorical sampling from softmax(logits) with ONE uniform per row.
+
+    Two-level inverse CDF: pick the vocabulary block whose cumulative mass first reaches
+    u * total, then the token inside that block. Costs one exp pass plus a cumsum over
+    V / 128 block sums and over 128 entries, instead of V Gumbel draws or a length-V cumsum
+    (both slow on CPU). A zero-probability token (e.g. truncated by top-k) owns an empty CDF
+    interval and is never drawn. Returns (tokens_B, logsumexp_B of `logits_BxV`).
+    """
+    b, v = logits_BxV.shape
+    nb = -(-v // _BLOCK)
+    m_B = jnp.max(logits_BxV, axis=-1)
+    e_BxV = jnp.exp(logits_BxV - m_B[:, None])
+    if nb * _BLOCK != v:
+        e_BxV = jnp.pad(e_BxV, ((0, 0), (0, nb * _BLOCK - v)))
+    e_BxNbxC = e_BxV.reshape(b, nb, _BLOCK)
+    block_cdf = jnp.cumsum(e_BxNbxC.sum(-1), axis=-1)
+    total_B = block_cdf[:, -1]
+    # u in (0, 1): x > 0, so the chosen block and token always carry positive mass.
+    x_B = jax.random.uniform(key, (b,), minval=1e-12, maxval=1.0) * total_B
+    j_B = jnp.minimum(jnp.sum(block_cdf < x_B[:, None], axis=-1), nb - 1)
+    prev_B = jnp.where(
+        j_B > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j_B - 1, 0)[:, None], -1)[:, 0], 0.0
+    )
+    inner_cdf = jnp.cumsum(jnp.take_along_axis(e_BxNbxC, j_B[:, None, None], axis=1)[:, 0], -1)
+    r_B = jnp.minimum(x_B - prev_B, inner_cdf[:, -1])  # rounding guard
+    i_B = jnp.minimum(jnp.sum(inner_cdf < r_B[:, None], axis=-1), _BLOCK - 1)
+    return (j_B * _BLOCK + i_B).astype(jnp.int32), m_B + jnp.log(total_B)
 
 
 def _sample(logits_BxV, key, sp: SamplingParams):
-    """Draws one token per row; returns (tokens_B, logps_B)."""
-    sample_logits, logps_BxV = _process_logits(logits_BxV, sp)
+    """Draws one token per row; returns (tokens_B, logps_B) with logps as in the module doc."""
+    logits_BxV = logits_BxV.astype(jnp.float32)
     if sp.temperature == 0:
-        tokens = jnp.argmax(sample_logits, axis=-1)
+        tokens_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        scaled, lse_B = logits_BxV, jax.nn.logsumexp(logits_BxV, axis=-1)
     else:
-        # Inverse-CDF sampling: one uniform per row instead of V Gumbel draws (cheaper on CPU).
-        # Zero-probability (truncated) tokens occupy an empty CDF interval and are never drawn.
-        probs = jnp.exp(sample_logits - sample_logits.max(-1, keepdims=True))
-        cdf = jnp.cumsum(probs, axis=-1)
-        u = jax.random.uniform(key, (cdf.shape[0], 1), minval=1e-12, maxval=1.0)
-        tokens = jnp.sum(cdf < u * cdf[:, -1:], axis=-1)
-        tokens = jnp.minimum(tokens, cdf.shape[-1] - 1)
-    tokens = tokens.astype(jnp.int32)
-    return tokens, jnp.take_along_axis(logps_BxV, tokens[:, None], axis=-1)[:, 0]
+        scaled = logits_BxV / sp.temperature
+        truncated = _truncate(scaled, sp)
+        tokens_B, lse_B = _inverse_cdf_sample(truncated, key)
+        if truncated is not scaled:  # log-probs are over the full (untruncated) vocabulary
+            lse_B = jax.nn.logsumexp(scaled, axis=-1)
+    picked_B = jnp.take_along_axis(scaled, tokens_B[:, None], axis=-1)[:, 0]
+    return tokens_B, picked_B - lse_B
 
 
 def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling):
@@ -136,18 +168,21 @@ def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples,
     hidden_PxSxD, prefix_k, prefix_v = prefill(
         params, cfg, prompt_tokens_PxS.astype(jnp.int32), positions_PxS, mask_PxS
     )
-    kv_axes = ("layers", "batch", "length", "kv_heads", None)
-    prefix_k, prefix_v = constrain(prefix_k, kv_axes), constrain(prefix_v, kv_axes)
+    kv_axes = ("batch", "kv_heads", "length", None)
+    prefix_k = [constrain(a, kv_axes) for a in split_layers(prefix_k)]
+    prefix_v = [constrain(a, kv_axes) for a in split_layers(prefix_v)]
     hidden_PxD = jnp.take_along_axis(hidden_PxSxD, last_P[:, None, None], axis=1)[:, 0]
     logits_BxV = jnp.repeat(logits_from_hidden(params, cfg, hidden_PxD), g_, axis=0)
     logits_BxV = constrain(logits_BxV, ("batch", "vocab"))
     token_B, logp_B = _sample(logits_BxV, jax.random.fold_in(rng, 0), sp)
     start_pos_B = jnp.repeat(prompt_len_P, g_)
 
-    # 2. Decode with a preallocated per-sample cache.
-    cache_shape = (cfg.num_layers, b_, n_, cfg.num_kv_heads, cfg.head_dim)
-    cache_k = constrain(jnp.zeros(cache_shape, dtype), kv_axes)
-    cache_v = constrain(jnp.zeros(cache_shape, dtype), kv_axes)
+    # 2. Decode with preallocated per-sample caches (one [B, K, N, Dh] array per layer, and
+    # per-layer weights split once here, so the loop body never slices stacked arrays).
+    layers = split_layers(params["layers"])
+    cache_shape = (b_, cfg.num_kv_heads, n_, cfg.head_dim)
+    cache_k = [constrain(jnp.zeros(cache_shape, dtype), kv_axes) for _ in layers]
+    cache_v = [constrain(jnp.zeros(cache_shape, dtype), kv_axes) for _ in layers]
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
 
     def cond(state):
@@ -165,9 +200,10 @@ def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples,
         )
         if sp.stop_token_ids:
             done_B = done_B | (alive_B & jnp.isin(token_B, stop_ids))
-        hidden_BxD, k_new, v_new = decode_step(
+        hidden_BxD, cache_k, cache_v = decode_step(
             params,
             cfg,
+            layers,
             token_B,
             start_pos_B + step,
             prefix_k,
@@ -176,10 +212,7 @@ def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples,
             cache_k,
             cache_v,
             step,
-            unroll=sp.decode_unroll,
         )
-        cache_k = jax.lax.dynamic_update_slice(cache_k, k_new[:, :, None], (0, 0, step, 0, 0))
-        cache_v = jax.lax.dynamic_update_slice(cache_v, v_new[:, :, None], (0, 0, step, 0, 0))
         logits_BxV = logits_from_hidden(params, cfg, hidden_BxD)
         token_B, logp_B = _sample(logits_BxV, jax.random.fold_in(rng, step + 1), sp)
         return step + 1, token_B, logp_B, done_B, tokens, mask, logps, cache_k, cache_v
