@@ -1,0 +1,377 @@
+"""One GRPO step, end to end: gjax vs TRL's `GRPOTrainer` (PyTorch CPU) on the same policy.
+
+A step is: sample G completions for each of P prompts -> reward them with the accuracy
+verifier -> (old/reference log-probs) -> GRPO loss -> one optimizer update. Both sides run
+
+* the SAME policy: an HF-format tiny Qwen2 dir (the committed `gjax/assets/tiny_qwen2`, or
+  `--policy DIR`; without either, one of the same architecture is written untrained to a temp
+  dir with `scripts/make_tiny_policy.py`'s `model_config`: speed does not depend on weights);
+* the SAME prompts: the embedded synthetic task, templated by gjax's data pipeline
+  (`configs/grpo.py:tiny`'s `config.data`), the templated text handed to TRL as `prompt`;
+* the SAME lengths and sampling: prompts of at most `max_prompt_len` tokens, exactly
+  `max_new_tokens` new tokens per completion (EOS stopping disabled on both sides: gjax's
+  sampler gets `stop_token_ids=()`, TRL's `generate` gets `min_new_tokens = max_new_tokens`,
+  so every completion is full length and every token is in the loss on both sides), plain
+  temperature sampling (T = 1, no top-k/top-p);
+* the SAME objective: GRPO (group-std advantages, PPO clip 0.2/0.2, k3 KL with beta 0.04 to
+  a frozen reference, per-sequence token mean: TRL `loss_type="grpo"`), one update per
+  rollout batch (num_iterations 1), AdamW after global-norm clipping 1.0, float32;
+* the SAME reward: gjax's math-verify `Verifier` (one process pool shared by both sides).
+
+gjax's step is built from gjax's own pieces exactly as `gjax/train.py` builds it
+(`build_steps` + `Rollout` + `select_groups` + `Steps.put_batch` + `Steps.update`), with the
+step's outputs blocked on. TRL's step is timed with a `TrainerCallback` from
+`on_step_begin` (before generation) to `on_step_end` (after the optimizer step).
+Compile / warm-up steps are excluded on both sides (`--warmup` each); the medians of
+`--repeats` timed steps count. gjax is timed before and after TRL (half the repeats each) so
+drifting contention on a shared machine hits both sides; compare the ratio within one run.
+
+    python benchmarks/train_step.py            # P=16 prompts x G=8, 32 + 48 tokens, ~2-4 min
+
+Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
+`trl_step_s`, `speedup` (TRL time / gjax time) and the settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import common, grpo  # noqa: E402
+from gjax import sharding  # noqa: E402
+from gjax.config import validate  # noqa: E402
+from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.experience import select_groups  # noqa: E402
+from gjax.models import hf_io  # noqa: E402
+from gjax.rewards.verifier import Verifier  # noqa: E402
+from gjax.train import build_rewards, resolve_model_path  # noqa: E402
+from gjax.trainer import Rollout, TrainState, build_steps, make_optimizer  # noqa: E402
+
+EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
+
+
+def emit(record: dict) -> None:
+    print(json.dumps(record), flush=True)
+
+
+def make_config(args):
+    """`configs/grpo.py:tiny` with the benchmark's sizes."""
+    c = grpo.get_config("tiny")
+    c.rollout.prompts_per_step = args.prompts
+    c.rollout.num_samples = args.samples
+    c.rollout.max_new_tokens = args.new_tokens
+    c.rollout.temperature = args.temperature
+    c.data.max_prompt_len = args.prompt_len
+    c.data.num_examples = max(args.prompts * (args.warmup + args.repeats) * 2, 256)
+    c.optim.warmup_steps = 0
+    c.reward.workers = args.reward_workers
+    c.log.tensorboard = False
+    c.log.progress = False
+    return c
+
+
+def policy_dir(args, tmp: str) -> tuple[str, str]:
+    """(HF dir, how it was made)."""
+    if args.policy:
+        return resolve_model_path(args.policy), "given"
+    if os.path.isdir(EMBEDDED):
+        return EMBEDDED, "embedded (gjax/assets/tiny_qwen2)"
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_tiny_policy
+
+    from gjax.data.tokenizer import build_tokenizer
+    from gjax.models.transformer import init_params
+
+    tok = build_tokenizer()
+    cfg = make_tiny_policy.model_config(tok)
+    out = os.path.join(tmp, "tiny_qwen2")
+    hf_io.save_pretrained(init_params(cfg, jax.random.key(0)), cfg, out, tokenizer=tok)
+    return out, "untrained, make_tiny_policy.model_config architecture"
+
+
+# ------------------------------------------------------------------------------------- gjax
+
+
+class GjaxStep:
+    """The body of `gjax.train.main`'s RL loop for one step (one rollout round)."""
+
+    def __init__(self, config, path: str, verifier: Verifier, data):
+        mesh_shape = validate(config, jax.device_count())
+        self.mesh = sharding.make_mesh(mesh_shape)
+        obj_cfg = common.to_objective_config(config.objective)
+        self.cfg, params = hf_io.load_pretrained(
+            path,
+            mesh=self.mesh,
+            param_dtype=config.model.param_dtype,
+            dtype=config.model.dtype,
+            remat=config.model.remat,
+        )
+        self.tok = hf_io.load_tokenizer(path)
+        self.ref_params = jax.tree.map(lambda x: x.copy(), params)
+        tx, _ = make_optimizer(config.optim, config.train.steps)
+        self.state = TrainState(
+            step=jax.numpy.zeros((), jax.numpy.int32),
+            params=params,
+            opt_state=jax.jit(tx.init)(params),
+        )
+        self.steps = build_steps(
+            mesh=self.mesh,
+            cfg=self.cfg,
+            obj_cfg=obj_cfg,
+            tx=tx,
+            state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
+            train_cfg=config.train,
+        )
+        self.pipeline = build_rewards(config, verifier)
+        self.rollout = Rollout(
+            cfg=self.cfg,
+            tokenizer=self.tok,
+            pipeline=self.pipeline,
+            steps=self.steps,
+            config=config,
+        )
+        # Full-length completions (no EOS stop), as on the TRL side.
+        self.rollout.sampling = dataclasses.replace(self.rollout.sampling, stop_token_ids=())
+        self.P = config.rollout.prompts_per_step
+        self.data_iter = PromptIterator(data, global_batch_size=self.P, seed=0, shuffle=True)
+        self.base_key = jax.random.key(config.seed)
+        self.i = 0
+
+    def __call__(self) -> dict:
+        t0, c0 = time.perf_counter(), time.process_time()
+        key = jax.random.fold_in(self.base_key, self.i)
+        self.i += 1
+        res = self.rollout(self.state.params, self.ref_params, next(self.data_iter), key)
+        groups, _ = select_groups(
+            res.groups, self.P, min_valid_fraction=0.0, drop_zero_variance=False, final_round=True
+        )
+        t1 = time.perf_counter()
+        batch = self.steps.put_batch(self.rollout.model_inputs(groups))
+        self.state, metrics = self.steps.update(self.state, batch, jax.random.fold_in(key, 10_000))
+        jax.block_until_ready((self.state, metrics))
+        t2 = time.perf_counter()
+        lengths = groups.completion_mask_PxGxN.sum(-1)
+        return {
+            "step_s": t2 - t0,
+            "step_cpu_s": time.process_time() - c0,
+            "sample_s": res.metrics["time/sample_s"],
+            "rollout_s": res.metrics["time/rollout_s"],
+            "update_s": t2 - t1,
+            "reward_mean": res.metrics["reward/mean"],
+            "completion_tokens": int(lengths.sum()),
+            "loss": float(metrics["loss/total"]) if "loss/total" in metrics else None,
+        }
+
+    def close(self):
+        self.pipeline.close()
+
+
+# -------------------------------------------------------------------------------------- TRL
+
+
+def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
+    import datasets
+    import torch
+    import transformers
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(0)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    n = args.prompts * (args.trl_warmup + args.repeats)
+    dataset = datasets.Dataset.from_dict(
+        {"prompt": list(data.prompts[:n]), "answer": list(data.answers[:n])}
+    )
+
+    def accuracy(completions, answer, **kwargs):
+        return verifier.score(completions, answer).tolist()
+
+    o = config.objective
+    beta = float(o.kl_beta)
+    steps = args.trl_warmup + args.repeats
+    with tempfile.TemporaryDirectory() as out:
+        trl_args = GRPOConfig(
+            output_dir=out,
+            per_device_train_batch_size=args.prompts * args.samples,  # completions, = P*G
+            gradient_accumulation_steps=1,
+            num_generations=args.samples,
+            max_completion_length=args.new_tokens,
+            generation_kwargs={"min_new_tokens": args.new_tokens},  # no EOS: full length
+            temperature=args.temperature,
+            top_p=1.0,
+            top_k=0,
+            beta=beta,
+            epsilon=float(o.eps_low),
+            epsilon_high=float(o.eps_high),
+            loss_type="grpo",  # per-sequence token mean = gjax seq_mean_token_mean
+            scale_rewards="group",
+            num_iterations=1,
+            learning_rate=float(config.optim.lr),
+            adam_beta1=float(config.optim.b1),
+            adam_beta2=float(config.optim.b2),
+            weight_decay=float(config.optim.weight_decay),
+            max_grad_norm=float(config.optim.clip_norm),
+            lr_scheduler_type="constant",
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to=[],
+            bf16=False,
+            fp16=False,
+            use_cpu=True,
+            use_vllm=False,
+            gradient_checkpointing=False,
+            dataloader_num_workers=0,
+            seed=0,
+            disable_tqdm=True,
+            log_completions=False,
+        )
+        times: list[dict] = []
+
+        class Timer(transformers.TrainerCallback):
+            """Wall and process-CPU time from before generation to after the optimizer step."""
+
+            def on_step_begin(self, a, state, control, **kw):
+                self.t0, self.c0 = time.perf_counter(), time.process_time()
+
+            def on_step_end(self, a, state, control, **kw):
+                times.append(
+                    {
+                        "step_s": time.perf_counter() - self.t0,
+                        "step_cpu_s": time.process_time() - self.c0,
+                    }
+                )
+
+            def on_log(self, a, state, control, logs=None, **kw):
+                if logs and "reward" in logs and times:
+                    times[-1]["reward_mean"] = logs.get("reward")
+                    times[-1]["completion_len"] = logs.get("completions/mean_length")
+                    times[-1]["loss"] = logs.get("loss")
+
+        trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=accuracy,
+            args=trl_args,
+            train_dataset=dataset,
+            processing_class=tok,
+            callbacks=[Timer()],
+        )
+        trainer.remove_callback(transformers.PrinterCallback)  # keep stdout JSON-only
+        trainer.train()
+    return times
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--policy", default=None, help="HF policy dir (default: embedded or untrained)")
+    ap.add_argument("--prompts", type=int, default=16, help="P prompts per step")
+    ap.add_argument("--samples", type=int, default=8, help="G completions per prompt")
+    ap.add_argument("--prompt-len", type=int, default=32, help="max_prompt_len S")
+    ap.add_argument("--new-tokens", type=int, default=48, help="max_new_tokens T")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--warmup", type=int, default=2, help="untimed gjax steps (compile)")
+    ap.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps")
+    ap.add_argument("--repeats", type=int, default=4, help="timed steps per engine")
+    ap.add_argument("--reward-workers", type=int, default=1)
+    ap.add_argument("--skip-trl", action="store_true", help="only time gjax")
+    args = ap.parse_args()
+
+    config = make_config(args)
+    import torch
+
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Verifier(timeout_s=config.reward.timeout_s, num_workers=config.reward.workers) as verifier,
+    ):
+        path, made = policy_dir(args, tmp)
+        t0 = time.perf_counter()
+        data = build_prompt_data(config.data, hf_io.load_tokenizer(path))
+        gjax_step = GjaxStep(config, path, verifier, data)
+        settings = {
+            "policy": made,
+            "params": int(sum(x.size for x in jax.tree.leaves(gjax_step.state.params))),
+            "P": args.prompts,
+            "G": args.samples,
+            "B": args.prompts * args.samples,
+            "max_prompt_len": args.prompt_len,
+            "max_new_tokens": args.new_tokens,
+            "eos_stop": False,
+            "temperature": args.temperature,
+            "objective": "grpo (ppo_clip 0.2, k3 KL beta 0.04, seq_mean_token_mean)",
+            "prompt_tokens_mean": float(np.mean([len(x) for x in data.prompt_ids])),
+            "jax_devices": jax.device_count(),
+            "torch_threads": torch.get_num_threads(),
+        }
+        emit({"what": "setup", **settings, "gjax_setup_s": time.perf_counter() - t0})
+
+        def gjax_round(n_warm, n_timed, phase):
+            out = []
+            for i in range(n_warm + n_timed):
+                rec = gjax_step()
+                timed = i >= n_warm
+                emit({"what": "gjax_step", "phase": phase, "timed": timed, **rec})
+                if timed:
+                    out.append(rec)
+            return out
+
+        first = args.repeats - args.repeats // 2
+        gjax_times = gjax_round(args.warmup, first, "before_trl")
+        trl_times = []
+        if not args.skip_trl:
+            for i, rec in enumerate(run_trl(args, config, path, verifier, data)):
+                timed = i >= args.trl_warmup
+                emit({"what": "trl_step", "timed": timed, **rec})
+                if timed:
+                    trl_times.append(rec)
+        gjax_times += gjax_round(0, args.repeats // 2, "after_trl")
+        compiles = {
+            "update": gjax_step.steps.update._cache_size(),
+            "logps": gjax_step.steps.logps._cache_size(),
+        }
+        gjax_step.close()
+
+    med = lambda recs, k: statistics.median(r[k] for r in recs) if recs else None
+    g = med(gjax_times, "step_s")
+    t = med(trl_times, "step_s")
+    emit(
+        {
+            "what": "summary",
+            "gjax_step_s": g,
+            "trl_step_s": t,
+            "speedup": (t / g) if (t and g) else None,
+            "gjax_step_cpu_s": med(gjax_times, "step_cpu_s"),
+            "trl_step_cpu_s": med(trl_times, "step_cpu_s"),
+            "speedup_cpu": (
+                med(trl_times, "step_cpu_s") / med(gjax_times, "step_cpu_s")
+                if (trl_times and gjax_times)
+                else None
+            ),
+            "gjax_sample_s": med(gjax_times, "sample_s"),
+            "gjax_rollout_s": med(gjax_times, "rollout_s"),
+            "gjax_update_s": med(gjax_times, "update_s"),
+            "gjax_update_compiles": compiles["update"],
+            "gjax_logps_compiles": compiles["logps"],
+            "gjax_steps_timed": len(gjax_times),
+            "trl_steps_timed": len(trl_times),
+            **settings,
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
