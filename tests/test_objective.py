@@ -542,6 +542,12 @@ def test_nonfinite_rewards_make_samples_invalid():
     assert_close(loss, loss_ref)
     assert_close(gw, gw_ref)
     assert float(m["adv/nonfinite"]) == 2.0
+    # A non-finite judge score: the DaGRPO estimator drops the sample (A = 0, keep = False);
+    # it still counts in the denominators like a masked sample; the loss stays finite.
+    bad = dict(batch, scores_PxG=batch["scores_PxG"].at[1, 2].set(jnp.nan))
+    loss, m, (gh, gw) = grads(ObjectiveConfig.preset("dagrpo"), hidden, head, bad)
+    assert np.isfinite(float(loss)) and np.isfinite(np.asarray(gw)).all()
+    assert float(m["adv/nonfinite"]) == 1.0
 
 
 def test_shape_and_dtype_errors():

@@ -39,7 +39,9 @@ Conventions (decisions where the papers are silent):
   * Values at positions with loss_mask = 0 (padding) are ignored, even if NaN: targets,
     old/ref log-probs are sanitised there before use. Padding never changes loss or gradient.
   * An all-masked batch gives loss 0 and zero gradients (guarded denominators), never NaN.
-  * Non-finite rewards / scores make a sample invalid (counted in ``metrics['adv/nonfinite']``).
+  * Non-finite rewards make a sample invalid (counted in ``metrics['adv/nonfinite']``); a
+    non-finite judge score makes the DaGRPO estimator drop the sample (A = 0, keep = False,
+    also counted there), which then counts in the denominators like a masked sample.
   * Off-policy anchors: ``anchor_treatment='ratio'`` uses the same loss as on-policy samples
     with the ratio against ``old_logps_BxT``, which for anchor rows the trainer fills with the
     teacher-forced log-probs of the policy at the start of the update (there is no behaviour
