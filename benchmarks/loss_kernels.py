@@ -11,6 +11,9 @@ torch.compile), then `--reps` timed forward+backward calls; the median is report
 Methods (all compute loss and gradients w.r.t. hidden [N, D] and head):
   fused  gjax.objective.objective (GRPO advantages, PPO-clip eps 0.2, token-mean
          aggregation) on top of gjax.objective.logprobs.fused_token_loss, jax.grad.
+  fused_2pass  gjax.objective.logprobs.fused_token_loss(store_logits=False, token_chunk=1024)
+         with the same PPO-clip token-mean loss: logits computed twice tile by tile (4 matmuls),
+         only [chunk x vocab_tile] logit tiles in memory.
   naive  the same PPO-clip token-mean loss from materialized logits -> log_softmax -> gather,
          jax.grad (XLA is free to fuse what it can).
   floor  the bare LM-head matmul forward+backward: logits = h @ W, grad of sum(logits * c)
@@ -48,7 +51,8 @@ import time
 
 DEFAULT_TOKENS = (512, 1024)
 DEFAULT_DV = ((1536, 151936), (896, 151936), (2048, 32000))
-METHODS = ("fused", "naive", "floor", "liger", "trl")
+METHODS = ("fused", "fused_2pass", "naive", "floor", "liger", "trl")
+TWO_PASS_CHUNK = 1024
 EPS = 0.2
 BATCH_ROWS = 4  # N tokens = 4 sequences of N / 4 tokens
 
@@ -147,6 +151,26 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
 
         def loss_fn(h, w):
             return objective(h.reshape(b, t, d), w, batch, cfg)[0]
+
+        args = (hidden, head)
+    elif method == "fused_2pass":
+        from gjax.objective.logprobs import fused_token_loss
+
+        def token_loss(logp, ent, a):
+            ratio = jnp.exp(logp - a["old"])
+            pg = -jnp.minimum(ratio * a["adv"], jnp.clip(ratio, 1 - EPS, 1 + EPS) * a["adv"])
+            return pg / n, {}
+
+        def loss_fn(h, w):
+            return fused_token_loss(
+                h,
+                w,
+                targets,
+                token_loss,
+                {"old": old, "adv": adv_N},
+                token_chunk=TWO_PASS_CHUNK,
+                store_logits=False,
+            )[0]
 
         args = (hidden, head)
     elif method == "naive":

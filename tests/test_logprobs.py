@@ -61,16 +61,15 @@ def naive_loss(hidden, head, targets, args, temperature=1.0):
     return jnp.sum(loss_t), jax.tree.map(jnp.sum, aux_t)
 
 
-SHAPES = [  # (N, D, V, token_chunk, vocab_tile): ragged N and V included
-    (37, 16, 101, 8, 16),
-    (64, 8, 50, 64, 50),
-    (5, 12, 33, 16, 7),
-    (33, 24, 257, 10, 64),
+SHAPES = [  # (N, D, V, token_chunk, vocab_tile, temperature): ragged N and V included
+    (37, 16, 101, 8, 16, 1.0),
+    (64, 8, 50, 64, 50, 0.7),
+    (5, 12, 33, 16, 7, 1.0),
+    (33, 24, 257, 10, 64, 0.6),
 ]
 
 
-@pytest.mark.parametrize("n,d,v,chunk,tile", SHAPES)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("n,d,v,chunk,tile,temperature", SHAPES)
 def test_token_logps_values_and_grads_match_naive(n, d, v, chunk, tile, temperature):
     hidden, head, targets = _inputs(n + v, n, d, v)
     kw = dict(temperature=temperature, token_chunk=chunk, vocab_tile=tile)
@@ -129,15 +128,23 @@ def test_check_grads_tiny():
         check_grads(g, (hidden, head), order=1, modes=("rev",))
 
 
-@pytest.mark.parametrize("n,d,v,chunk,_", SHAPES)
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_fused_loss_matches_grad_of_naive(n, d, v, chunk, _, temperature):
+@pytest.mark.parametrize("n,d,v,chunk,tile,temperature", SHAPES)
+@pytest.mark.parametrize("store_logits", [True, False])
+def test_fused_loss_matches_grad_of_naive(n, d, v, chunk, tile, temperature, store_logits):
     hidden, head, targets = _inputs(n * v, n, d, v)
     args = _ppo_args(n, hidden, head, targets, temperature)
 
     def fused(h, w):
         return lp.fused_token_loss(
-            h, w, targets, ppo_token_loss, args, temperature=temperature, token_chunk=chunk
+            h,
+            w,
+            targets,
+            ppo_token_loss,
+            args,
+            temperature=temperature,
+            token_chunk=chunk,
+            vocab_tile=tile,
+            store_logits=store_logits,
         )
 
     (loss, aux), grads = jax.jit(jax.value_and_grad(fused, (0, 1), has_aux=True))(hidden, head)
@@ -151,7 +158,7 @@ def test_fused_loss_matches_grad_of_naive(n, d, v, chunk, _, temperature):
         np.testing.assert_allclose(g, r, **TOL)
     # Forward-only (primal) path gives the same value; cotangent scaling is applied.
     np.testing.assert_allclose(jax.jit(fused)(hidden, head)[0], ref_loss, **TOL)
-    g3 = jax.grad(lambda h, w: 3.0 * fused(h, w)[0], (0, 1))(hidden, head)
+    g3 = jax.jit(jax.grad(lambda h, w: 3.0 * fused(h, w)[0], (0, 1)))(hidden, head)
     for g, r in zip(g3, ref_grads):
         np.testing.assert_allclose(g, 3.0 * r, **TOL)
 

@@ -341,7 +341,7 @@ def _online_stats(x_RxV, targets_R, tile_fn, vocab_tile):
     return m + log_s, log_s - rr / s, m + rr / s, z_tgt
 
 
-def _grad_sweep(h_CxD, w_DxV, z_CxV, targets_C, lse_C, a_C, b_C, g_C, dw_DxV, tile, mm_dtype):
+def _grad_sweep(h_CxD, w_DxV, z_fn, targets_C, lse_C, a_C, b_C, g_C, dw_DxV, tile, mm_dtype):
     """dlogits dz = g 1[v = y] + exp(z - lse) (a - b z) tile by tile, and its two matmuls
     dh = dz W^T, dW += h^T dz: dz exists only as [C x tile] tiles and dW is updated in place
     (one h^T dz matmul would allocate a second [D x V] f32 buffer)."""
@@ -350,7 +350,7 @@ def _grad_sweep(h_CxD, w_DxV, z_CxV, targets_C, lse_C, a_C, b_C, g_C, dw_DxV, ti
     def body(carry, w, off):
         dh, dw_acc = carry
         width = w.shape[1]
-        z = lax.dynamic_slice_in_dim(z_CxV, off, width, axis=1)
+        z = z_fn(w, off)
         cols = lax.broadcasted_iota(jnp.int32, z.shape, 1) + off
         dz = jnp.exp(z - lse_C[:, None]) * (a_C[:, None] - b_C[:, None] * z)
         dz = dz + jnp.where(cols == targets_C[:, None], g_C[:, None], 0.0)
@@ -363,7 +363,16 @@ def _grad_sweep(h_CxD, w_DxV, z_CxV, targets_C, lse_C, a_C, b_C, g_C, dw_DxV, ti
 
 
 def _fused_scan(
-    hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args, inv_temp, c, vocab_tile, with_grad
+    hidden_NxD,
+    head_DxV,
+    targets_N,
+    token_loss_fn,
+    token_args,
+    inv_temp,
+    c,
+    vocab_tile,
+    store_logits,
+    with_grad,
 ):
     n = hidden_NxD.shape[0]
     c, n_chunks = _chunk_layout(n, c)
@@ -384,8 +393,19 @@ def _fused_scan(
 
     def chunk(carry, xs):
         h, t, args, vld = xs
-        z = _logits(h, head_DxV, inv_temp)  # the only [C x V] buffer
-        lse, ent, mean_z, z_tgt = _online_stats(z, t, lambda x: x, vocab_tile)
+        if store_logits:  # 3 matmuls; the [C x V] logits are the only big buffer
+            z_CxV = _logits(h, head_DxV, inv_temp)
+            lse, ent, mean_z, z_tgt = _online_stats(z_CxV, t, lambda x: x, vocab_tile)
+
+            def z_fn(w, off):
+                return lax.dynamic_slice_in_dim(z_CxV, off, w.shape[1], axis=1)
+
+        else:  # 4 matmuls; logits exist only as [C x vocab_tile] tiles (computed twice)
+
+            def z_fn(w, off):
+                return _logits(h, w, inv_temp)
+
+            lse, ent, mean_z, z_tgt = _online_stats(head_DxV, t, lambda w: z_fn(w, 0), vocab_tile)
         logp = z_tgt - lse
         if not with_grad:
             loss_c, aux_c = chunk_loss(logp, ent, args, vld)
@@ -399,7 +419,7 @@ def _fused_scan(
         b = g_ent * inv_temp
         loss, aux, dw_acc = carry
         dh, dw_acc = _grad_sweep(
-            h, head_DxV, z, t, lse, a, b, g_logp * inv_temp, dw_acc, vocab_tile, mm_dtype
+            h, head_DxV, z_fn, t, lse, a, b, g_logp * inv_temp, dw_acc, vocab_tile, mm_dtype
         )
         carry = (loss + loss_c, jax.tree.map(jnp.add, aux, aux_c), dw_acc)
         return carry, dh.astype(hidden_NxD.dtype)
@@ -428,7 +448,8 @@ def fused_token_loss(
     *,
     temperature: float = 1.0,
     token_chunk: int | None = None,
-    vocab_tile: int = 4096,
+    vocab_tile: int = 2048,
+    store_logits: bool = True,
 ) -> tuple[jax.Array, Any]:
     """Sum over tokens of an elementwise loss of (logp_t, H_t), gradients fused in the forward.
 
@@ -455,6 +476,10 @@ def fused_token_loss(
         [chunk x V] f32 temporary). Memory ~3 x chunk x V x 4 bytes + the f32 head gradient.
       vocab_tile: static column tile of the two gradient matmuls (dhidden, dhead): dhead is
         accumulated tile by tile in place, so no second [D x V] buffer is allocated.
+      store_logits: True (default): one logits matmul per chunk, kept as a [chunk x V] f32
+        buffer for the gradient sweep (3 matmuls in all). False: the logits are computed
+        twice tile by tile (4 matmuls, ~4/3 of the floor) and only [chunk x vocab_tile]
+        tiles exist, so large chunks (few head-gradient updates) fit in little memory.
 
     Returns:
       (loss, aux_sums): f32 scalar and the pytree of summed aux values.
@@ -469,6 +494,7 @@ def fused_token_loss(
         inv_temp=1.0 / float(temperature),
         c=int(token_chunk),
         vocab_tile=int(vocab_tile),
+        store_logits=bool(store_logits),
     )
 
     @jax.custom_vjp
