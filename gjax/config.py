@@ -32,9 +32,13 @@ def check_schema(config: ml_collections.ConfigDict, schema: ml_collections.Confi
         if path.startswith(("objective.advantage_kwargs.", "objective.token_weights_kwargs.")):
             continue  # per-estimator; checked against its signature by to_objective_config
         if path not in want:
-            close = difflib.get_close_matches(path, want, n=3)
+            section = path.rpartition(".")[0]
+            siblings = sorted(k for k in want if k.rpartition(".")[0] == section)
+            close = difflib.get_close_matches(path, siblings, n=3, cutoff=0.5)
             hint = f" Did you mean {close}?" if close else ""
-            raise ConfigError(f"unknown config field 'config.{path}'.{hint}")
+            raise ConfigError(
+                f"unknown config field 'config.{path}'.{hint} Valid fields here: {siblings}"
+            )
         ref = want[path]
         if ref is None or value is None:
             continue

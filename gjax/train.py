@@ -36,7 +36,7 @@ from gjax.rewards.pipeline import RewardPipeline
 from gjax.rewards.registry import RewardSpec, build_reward
 from gjax.rewards.verifier import Verifier
 from gjax.rollout.sampler import SamplingParams, generate
-from gjax.trainer import Rollout, TrainState, build_steps, make_optimizer
+from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -203,10 +203,7 @@ def main(argv) -> None:
 
     # --- state: fresh or resumed --------------------------------------------------------
     tx, schedule = make_optimizer(config.optim, config.train.steps)
-    state = TrainState(
-        step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=jax.jit(tx.init)(params)
-    )
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    state, state_shardings = init_state(params, tx, mesh)
     steps = build_steps(
         mesh=mesh,
         cfg=cfg,

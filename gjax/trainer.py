@@ -68,6 +68,27 @@ def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformatio
     return tx, schedule
 
 
+def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, TrainState]:
+    """The initial train state and its shardings, built on the mesh (never on one device).
+
+    Optimizer moments follow their parameters' shardings (`optax.tree_utils.tree_map_params`);
+    scalars (step, counts) are replicated.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    return TrainState(step=step, params=params, opt_state=opt_state), shardings
+
+
 # ------------------------------------------------------------------------------ device steps
 
 
