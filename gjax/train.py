@@ -29,6 +29,7 @@ from gjax import checkpoint as ckpt_lib
 from gjax import sharding
 from gjax.config import ConfigError, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.embedded import resolve_model_path
 from gjax.experience import Groups, select_groups
 from gjax.metrics import MetricsWriter, to_host
 from gjax.models import hf_io
@@ -51,21 +52,6 @@ _DISTRIBUTED = flags.DEFINE_bool(
 )
 
 log = logging.getLogger("gjax")
-
-EMBEDDED_PREFIX = "embedded:"
-ASSETS = os.path.join(os.path.dirname(__file__), "assets")
-
-
-def resolve_model_path(path: str) -> str:
-    if path.startswith(EMBEDDED_PREFIX):
-        local = os.path.join(ASSETS, path[len(EMBEDDED_PREFIX) :])
-        if not os.path.isdir(local):
-            raise ConfigError(
-                f"config.model.path: embedded policy {path!r} not found at {local}; "
-                "regenerate it with `python scripts/make_tiny_policy.py`"
-            )
-        return local
-    return path
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> dict:
@@ -303,7 +289,8 @@ def main(argv) -> None:
                 acc = evaluate(state.params, cfg, tok, heldout, verifier, **eval_kw)
                 writer.write(step + 1, {"eval/heldout_accuracy": acc})
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
-            checkpointer.save(step + 1, state, meta, force=bool(stop["signal"]))
+            final = step + 1 == config.train.steps
+            checkpointer.save(step + 1, state, meta, force=bool(stop["signal"]) or final)
         if stop["signal"]:
             log.warning("signal %s: checkpoint at step %d saved; exiting", stop["signal"], step + 1)
             checkpointer.close()

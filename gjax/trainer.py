@@ -420,7 +420,8 @@ class Rollout:
             "response/length_max": float(lengths.reshape(P, G)[on].max()),
             "response/clipped_frac": float(groups.truncated_PxG[on].mean()),
             "time/sample_s": t_sample,
-            **{k: float(v) for k, v in res.metrics.items()},
+            # Per-batch figures only: process-lifetime counters would restart on a resume.
+            **{k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"},
         }
         if groups.scores_PxG is not None and np.isfinite(groups.scores_PxG).any():
             metrics["judge/score_mean"] = float(np.nanmean(groups.scores_PxG))

@@ -1,0 +1,184 @@
+"""End to end: `python -m gjax.train` on the embedded default, as users run it.
+
+Slow (each run compiles the sampler, the log-prob pass and the update), so marked `slow`;
+CI still runs them. Runs share a persistent compilation cache to keep the suite short.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
+# Small shapes: a handful of prompts per step, short held-out set.
+SMALL = [
+    "--config.rollout.prompts_per_step=4",
+    "--config.rollout.num_samples=4",
+    "--config.data.heldout_size=16",
+    "--config.log.progress=False",
+    "--config.log.tensorboard=False",
+    "--config.checkpoint.async_save=False",
+]
+VOLATILE = (
+    "time/",
+    "throughput/",
+    "rewards/time",
+    "rewards/wall",
+    "rewards/queue",
+    "rewards/wait",
+    "rewards/overlap",
+    "rewards/accuracy/time",
+    "judge/latency",
+)
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built"),
+]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    e = dict(os.environ)
+    e.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
+    e["JAX_PLATFORMS"] = "cpu"
+    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
+    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    e["PYTHONPATH"] = ROOT
+    return e
+
+
+def command(config, workdir, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "gjax.train",
+        f"--config={config}",
+        f"--workdir={workdir}",
+        *SMALL,
+        *extra,
+    ]
+
+
+def run(config, workdir, env, *extra, timeout=600):
+    proc = subprocess.run(
+        command(config, workdir, *extra),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def rows(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def stable(row):
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
+
+
+@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo"])
+def test_each_algorithm_runs_a_few_steps(algo, env, tmp_path):
+    wd = tmp_path / algo
+    run(f"configs/{algo}.py:tiny", wd, env, "--config.train.steps=2")
+    got = rows(wd)
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        assert r["loss/total"] is not None and r["optim/grad_norm"] is not None
+        assert 0.0 <= r["reward/accuracy"] <= 1.0
+    summary = json.loads((wd / "summary.json").read_text())
+    assert set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
+    if algo == "dagrpo":
+        assert "judge/score_mean" in got[0] and "adv/masked_fraction" in got[0]
+    if algo == "gpg":
+        assert "adv/alpha" in got[0]
+
+
+def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_path):
+    """Kill -9 after a checkpoint, resume, SIGTERM, resume: same metrics as one clean run."""
+    args = ("--config.train.steps=5", "--config.checkpoint.every=2")
+    clean, broken = tmp_path / "clean", tmp_path / "broken"
+    run("configs/grpo.py:tiny", clean, env, *args)
+
+    # 1) SIGKILL as soon as the step-2 checkpoint is complete.
+    proc = subprocess.Popen(
+        command("configs/grpo.py:tiny", broken, *args),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ckpt2 = broken / "checkpoints" / "2"
+    deadline = time.time() + 600
+    while not (ckpt2 / "_CHECKPOINT_METADATA").exists() and time.time() < deadline:
+        assert proc.poll() is None, "run ended before it could be killed"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (broken / "summary.json").exists()
+
+    # 2) Resume, and SIGTERM it once it has gone past the checkpoint: it saves and exits 0.
+    proc = subprocess.Popen(
+        command("configs/grpo.py:tiny", broken, *args),
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if any(r["step"] >= 3 for r in rows(broken)):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-4000:]
+    saved = sorted(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved[-1] >= 3, (saved, out[-2000:])
+
+    # 3) Resume to the end.
+    run("configs/grpo.py:tiny", broken, env, *args)
+    want, got = [stable(r) for r in rows(clean)], [stable(r) for r in rows(broken)]
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert got == want
+    assert json.loads((broken / "summary.json").read_text()) == json.loads(
+        (clean / "summary.json").read_text()
+    )
+
+
+def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
+    wd = tmp_path / "run"
+    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1", "--config.checkpoint.every=1")
+    proc = subprocess.run(
+        command("configs/dapo.py:tiny", wd, "--config.train.steps=2"),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode != 0
+    assert "written by a different configuration" in proc.stderr
+    assert "algo: checkpoint has 'grpo', config has 'dapo'" in proc.stderr
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = subprocess.run(
+        command("configs/grpo.py:tiny", blocker / "sub"),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode != 0 and "is not writable" in proc.stderr
