@@ -5,6 +5,7 @@ from gjax.models.hf_io import load_pretrained, load_tokenizer, save_pretrained
 from gjax.models.transformer import (
     Transformer,
     abstract_params,
+    decode_layers,
     decode_step,
     forward,
     init_params,
@@ -19,6 +20,7 @@ __all__ = [
     "ModelConfig",
     "Transformer",
     "abstract_params",
+    "decode_layers",
     "decode_step",
     "forward",
     "init_params",

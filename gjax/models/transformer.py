@@ -399,13 +399,37 @@ def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment
 
 
 def split_layers(stacked):
-    """Per-layer views [tree_i for i < L] of a tree stacked on a leading L axis.
-
-    The sampler splits params and caches once, outside its decode loop, so each step reads
-    every layer's weights in place instead of slicing (copying) them from the stacked arrays.
-    """
+    """Per-layer views [tree_i for i < L] of a tree stacked on a leading L axis."""
     n = jax.tree_util.tree_leaves(stacked)[0].shape[0]
     return [jax.tree_util.tree_map(lambda a, i=i: a[i], stacked) for i in range(n)]
+
+
+def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
+    """Per-layer weights in the decode step's layout, built once per `generate` call.
+
+    Splitting the stacked L axis outside the decode loop means each step reads every
+    layer's weights in place (a scan over stacked weights copies each layer's slice every
+    step); fusing q|k|v and gate|up into one kernel each gives two wide matmuls instead of
+    five narrow ones per layer (the decode batch is small, so matmul count matters on CPU).
+    """
+    dtype = cfg.jnp_dtype
+    out = []
+    for lp in split_layers(params["layers"]):
+        attn, mlp = lp["attn"], lp["mlp"]
+        layer = {
+            "input_norm": lp["input_norm"]["scale"],
+            "post_attn_norm": lp["post_attn_norm"]["scale"],
+            "qkv": jnp.concatenate([attn[n]["kernel"] for n in "qkv"], axis=-1).astype(dtype),
+            "o": attn["o"]["kernel"].astype(dtype),
+            "gate_up": jnp.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], -1).astype(
+                dtype
+            ),
+            "down": mlp["down"]["kernel"].astype(dtype),
+        }
+        if cfg.attention_bias:
+            layer["qkv_bias"] = jnp.concatenate([attn[n]["bias"] for n in "qkv"]).astype(dtype)
+        out.append(layer)
+    return out
 
 
 def decode_step(
@@ -425,7 +449,7 @@ def decode_step(
 
     Args:
       params: the full param tree (embedding, final norm, head); `layers` its per-layer
-        split (`split_layers(params["layers"])`).
+        weights from `decode_layers(params, cfg)`.
       prefix_k/prefix_v: per layer `[P, K, S, Dh]` prompt keys/values (from `prefill`).
       cache_k/cache_v: per layer `[B, K, N, Dh]` per-sample caches; slot `step` is written.
     Each sequence b attends (i) the prefix cache of its prompt p = b // G, never copied G
@@ -457,9 +481,15 @@ def decode_step(
         return jnp.swapaxes(a, 1, 2).reshape(b_, kv_, r_, *a.shape[4:])
 
     cache_k, cache_v = list(cache_k), list(cache_v)
+    hq, hkv = h_ * dh, kv_ * dh
     for i, lp in enumerate(layers):
-        h = rms_norm(x, lp["input_norm"]["scale"], eps)
-        q, k, v = _qkv(lp["attn"], h, cfg, dtype)
+        h = rms_norm(x, lp["input_norm"], eps)
+        qkv = jnp.dot(h, lp["qkv"])
+        if "qkv_bias" in lp:
+            qkv = qkv + lp["qkv_bias"]
+        q = qkv[:, :hq].reshape(b_, h_, dh)
+        k = qkv[:, hq : hq + hkv].reshape(b_, kv_, dh)
+        v = qkv[:, hq + hkv :].reshape(b_, kv_, dh)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         at = (0, 0, step, 0)
         cache_k[i] = jax.lax.dynamic_update_slice(cache_k[i], k[:, :, None].astype(dtype), at)
@@ -478,8 +508,10 @@ def decode_step(
         out = from_prefix_layout(jnp.einsum("pkqs,pksd->pkqd", e_pre.astype(dtype), prefix_v[i]))
         out = out + jnp.einsum("bkrn,bknd->bkrd", e_own.astype(dtype), cache_v[i])
         out = (out / denom[..., None].astype(dtype)).reshape(b_, h_ * dh)
-        x = x + _linear(lp["attn"]["o"], out, dtype)
-        h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
-        x = x + _mlp(lp["mlp"], h, dtype)
+        x = x + jnp.dot(out, lp["o"])
+        h = rms_norm(x, lp["post_attn_norm"], eps)
+        gate_up = jnp.dot(h, lp["gate_up"])
+        f_ = gate_up.shape[-1] // 2
+        x = x + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
     hidden = rms_norm(x, params["final_norm"]["scale"], eps)
     return hidden, cache_k, cache_v

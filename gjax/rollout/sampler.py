@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import (
     Params,
+    decode_layers,
     decode_step,
     logits_from_hidden,
     prefill,
@@ -179,7 +180,7 @@ def _generate(params, cfg, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples,
 
     # 2. Decode with preallocated per-sample caches (one [B, K, N, Dh] array per layer, and
     # per-layer weights split once here, so the loop body never slices stacked arrays).
-    layers = split_layers(params["layers"])
+    layers = decode_layers(params, cfg)
     cache_shape = (b_, cfg.num_kv_heads, n_, cfg.head_dim)
     cache_k = [constrain(jnp.zeros(cache_shape, dtype), kv_axes) for _ in layers]
     cache_v = [constrain(jnp.zeros(cache_shape, dtype), kv_axes) for _ in layers]
