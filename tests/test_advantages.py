@@ -342,7 +342,10 @@ def test_all_masked_batch_gives_zeros_and_finite_metrics(name):
     assert all(np.isfinite(float(v)) for v in out.metrics.values())
 
 
-@pytest.mark.parametrize("name", [n for n in ADVANTAGES.names() if n != "batch_norm"])
+# batch_norm (baseline="none") and w_reinforce have no group baseline: G = 1 is valid there.
+@pytest.mark.parametrize(
+    "name", [n for n in ADVANTAGES.names() if n not in ("batch_norm", "w_reinforce")]
+)
 def test_group_of_one_is_an_error(name):
     with pytest.raises(ValueError, match="G >= 2"):
         s = jnp.ones((4, 1)) if name == "dagrpo" else None
@@ -434,3 +437,14 @@ def test_padding_samples_and_order_do_not_matter(r, v, s, junk, perm):
             name, jnp.asarray(r[:, p]), jnp.asarray(v[:, p]), **_kw(name, s[:, p])
         )
         np.testing.assert_allclose(permuted.adv_PxG, base.adv_PxG[:, p], rtol=1e-5, atol=1e-6)
+
+
+def test_w_reinforce_weights_positive_and_negative_samples():
+    from gjax.objective.advantages import ADVANTAGES
+
+    r = jnp.array([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    valid = jnp.array([[True, True, False], [True, True, True]])
+    out = ADVANTAGES.get("w_reinforce")(r, valid, positive_weight=0.1)
+    np.testing.assert_allclose(out.adv_PxG, [[0.1, -1.0, 0.0], [-1.0, -1.0, -1.0]])
+    with pytest.raises(ValueError, match="positive_weight"):
+        ADVANTAGES.get("w_reinforce")(r, valid, positive_weight=-1.0)

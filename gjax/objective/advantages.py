@@ -535,6 +535,32 @@ def batch_norm(
     return AdvantageOutput(adv, valid, _metrics(adv, valid, valid, r, zero_var, nonfinite))
 
 
+@ADVANTAGES.register("w_reinforce")
+def w_reinforce(
+    rewards_PxG,
+    valid_PxG,
+    *,
+    scores_PxG=None,
+    is_anchor_PxG=None,
+    positive_weight: float = 0.1,
+    threshold: float = 0.5,
+) -> AdvantageOutput:
+    """W-REINFORCE (Zhu et al. 2025, "The Surprising Effectiveness of Negative Reinforcement"):
+    no baseline; ``A = lambda`` for a correct sample (``r >= threshold``), ``A = -1`` otherwise,
+    with ``lambda = positive_weight`` (0.1 in the paper) down-weighting positive reinforcement.
+    Use with the plain policy-gradient loss (preset ``w_reinforce``). Allows G = 1.
+    """
+    name = "w_reinforce"
+    if not positive_weight >= 0.0:
+        raise ValueError(f"{name}: positive_weight must be >= 0, got {positive_weight}")
+    r, valid, nonfinite = _check_inputs(
+        name, rewards_PxG, valid_PxG, scores_PxG, is_anchor_PxG, min_g=1
+    )
+    adv = jnp.where(valid, jnp.where(r >= threshold, positive_weight, -1.0), 0.0)
+    zero_var = _zero_var_groups(r, valid)
+    return AdvantageOutput(adv, valid, _metrics(adv, valid, valid, r, zero_var, nonfinite))
+
+
 def compute_advantages(
     name: str, rewards_PxG, valid_PxG, *, scores_PxG=None, is_anchor_PxG=None, **hparams
 ) -> AdvantageOutput:

@@ -217,6 +217,8 @@ def _presets() -> dict[str, ObjectiveConfig]:
         # Clip-Cov / KL-Cov (Cui et al. 2025) on the DAPO-style token-mean loss, no ref KL.
         "clip_cov": c(advantage="grpo", token_weights="clip_cov", aggregation="token_mean"),
         "kl_cov": c(advantage="grpo", token_weights="kl_cov", aggregation="token_mean"),
+        # W-REINFORCE (Zhu et al. 2025): -logp * A with A = 0.1 (correct) / -1 (wrong).
+        "w_reinforce": c(advantage="w_reinforce", policy_loss="pg", aggregation="token_mean"),
     }
 
 
