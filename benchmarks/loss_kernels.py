@@ -10,10 +10,10 @@ torch.compile), then `--reps` timed forward+backward calls; the median is report
 
 Methods (all compute loss and gradients w.r.t. hidden [N, D] and head):
   fused  gjax.objective.objective (GRPO advantages, PPO-clip eps 0.2, token-mean
-         aggregation) on top of gjax.objective.logprobs.fused_token_loss, jax.grad.
-  fused_2pass  gjax.objective.logprobs.fused_token_loss(store_logits=False, token_chunk=1024)
-         with the same PPO-clip token-mean loss: logits computed twice tile by tile (4 matmuls),
-         only [chunk x vocab_tile] logit tiles in memory.
+         aggregation) on top of gjax.objective.logprobs.fused_token_loss with its defaults
+         (two-pass, store_logits=False, token_chunk=1024), jax.grad.
+  fused_3mm  gjax.objective.logprobs.fused_token_loss(store_logits=True, token_chunk=96)
+         with the same PPO-clip token-mean loss: 3 matmuls, the [96 x V] logits kept per chunk.
   naive  the same PPO-clip token-mean loss from materialized logits -> log_softmax -> gather,
          jax.grad (XLA is free to fuse what it can).
   floor  the bare LM-head matmul forward+backward: logits = h @ W, grad of sum(logits * c)
@@ -51,8 +51,8 @@ import time
 
 DEFAULT_TOKENS = (512, 1024)
 DEFAULT_DV = ((1536, 151936), (896, 151936), (2048, 32000))
-METHODS = ("fused", "fused_2pass", "naive", "floor", "liger", "trl")
-TWO_PASS_CHUNK = 1024
+METHODS = ("fused", "fused_3mm", "naive", "floor", "liger", "trl")
+THREE_PASS_CHUNK = 96
 EPS = 0.2
 BATCH_ROWS = 4  # N tokens = 4 sequences of N / 4 tokens
 
@@ -113,8 +113,11 @@ def _numpy_inputs(n: int, d: int, v: int):
     targets = rng.integers(0, v, size=(n,)).astype(np.int32)
     # old log-probs near the current ones (so ratios straddle the clip range)
     old = (-np.log(v) + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    adv_rows = rng.standard_normal(BATCH_ROWS).astype(np.float32)
-    return hidden, head_DxV, targets, old, adv_rows
+    rewards = rng.standard_normal(BATCH_ROWS).astype(np.float32)
+    # GRPO advantages of one group (population std, eps 1e-6), as gjax's 'grpo' computes them,
+    # so that every method evaluates the same loss value.
+    adv_rows = ((rewards - rewards.mean()) / (rewards.std() + 1e-6)).astype(np.float32)
+    return hidden, head_DxV, targets, old, adv_rows, rewards
 
 
 # ------------------------------------------------------------------ JAX workers
@@ -125,7 +128,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    hidden_np, head_np, targets_np, old_np, adv_rows = _numpy_inputs(n, d, v)
+    hidden_np, head_np, targets_np, old_np, adv_rows, rewards = _numpy_inputs(n, d, v)
     b, t = BATCH_ROWS, n // BATCH_ROWS
     hidden, head = jnp.asarray(hidden_np), jnp.asarray(head_np)
     targets, old = jnp.asarray(targets_np), jnp.asarray(old_np)
@@ -145,7 +148,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
             "targets_BxT": targets.reshape(b, t),
             "loss_mask_BxT": jnp.ones((b, t), jnp.float32),
             "old_logps_BxT": old.reshape(b, t),
-            "rewards_PxG": jnp.asarray(adv_rows).reshape(1, b),
+            "rewards_PxG": jnp.asarray(rewards).reshape(1, b),
             "valid_PxG": jnp.ones((1, b), bool),
         }
 
@@ -153,7 +156,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
             return objective(h.reshape(b, t, d), w, batch, cfg)[0]
 
         args = (hidden, head)
-    elif method == "fused_2pass":
+    elif method == "fused_3mm":
         from gjax.objective.logprobs import fused_token_loss
 
         def token_loss(logp, ent, a):
@@ -168,8 +171,8 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
                 targets,
                 token_loss,
                 {"old": old, "adv": adv_N},
-                token_chunk=TWO_PASS_CHUNK,
-                store_logits=False,
+                token_chunk=THREE_PASS_CHUNK,
+                store_logits=True,
             )[0]
 
         args = (hidden, head)
@@ -208,7 +211,7 @@ def _torch_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
     import torch
 
     torch.manual_seed(0)
-    hidden_np, head_np, targets_np, old_np, adv_rows = _numpy_inputs(n, d, v)
+    hidden_np, head_np, targets_np, old_np, adv_rows, rewards = _numpy_inputs(n, d, v)
     b, t = BATCH_ROWS, n // BATCH_ROWS
     hidden = torch.from_numpy(hidden_np).reshape(b, t, d).requires_grad_(True)
     weight_VxD = torch.from_numpy(head_np.T.copy()).requires_grad_(True)  # torch Linear layout

@@ -448,8 +448,8 @@ def fused_token_loss(
     *,
     temperature: float = 1.0,
     token_chunk: int | None = None,
-    vocab_tile: int = 2048,
-    store_logits: bool = True,
+    vocab_tile: int = 4096,
+    store_logits: bool = False,
 ) -> tuple[jax.Array, Any]:
     """Sum over tokens of an elementwise loss of (logp_t, H_t), gradients fused in the forward.
 
@@ -485,7 +485,7 @@ def fused_token_loss(
       (loss, aux_sums): f32 scalar and the pytree of summed aux values.
     """
     if token_chunk is None:
-        token_chunk = default_token_chunk(head_DxV.shape[-1])
+        token_chunk = default_token_chunk(head_DxV.shape[-1]) if store_logits else 1024
     _check_inputs(hidden_NxD, head_DxV, targets_N, temperature, token_chunk)
     _check_token_args(token_args, hidden_NxD.shape[0])
     run = functools.partial(
