@@ -10,12 +10,20 @@ Two entry points (plus [B, T] conveniences):
 
 * `fused_token_loss(hidden_NxD, head_DxV, targets_N, token_loss_fn, token_args)` ->
   `(loss, aux_sums)` with `loss = sum_t token_loss_fn(logp_t, H_t, args_t)[0]`. The gradient
-  w.r.t. hidden and head is computed INSIDE the forward chunk loop (Liger-style): per chunk of
-  full-vocab rows, logits (matmul 1) -> softmax, logp, entropy -> dloss/dlogp, dloss/dH (by
-  `jax.grad` of the elementwise `token_loss_fn`) -> dlogits -> dhidden (matmul 2) and dhead
-  accumulated in f32 (matmul 3). Three matmuls is the floor of any fwd+bwd of the LM head.
-  The residuals are the gradients themselves; the backward pass only scales them by the
-  incoming cotangent. Largest temporary: a few [token_chunk x V] f32 arrays.
+  w.r.t. hidden and head is computed INSIDE the forward chunk loop (Liger-style): per token
+  chunk, softmax statistics (lse, logp, entropy) -> dloss/dlogp, dloss/dH (by `jax.grad` of the
+  elementwise `token_loss_fn`) -> dlogits -> dhidden and dhead (accumulated in f32, in place,
+  vocab tile by vocab tile). The residuals are the gradients themselves; the backward pass
+  only scales them by the incoming cotangent. Two schedules (`store_logits`):
+    - True, 3 matmuls (the floor): one logits matmul per chunk kept as a [C x V] f32 buffer,
+      swept for the statistics and again for the gradient tiles. Memory ~C x V x 4 bytes.
+    - False (default), 4 matmuls: the statistics sweep computes logits tile by tile, the
+      gradient sweep recomputes them; only [C x vocab_tile] tiles exist, so C can be large.
+  Measured on the 2-core CPU (benchmarks/loss_kernels.py) the 4-matmul schedule with
+  C = 1024 beats the 3-matmul one at any C whose [C x V] buffer is small: every chunk costs a
+  read-modify-write of the whole f32 [D x V] head gradient, and small C also means skinny,
+  slow matmuls (K = C in h^T dz). With a large memory budget, store_logits=True with a big
+  token_chunk is the fastest.
 
 Math, with z = h W / tau (tau = temperature), p = softmax(z), lse = logsumexp(z):
     logp_t = z_{t, y_t} - lse_t
@@ -463,23 +471,24 @@ def fused_token_loss(
     advantages, old/ref log-probs, masks and aggregation weights here, never as closures over
     traced values).
 
-    The custom VJP does all the backward work in the forward pass (3 matmuls per chunk: logits,
-    dhidden, dhead; see module docstring) and stores the gradients as residuals; the backward
-    pass multiplies them by the cotangent of `loss`. Without differentiation only the logits
-    matmul runs.
+    The custom VJP does all the backward work in the forward pass (3 or 4 matmuls per chunk,
+    see `store_logits` and the module docstring) and stores the gradients as residuals; the
+    backward pass multiplies them by the cotangent of `loss`. Without differentiation only the
+    statistics sweep runs (1 matmul).
 
     Args:
       hidden_NxD, head_DxV, targets_N, temperature: as in `token_logps`.
       token_loss_fn: elementwise per-token loss, see above.
       token_args: pytree of arrays with leading dim N.
-      token_chunk: static rows per chunk; default `default_token_chunk(V)` (~64 MiB per
-        [chunk x V] f32 temporary). Memory ~3 x chunk x V x 4 bytes + the f32 head gradient.
-      vocab_tile: static column tile of the two gradient matmuls (dhidden, dhead): dhead is
-        accumulated tile by tile in place, so no second [D x V] buffer is allocated.
-      store_logits: True (default): one logits matmul per chunk, kept as a [chunk x V] f32
-        buffer for the gradient sweep (3 matmuls in all). False: the logits are computed
-        twice tile by tile (4 matmuls, ~4/3 of the floor) and only [chunk x vocab_tile]
-        tiles exist, so large chunks (few head-gradient updates) fit in little memory.
+      token_chunk: static rows per chunk. Default: 1024 when store_logits=False; else
+        `default_token_chunk(V)` (a [chunk x V] f32 buffer of ~64 MiB).
+      vocab_tile: static column tile of the sweeps: dhead is accumulated tile by tile in
+        place (no second [D x V] buffer); the other temporaries are [chunk x vocab_tile].
+      store_logits: False (default): 4 matmuls, logits computed twice tile by tile, memory
+        ~a few chunk x vocab_tile x 4 bytes. True: 3 matmuls, the [chunk x V] f32 logits of a
+        chunk are kept for the gradient sweep.
+      Besides the temporaries, the f32 head-gradient accumulator [D x V] is live (it becomes
+      the returned gradient; for f32 heads XLA aliases it to the output).
 
     Returns:
       (loss, aux_sums): f32 scalar and the pytree of summed aux values.
