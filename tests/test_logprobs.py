@@ -223,9 +223,14 @@ def test_no_NxV_array_in_fused_or_tiled_paths():
     n, d, v = 96, 8, 5000
     hidden, head, targets = _inputs(0, n, d, v)
     args = _ppo_args(0, hidden, head, targets)
-    fused = lambda h, w: lp.fused_token_loss(h, w, targets, ppo_token_loss, args, token_chunk=16)[0]
+
+    def fused(h, w, store_logits):
+        return lp.fused_token_loss(
+            h, w, targets, ppo_token_loss, args, token_chunk=16, store_logits=store_logits
+        )[0]
+
     tiled = lambda h, w: lp.token_logps(h, w, targets, token_chunk=16, vocab_tile=512)[0].sum()
-    for fn in (fused, tiled):
+    for fn in (lambda h, w: fused(h, w, True), lambda h, w: fused(h, w, False), tiled):
         jaxpr = jax.make_jaxpr(jax.value_and_grad(fn, (0, 1)))(hidden, head).jaxpr
         shapes = list(_shapes_in_jaxpr(jaxpr))
         assert shapes, "empty jaxpr?"
