@@ -26,7 +26,7 @@ Compile / warm-up steps are excluded on both sides (`--warmup` each); the median
 `--repeats` timed steps count. gjax is timed before and after TRL (half the repeats each) so
 drifting contention on a shared machine hits both sides; compare the ratio within one run.
 
-    python benchmarks/train_step.py            # P=16 prompts x G=8, 32 + 48 tokens, ~2-4 min
+    python benchmarks/train_step.py    # P=16 x G=8, 32 + 48 tokens; ~5 min on a busy 2-core CPU
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time) and the settings.
@@ -286,7 +286,7 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--warmup", type=int, default=2, help="untimed gjax steps (compile)")
     ap.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps")
-    ap.add_argument("--repeats", type=int, default=4, help="timed steps per engine")
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per engine")
     ap.add_argument("--reward-workers", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true", help="only time gjax")
     args = ap.parse_args()
