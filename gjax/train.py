@@ -12,6 +12,7 @@ resumes exactly.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -36,7 +37,7 @@ from gjax.models import hf_io
 from gjax.rewards.pipeline import RewardPipeline
 from gjax.rewards.registry import RewardSpec, build_reward
 from gjax.rewards.verifier import Verifier
-from gjax.rollout.sampler import SamplingParams, generate
+from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -70,7 +71,18 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     }
 
 
-def evaluate(params, cfg, tok, data, verifier, *, max_new_tokens, eos, pad_id, batch=128) -> float:
+def make_backend(config, cfg) -> RolloutBackend:
+    if config.rollout.backend == "local":
+        return LocalSampler(cfg)
+    raise ConfigError(
+        f"config.rollout.backend={config.rollout.backend!r} is not available in this version; "
+        "use 'local' (the jit sampler)"
+    )
+
+
+def evaluate(
+    backend, params, tok, data, verifier, *, max_new_tokens, eos, pad_id, batch=128
+) -> float:
     """Greedy pass@1 on held-out prompts, scored by the verifier."""
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=eos, pad_token_id=pad_id
@@ -81,9 +93,8 @@ def evaluate(params, cfg, tok, data, verifier, *, max_new_tokens, eos, pad_id, b
     )
     correct, total = 0.0, 0
     for prompts in it:
-        out = generate(
+        out = backend.generate(
             params,
-            cfg,
             prompts.prompt_ids_PxS,
             prompts.prompt_mask_PxS,
             jax.random.key(0),
@@ -151,6 +162,11 @@ def main(argv) -> None:
     # --- mesh ---------------------------------------------------------------------------
     mesh = sharding.make_mesh(mesh_shape)
     log.info("mesh %s over %d devices", mesh_shape, jax.device_count())
+    # Jitted functions traced from here on see the mesh and the logical-axis rules, so the
+    # model's activation sharding constraints take effect.
+    scope = contextlib.ExitStack()
+    scope.enter_context(jax.set_mesh(mesh))
+    scope.enter_context(sharding.use_rules())
 
     # --- model --------------------------------------------------------------------------
     model_path = resolve_model_path(config.model.path)
@@ -216,13 +232,16 @@ def main(argv) -> None:
         shuffle=config.data.shuffle,
         state=meta["data"],
     )
-    rollout = Rollout(cfg=cfg, tokenizer=tok, pipeline=pipeline, steps=steps, config=config)
+    backend = make_backend(config, cfg)
+    rollout = Rollout(
+        cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
+    )
     eval_kw = dict(max_new_tokens=T, eos=rollout.eos, pad_id=rollout.pad_id)
 
     # --- held-out accuracy before training ----------------------------------------------
     if meta["heldout_accuracy_before"] is None:
         meta["heldout_accuracy_before"] = evaluate(
-            state.params, cfg, tok, heldout, verifier, **eval_kw
+            backend, state.params, tok, heldout, verifier, **eval_kw
         )
     log.info("held-out accuracy before: %.3f", meta["heldout_accuracy_before"])
 
@@ -281,45 +300,42 @@ def main(argv) -> None:
         )
         pending = (step + 1, metrics, host_metrics)
         eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
-        save_now = checkpointer.should_save(step + 1) or stop["signal"] or eval_now
-        if save_now or step + 1 == config.train.steps:
+        last = step + 1 == config.train.steps
+        if checkpointer.should_save(step + 1) or stop["signal"] or eval_now or last:
+            if eval_now:
+                host_metrics["eval/heldout_accuracy"] = evaluate(
+                    backend, state.params, tok, heldout, verifier, **eval_kw
+                )
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
             pending = None
-            if eval_now:
-                acc = evaluate(state.params, cfg, tok, heldout, verifier, **eval_kw)
-                writer.write(step + 1, {"eval/heldout_accuracy": acc})
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
-            final = step + 1 == config.train.steps
-            checkpointer.save(step + 1, state, meta, force=bool(stop["signal"]) or final)
+            checkpointer.save(step + 1, state, meta, force=bool(stop["signal"]) or last)
         if stop["signal"]:
             log.warning("signal %s: checkpoint at step %d saved; exiting", stop["signal"], step + 1)
-            checkpointer.close()
-            pipeline.close()
-            verifier.close()
-            writer.close()
-            return
+            break
     checkpointer.wait()
-
-    # --- held-out accuracy after training -----------------------------------------------
-    after = evaluate(state.params, cfg, tok, heldout, verifier, **eval_kw)
-    summary = {
-        "algo": config.algo,
-        "steps": config.train.steps,
-        "heldout_size": len(heldout),
-        "heldout_accuracy_before": meta["heldout_accuracy_before"],
-        "heldout_accuracy_after": after,
-    }
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if not stop["signal"]:
+        # --- held-out accuracy after training -------------------------------------------
+        after = evaluate(backend, state.params, tok, heldout, verifier, **eval_kw)
+        summary = {
+            "algo": config.algo,
+            "steps": config.train.steps,
+            "heldout_size": len(heldout),
+            "heldout_accuracy_before": meta["heldout_accuracy_before"],
+            "heldout_accuracy_after": after,
+        }
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        print(
+            f"held-out accuracy: before {summary['heldout_accuracy_before']:.3f} -> "
+            f"after {after:.3f} ({len(heldout)} problems); summary: "
+            f"{os.path.join(workdir, 'summary.json')}"
+        )
     writer.close()
-    print(
-        f"held-out accuracy: before {summary['heldout_accuracy_before']:.3f} -> "
-        f"after {after:.3f} ({len(heldout)} problems); summary: "
-        f"{os.path.join(workdir, 'summary.json')}"
-    )
     checkpointer.close()
     pipeline.close()
     verifier.close()
+    scope.close()
 
 
 def _finish(

@@ -35,7 +35,7 @@ from gjax.experience import Groups, append_anchors, to_model_inputs
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
 from gjax.objective.logprobs import token_logps_BxT
-from gjax.rollout.sampler import SamplingParams, generate
+from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
 
 # ----------------------------------------------------------------------------------- state
 
@@ -306,8 +306,18 @@ class Rollout:
     4. rewards/scores are collected and written into the groups.
     """
 
-    def __init__(self, *, cfg: ModelConfig, tokenizer, pipeline, steps: Steps, config):
+    def __init__(
+        self,
+        *,
+        cfg: ModelConfig,
+        backend: RolloutBackend,
+        tokenizer,
+        pipeline,
+        steps: Steps,
+        config,
+    ):
         self.cfg = cfg
+        self.backend = backend
         self.tok = tokenizer
         self.pipeline = pipeline
         self.steps = steps
@@ -346,9 +356,8 @@ class Rollout:
         t0 = time.perf_counter()
         P = len(prompts)
         g_on = self.G - self.A
-        out = generate(
+        out = self.backend.generate(
             params,
-            self.cfg,
             prompts.prompt_ids_PxS,
             prompts.prompt_mask_PxS,
             rng,
