@@ -310,14 +310,14 @@ class Rollout:
         self,
         *,
         cfg: ModelConfig,
-        backend: RolloutBackend,
         tokenizer,
         pipeline,
         steps: Steps,
         config,
+        backend: RolloutBackend | None = None,
     ):
         self.cfg = cfg
-        self.backend = backend
+        self.backend = backend or LocalSampler(cfg)
         self.tok = tokenizer
         self.pipeline = pipeline
         self.steps = steps
