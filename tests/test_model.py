@@ -151,7 +151,14 @@ def test_tied_and_untied_heads():
         run(tied_params, CFG, TOKENS, return_logits=True)
 
 
-@pytest.mark.parametrize("policy", ["full", "dots", "dots_with_no_batch_dims"])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        "full",
+        pytest.param("dots", marks=pytest.mark.slow),
+        pytest.param("dots_with_no_batch_dims", marks=pytest.mark.slow),
+    ],
+)
 def test_remat_same_values_and_grads(policy):
     segments = np.ones_like(TOKENS)
     segments[0, :2] = 0

@@ -223,6 +223,7 @@ def test_same_key_same_output_and_backend_protocol():
     assert len({tuple(r) for r in np.asarray(a.tokens_BxN[:3])}) > 1
 
 
+@pytest.mark.slow
 def test_sharded_generation_matches_single_device():
     if jax.device_count() < 8:
         pytest.skip("needs 8 (fake) devices")
@@ -265,3 +266,18 @@ def test_bad_arguments():
             num_samples=1,
             sampling=SamplingParams(2),
         )
+
+
+@pytest.mark.slow
+def test_bf16_generation_runs():
+    cfg = CFG.replace(model_type="llama", attention_bias=False, dtype="bfloat16")
+    params = random_params(cfg.replace(attention_bias=True), seed=2)
+    params["layers"]["attn"] = {
+        name: {"kernel": w["kernel"]} for name, w in params["layers"]["attn"].items()
+    }
+    tokens, mask = left_pad(PROMPTS, S)
+    sp = SamplingParams(max_new_tokens=4, temperature=1.0, top_k=8, top_p=0.9)
+    out = generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=2, sampling=sp)
+    assert out.tokens_BxN.shape == (6, 4) and out.logps_BxN.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(out.logps_BxN))) and np.all(out.logps_BxN <= 0)
+    assert np.all((out.tokens_BxN >= 0) & (out.tokens_BxN < cfg.vocab_size))
