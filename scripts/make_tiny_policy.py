@@ -111,11 +111,18 @@ def accuracy(params, cfg, tok, problems) -> float:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join("gjax", "assets", "tiny_qwen2"))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=600, help="length of the lr schedule")
+    ap.add_argument(
+        "--stop_accuracy",
+        type=float,
+        default=0.3,
+        help="stop at the first evaluation whose greedy held-out accuracy reaches this, so RL "
+        "has room to learn (1.0: train all steps)",
+    )
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval_every", type=int, default=50)
+    ap.add_argument("--eval_every", type=int, default=25)
     args = ap.parse_args()
 
     tok = build_tokenizer()
@@ -147,6 +154,8 @@ def main():
             acc = accuracy(params, cfg, tok, heldout)
             log.append({"step": i + 1, "loss": float(loss), "heldout_accuracy": acc})
             print(json.dumps({**log[-1], "elapsed_s": round(time.time() - t0, 1)}), flush=True)
+            if acc >= args.stop_accuracy:
+                break
     hf_io.save_pretrained(params, cfg, args.out, tokenizer=tok)
     with open(os.path.join(args.out, "warmup.json"), "w") as f:
         json.dump({"args": vars(args), "log": log}, f, indent=2)
