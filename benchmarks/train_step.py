@@ -23,8 +23,12 @@ gjax's step is built from gjax's own pieces exactly as `gjax/train.py` builds it
 step's outputs blocked on. TRL's step is timed with a `TrainerCallback` from
 `on_step_begin` (before generation) to `on_step_end` (after the optimizer step).
 Compile / warm-up steps are excluded on both sides (`--warmup` each); the medians of
-`--repeats` timed steps count. gjax is timed before and after TRL (half the repeats each) so
-drifting contention on a shared machine hits both sides; compare the ratio within one run.
+`--repeats` timed steps count. The timed steps alternate (each TRL step is followed by a gjax
+step, run from the TRL callback outside TRL's timing), so drifting contention on a shared
+machine hits both sides alike; compare the ratio within one run. Process CPU time is reported
+too (`*_cpu_s`; the verifier's worker processes are outside it on both sides), and the step
+is broken down (gjax: sample / rollout incl. old+ref log-probs and rewards / update; TRL:
+generate / reward).
 
     python benchmarks/train_step.py    # P=16 x G=8, 32 + 48 tokens; ~5 min on a busy 2-core CPU
 
@@ -181,7 +185,8 @@ class GjaxStep:
 # -------------------------------------------------------------------------------------- TRL
 
 
-def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
+def run_trl(args, config, path: str, verifier: Verifier, data, between=None) -> list[dict]:
+    """TRL's timed steps; `between(i)` runs after step i (outside its timing)."""
     import datasets
     import torch
     import transformers
@@ -195,8 +200,13 @@ def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
         {"prompt": list(data.prompts[:n]), "answer": list(data.answers[:n])}
     )
 
+    parts = {"generate_s": 0.0, "reward_s": 0.0}  # TRL's step broken down, reset per step
+
     def accuracy(completions, answer, **kwargs):
-        return verifier.score(completions, answer).tolist()
+        t0 = time.perf_counter()
+        out = verifier.score(completions, answer).tolist()
+        parts["reward_s"] += time.perf_counter() - t0
+        return out
 
     o = config.objective
     beta = float(o.kl_beta)
@@ -244,6 +254,7 @@ def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
             """Wall and process-CPU time from before generation to after the optimizer step."""
 
             def on_step_begin(self, a, state, control, **kw):
+                parts.update(generate_s=0.0, reward_s=0.0)
                 self.t0, self.c0 = time.perf_counter(), time.process_time()
 
             def on_step_end(self, a, state, control, **kw):
@@ -251,8 +262,11 @@ def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
                     {
                         "step_s": time.perf_counter() - self.t0,
                         "step_cpu_s": time.process_time() - self.c0,
+                        **parts,
                     }
                 )
+                if between is not None:
+                    between(len(times) - 1)
 
             def on_log(self, a, state, control, logs=None, **kw):
                 if logs and "reward" in logs and times:
@@ -269,6 +283,15 @@ def run_trl(args, config, path: str, verifier: Verifier, data) -> list[dict]:
             callbacks=[Timer()],
         )
         trainer.remove_callback(transformers.PrinterCallback)  # keep stdout JSON-only
+        generate = trainer._generate_single_turn  # TRL 1.16's local generation path
+
+        def timed_generate(*a, **kw):
+            t0 = time.perf_counter()
+            out = generate(*a, **kw)
+            parts["generate_s"] += time.perf_counter() - t0
+            return out
+
+        trainer._generate_single_turn = timed_generate
         trainer.train()
     return times
 
@@ -329,16 +352,24 @@ def main():
                     out.append(rec)
             return out
 
-        first = args.repeats - args.repeats // 2
-        gjax_times = gjax_round(args.warmup, first, "before_trl")
-        trl_times = []
-        if not args.skip_trl:
-            for i, rec in enumerate(run_trl(args, config, path, verifier, data)):
+        # Warm-up (compiles) first; then each timed TRL step is followed by a timed gjax step,
+        # so both engines see the same (drifting) load of a shared machine.
+        gjax_round(args.warmup, 0, "warmup")
+        gjax_times, trl_times = [], []
+
+        def interleaved_gjax_step(trl_index):
+            if trl_index >= args.trl_warmup:
+                gjax_times.extend(gjax_round(0, 1, "interleaved"))
+
+        if args.skip_trl:
+            gjax_times = gjax_round(0, args.repeats, "alone")
+        else:
+            recs = run_trl(args, config, path, verifier, data, between=interleaved_gjax_step)
+            for i, rec in enumerate(recs):
                 timed = i >= args.trl_warmup
                 emit({"what": "trl_step", "timed": timed, **rec})
                 if timed:
                     trl_times.append(rec)
-        gjax_times += gjax_round(0, args.repeats // 2, "after_trl")
         compiles = {
             "update": gjax_step.steps.update._cache_size(),
             "logps": gjax_step.steps.logps._cache_size(),
@@ -354,6 +385,12 @@ def main():
             "gjax_step_s": g,
             "trl_step_s": t,
             "speedup": (t / g) if (t and g) else None,
+            # Each TRL step over the gjax step run right after it (same load), median.
+            "speedup_pairwise": (
+                statistics.median(a["step_s"] / b["step_s"] for a, b in zip(trl_times, gjax_times))
+                if (trl_times and len(trl_times) == len(gjax_times))
+                else None
+            ),
             "gjax_step_cpu_s": med(gjax_times, "step_cpu_s"),
             "trl_step_cpu_s": med(trl_times, "step_cpu_s"),
             "speedup_cpu": (
@@ -364,6 +401,8 @@ def main():
             "gjax_sample_s": med(gjax_times, "sample_s"),
             "gjax_rollout_s": med(gjax_times, "rollout_s"),
             "gjax_update_s": med(gjax_times, "update_s"),
+            "trl_generate_s": med(trl_times, "generate_s"),
+            "trl_reward_s": med(trl_times, "reward_s"),
             "gjax_update_compiles": compiles["update"],
             "gjax_logps_compiles": compiles["logps"],
             "gjax_steps_timed": len(gjax_times),

@@ -38,6 +38,7 @@ def test_train_step_benchmark_smoke():
     s = records[-1]
     assert s["gjax_step_s"] > 0 and s["trl_step_s"] > 0
     assert s["speedup"] == pytest.approx(s["trl_step_s"] / s["gjax_step_s"])
+    assert s["speedup_pairwise"] == pytest.approx(s["speedup"])  # one pair
     assert (s["P"], s["G"], s["B"], s["max_new_tokens"]) == (2, 4, 8, 6)
     assert s["eos_stop"] is False
     # EOS stopping is off on both sides: every completion is full length.
