@@ -110,6 +110,7 @@ def test_entropy_only_gradient_and_no_entropy_mode():
     np.testing.assert_allclose(got, want, **TOL)
 
 
+@pytest.mark.slow
 def test_check_grads_tiny():
     hidden, head, targets = _inputs(4, 5, 3, 7)
     with jax.enable_x64(True):
@@ -261,6 +262,7 @@ def test_BxT_conveniences():
     np.testing.assert_allclose(aux["kl"], ref_aux["kl"], **TOL)
 
 
+@pytest.mark.slow
 def test_micro_batches_add_up_to_full_batch():
     hidden, head, targets = _inputs(8, 24, 8, 60)
     args = _ppo_args(8, hidden, head, targets)
@@ -295,6 +297,7 @@ def test_bad_inputs_raise():
         )
 
 
+@pytest.mark.slow
 def test_sharded_inputs_under_jit_match_unsharded():
     devices = np.array(jax.devices()[:8])
     if devices.size < 8:
