@@ -146,6 +146,8 @@ def main(argv) -> None:
         jax.distributed.initialize()
     config = _CONFIG.value
     workdir = _WORKDIR.value or os.path.join("workdirs", config.algo)
+    if "://" not in workdir:
+        workdir = os.path.abspath(workdir)  # orbax needs absolute paths
 
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())

@@ -1,6 +1,7 @@
 """A tiny character-level tokenizer for the embedded task, built with ``tokenizers``.
 
-Vocabulary (102 ids, fixed order so ids are stable across builds)::
+Vocabulary (102 ids, fixed order so ids are stable across builds; characters are stored in
+the byte-level alphabet, " " as "Ġ" and "\\n" as "Ċ", so Qwen2Tokenizer loads it unchanged)::
 
     0 <|pad|>   1 <|endoftext|> (eos)   2 <|im_start|>   3 <|im_end|>   4 <|unk|>
     5 "\\n"   6..100 printable ASCII " " .. "~"   101 "\\boxed{" (one token)
@@ -17,7 +18,7 @@ import json
 import os
 from typing import TYPE_CHECKING
 
-from tokenizers import AddedToken, Tokenizer, decoders, models
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 if TYPE_CHECKING:  # transformers is imported on use: it is slow to import
     from transformers import PreTrainedTokenizerFast
@@ -41,6 +42,18 @@ CHAT_TEMPLATE = (
 )
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable-character table (the ByteLevel alphabet)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
 def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     """The task tokenizer as a ``PreTrainedTokenizerFast`` (vocab size 102).
 
@@ -51,11 +64,15 @@ def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    byte_char = _bytes_to_unicode()
     for ch in CHARACTERS:
-        vocab[ch] = len(vocab)
-    # BPE without merges is a character-level model with an unknown token.
+        vocab[byte_char[ord(ch)]] = len(vocab)
+    # BPE without merges over the byte-level alphabet (" " is "Ġ", "\n" is "Ċ", as in Qwen2's
+    # tokenizer): a character-level model that transformers' Qwen2Tokenizer, which
+    # AutoTokenizer picks for a qwen2 checkpoint, loads with the same ids.
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
-    core.decoder = decoders.Fuse()
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     core.add_tokens([AddedToken(t, special=False, normalized=False) for t in MULTI_CHAR_TOKENS])
     tok = PreTrainedTokenizerFast(
