@@ -65,7 +65,7 @@ from gjax.experience import select_groups  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.train import build_rewards, resolve_model_path  # noqa: E402
-from gjax.trainer import Rollout, TrainState, build_steps, make_optimizer  # noqa: E402
+from gjax.trainer import Rollout, build_steps, init_state, make_optimizer  # noqa: E402
 
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
 
@@ -129,17 +129,13 @@ class GjaxStep:
         self.tok = hf_io.load_tokenizer(path)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
         tx, _ = make_optimizer(config.optim, config.train.steps)
-        self.state = TrainState(
-            step=jax.numpy.zeros((), jax.numpy.int32),
-            params=params,
-            opt_state=jax.jit(tx.init)(params),
-        )
+        self.state, state_shardings = init_state(params, tx, self.mesh)
         self.steps = build_steps(
             mesh=self.mesh,
             cfg=self.cfg,
             obj_cfg=obj_cfg,
             tx=tx,
-            state_shardings=jax.tree.map(lambda x: x.sharding, self.state),
+            state_shardings=state_shardings,
             train_cfg=config.train,
         )
         self.pipeline = build_rewards(config, verifier)

@@ -143,6 +143,10 @@ def base() -> ml_collections.ConfigDict:
     c.rollout.top_p = 1.0
     c.rollout.top_k = 0  # 0 = off
     c.rollout.eval_temperature = 0.0  # held-out evaluation: greedy
+    # Old log-probs: the sampler's own (same params and temperature: the behaviour policy)
+    # or a teacher-forced recomputation (set when the sampler's numerics differ, e.g. a
+    # serving engine in another dtype). Anchors are always teacher-forced.
+    c.rollout.recompute_old_logps = False
 
     c.objective = objective("grpo")
 

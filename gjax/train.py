@@ -81,11 +81,14 @@ def make_backend(config, cfg) -> RolloutBackend:
 
 
 def evaluate(
-    backend, params, tok, data, verifier, *, max_new_tokens, eos, pad_id, batch=128
+    backend, params, tok, data, verifier, *, max_new_tokens, eos, pad_id, temperature, batch=128
 ) -> float:
-    """Greedy pass@1 on held-out prompts, scored by the verifier."""
+    """pass@1 on held-out prompts (greedy at temperature 0), scored by the verifier."""
     sampling = SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=0.0, stop_token_ids=eos, pad_token_id=pad_id
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_token_ids=eos,
+        pad_token_id=pad_id,
     )
     batch = min(batch, len(data))
     it = PromptIterator(
@@ -238,7 +241,12 @@ def main(argv) -> None:
     rollout = Rollout(
         cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
     )
-    eval_kw = dict(max_new_tokens=T, eos=rollout.eos, pad_id=rollout.pad_id)
+    eval_kw = dict(
+        max_new_tokens=T,
+        eos=rollout.eos,
+        pad_id=rollout.pad_id,
+        temperature=config.rollout.eval_temperature,
+    )
 
     # --- held-out accuracy before training ----------------------------------------------
     if meta["heldout_accuracy_before"] is None:

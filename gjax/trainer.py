@@ -341,6 +341,7 @@ class Rollout:
         self.overlong_buffer = s.overlong_buffer
         self.overlong_penalty = s.overlong_penalty
         self.need_ref = obj_cfg_needs_ref(config)
+        self.recompute_old = config.rollout.recompute_old_logps
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
@@ -397,9 +398,16 @@ class Rollout:
             questions=rep(prompts.problems),
             completion_lengths=lengths,
         )
-        # Device work overlapping the rewards: old (and reference) log-probs.
-        inputs = self.steps.put_batch(_model_and_targets(groups))
-        old = self.steps.logps(params, inputs)
+        # Device work overlapping the rewards: old (and reference) log-probs. The sampler's
+        # own log-probs are the behaviour policy's, log_softmax(logits / T) of the same params
+        # (see gjax.rollout.sampler), so on-policy rows need no second forward; anchors have
+        # none and are teacher-forced (DaGRPO), as is everything when `recompute_old_logps`.
+        on_logps = np.asarray(out.logps_BxN).reshape(P, g_on, self.T)
+        need_old = self.A > 0 or self.recompute_old
+        inputs = None
+        if need_old or self.need_ref:
+            inputs = self.steps.put_batch(_model_and_targets(groups))
+        old = self.steps.logps(params, inputs) if need_old else None
         ref = self.steps.logps(ref_params, inputs) if self.need_ref else None
         res = handle.result()
         grouped = res.grouped(G)
@@ -415,7 +423,12 @@ class Rollout:
                 lengths, max_length=self.T, cache_length=self.overlong_buffer
             )
             groups.rewards_PxG = groups.rewards_PxG + self.overlong_penalty * pen.reshape(P, G)
-        groups.old_logps_PxGxN = np.asarray(old).reshape(P, G, T)
+        if old is None:
+            groups.old_logps_PxGxN = on_logps
+        else:
+            groups.old_logps_PxGxN = np.asarray(old).reshape(P, G, T)
+            if not self.recompute_old:
+                groups.old_logps_PxGxN[:, :g_on] = on_logps
         if ref is not None:
             groups.ref_logps_PxGxN = np.asarray(ref).reshape(P, G, T)
         on = ~groups.is_anchor_PxG
