@@ -216,11 +216,11 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.demonstration_field = "demonstration"
     c.data.template = "plain"
     c.data.synthetic = ml_collections.ConfigDict(dict(EMBEDDED_TASK))
-    c.data.max_prompt_len = 32
+    c.data.max_prompt_len = 24  # the task's prompts are <= 21 tokens
     c.data.heldout_size = 256
     c.rollout.prompts_per_step = 16
     c.rollout.num_samples = 8
-    c.rollout.max_new_tokens = 48
+    c.rollout.max_new_tokens = 32  # demonstrations are <= 28 tokens with EOS
     c.rollout.temperature = 1.0
     c.reward.workers = 1
     c.reward.timeout_s = 5.0
@@ -231,6 +231,39 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.steps = 120
     c.train.minibatches = 1
     c.checkpoint.every = 40
+    return c
+
+
+# Training sets the papers use, with their field names (the model is the same 7B math model).
+
+
+def math_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A-GRAE Sec. 6: MATH train (7.5k) on Qwen2.5-Math-7B with the boxed system prompt."""
+    c.model.path = "Qwen/Qwen2.5-Math-7B"
+    c.data.source = "hendrycks/competition_math"
+    c.data.template = "qwen_boxed"
+    return c
+
+
+def openr1_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """DaGRPO Sec. 6: OpenR1-Math-46k-8192 (DeepSeek-R1 demonstrations) on Qwen2.5-Math-7B."""
+    c.model.path = "Qwen/Qwen2.5-Math-7B"
+    c.data.source = "Elliott/Openr1-Math-46k-8192"
+    c.data.problem_field, c.data.answer_field = "prompt", "answer"
+    c.data.template = "qwen_boxed"
+    c.data.max_prompt_len = 1024
+    c.data.heldout_split = "train"
+    return c
+
+
+def dapo_math_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """DAPO-Math-17k (DAPO; GPG's 7B setting) on Qwen2.5-Math-7B."""
+    c.model.path = "Qwen/Qwen2.5-Math-7B"
+    c.data.source = "BytedTsinghua-SIA/DAPO-Math-17k"
+    c.data.problem_field, c.data.answer_field = "prompt", "solution"
+    c.data.template = "qwen_boxed"
+    c.data.max_prompt_len = 2048
+    c.data.heldout_split = "train"
     return c
 
 
