@@ -30,5 +30,6 @@ def test_checkpoint_is_small_and_documented():
     assert size < 8 * 2**20
     cfg, _ = hf_io.load_pretrained(PATH)
     assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
-    warmup = json.load(open(os.path.join(PATH, "warmup.json")))
+    with open(os.path.join(PATH, "warmup.json")) as f:
+        warmup = json.load(f)
     assert warmup["log"][-1]["heldout_accuracy"] < 0.5  # room left for RL

@@ -9,9 +9,16 @@ def test_writer_truncates_rows_past_the_resume_step_and_plot_reads_runs(tmp_path
     wd = str(tmp_path / "run_a")
     w = MetricsWriter(wd, total_steps=4, tensorboard=True, progress=False)
     for step in (1, 2, 3):
-        w.write(step, {"reward/mean": step / 10, "optim/grad_norm": 1.0 + step,
-                       "policy/entropy": 0.5, "response/length_mean": 10.0 * step,
-                       "loss/total": float("nan")})
+        w.write(
+            step,
+            {
+                "reward/mean": step / 10,
+                "optim/grad_norm": 1.0 + step,
+                "policy/entropy": 0.5,
+                "response/length_mean": 10.0 * step,
+                "loss/total": float("nan"),
+            },
+        )
     w.close()
     assert read_jsonl(os.path.join(wd, "metrics.jsonl"))[0]["loss/total"] is None  # NaN -> null
     w = MetricsWriter(wd, total_steps=4, tensorboard=False, progress=False, start_step=2)
