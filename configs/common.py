@@ -221,10 +221,13 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.prompts_per_step = 16
     c.rollout.num_samples = 8
     c.rollout.max_new_tokens = 32  # demonstrations are <= 28 tokens with EOS
-    c.rollout.temperature = 1.0
+    # Sampling at 0.7 (as CW-GRPO's Open-RS setup) keeps the tiny policy's groups informative
+    # without flooding them with garbage; the loss uses the same temperature.
+    c.rollout.temperature = 0.7
+    c.objective.temperature = 0.7
     c.reward.workers = 1
     c.reward.timeout_s = 5.0
-    c.optim.lr = 3e-4
+    c.optim.lr = 1e-4
     c.optim.warmup_steps = 5
     c.optim.weight_decay = 0.0
     c.optim.clip_norm = 1.0

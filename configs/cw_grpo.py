@@ -37,6 +37,4 @@ def get_config(arg=None):
     c.optim.warmup_steps = 10
     if arg == "tiny":
         c = common.tiny(c)
-        c.objective.temperature = 1.0
-        c.rollout.temperature = 1.0
     return c

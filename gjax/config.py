@@ -117,6 +117,12 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"data-parallel size {data_parallel} (mesh.data*mesh.fsdp)",
     )
     _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
+    _require(
+        config.objective.temperature == r.temperature,
+        "objective.temperature",
+        f"the loss must score log_softmax(logits / T) at the sampling temperature: got "
+        f"{config.objective.temperature} but rollout.temperature = {r.temperature}",
+    )
     _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.top_k >= 0, "rollout.top_k", f"must be >= 0, got {r.top_k}")
     _require(r.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")

@@ -115,7 +115,7 @@ def main():
     ap.add_argument(
         "--stop_accuracy",
         type=float,
-        default=0.3,
+        default=0.5,
         help="stop at the first evaluation whose greedy held-out accuracy reaches this, so RL "
         "has room to learn (1.0: train all steps)",
     )
