@@ -9,7 +9,7 @@ temperature 1.0, up to 2048 new tokens, 20 epochs (~146 steps), binary accuracy 
 PPO clip 0.2, k3 KL beta 0.04 to the initial policy. Expected: MATH-500 pass@1 in the high
 70s, the paper's GRPO row of Table 2.
 
-Embedded default (2-core CPU, ~3-5 min; held-out accuracy rises by >= 10 points):
+Embedded default (2-core CPU, ~5 min; prints held-out accuracy before and after):
     python -m gjax.train --config=configs/grpo.py:tiny
 """
 
