@@ -81,6 +81,7 @@ def make_config(args):
     c.rollout.num_samples = args.samples
     c.rollout.max_new_tokens = args.new_tokens
     c.rollout.temperature = args.temperature
+    c.objective.temperature = args.temperature
     c.data.max_prompt_len = args.prompt_len
     c.data.num_examples = max(args.prompts * (args.warmup + args.repeats) * 2, 256)
     c.optim.warmup_steps = 0

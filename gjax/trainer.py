@@ -426,7 +426,7 @@ class Rollout:
         if old is None:
             groups.old_logps_PxGxN = on_logps
         else:
-            groups.old_logps_PxGxN = np.asarray(old).reshape(P, G, T)
+            groups.old_logps_PxGxN = np.array(old).reshape(P, G, T)  # writable copy
             if not self.recompute_old:
                 groups.old_logps_PxGxN[:, :g_on] = on_logps
         if ref is not None:
