@@ -207,7 +207,9 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """The embedded default: the committed tiny Qwen2 on the synthetic task, on a CPU."""
     c.model.path = EMBEDDED_POLICY
     c.model.dtype = "float32"
-    c.model.remat = "none"
+    # Recomputing each layer in the backward is ~15% faster here than storing activations
+    # (measured: fwd+bwd 0.93 s vs 1.07-1.22 s on 128 x 80 tokens).
+    c.model.remat = "full"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
     c.data.source = "synthetic"
     c.data.split = "train"
