@@ -21,14 +21,7 @@ def get_config(arg=None):
     c = common.base()
     c.algo = "a_grae"
     c.objective = common.objective("a_grae")
-    c = common.math_dataset(c)
-    c.model.ref_policy = True
-    c.rollout.prompts_per_step = 1024
-    c.rollout.num_samples = 8
-    c.rollout.max_new_tokens = 2048
-    c.train.minibatches = 4
-    c.train.steps = 146
-    c.optim.lr = 1e-6
+    c = common.agrae_math_setup(c)
     if arg == "tiny":
         c = common.tiny(c)
     return c

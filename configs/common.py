@@ -244,11 +244,19 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
 # Training sets the papers use, with their field names (the model is the same 7B math model).
 
 
-def math_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """A-GRAE Sec. 6: MATH train (7.5k) on Qwen2.5-Math-7B with the boxed system prompt."""
+def agrae_math_setup(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A-GRAE Sec. 6 / App. C.2 (its GRPO baseline shares it): Qwen2.5-Math-7B on MATH train
+    (7.5k) with the boxed system prompt; 1024 prompts x G=8 per rollout batch, mini-batch 256
+    (4 updates), up to 2048 new tokens, lr 1e-6, 20 epochs (~146 steps)."""
     c.model.path = "Qwen/Qwen2.5-Math-7B"
     c.data.source = "hendrycks/competition_math"
     c.data.template = "qwen_boxed"
+    c.rollout.prompts_per_step = 1024
+    c.rollout.num_samples = 8
+    c.rollout.max_new_tokens = 2048
+    c.train.minibatches = 4
+    c.train.steps = 146
+    c.optim.lr = 1e-6
     return c
 
 

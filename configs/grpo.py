@@ -21,14 +21,8 @@ def get_config(arg=None):
     c = common.base()
     c.algo = "grpo"
     c.objective = common.objective("grpo")
-    c = common.math_dataset(c)
+    c = common.agrae_math_setup(c)
     c.model.ref_policy = True
-    c.rollout.prompts_per_step = 1024
-    c.rollout.num_samples = 8
-    c.rollout.max_new_tokens = 2048
-    c.train.minibatches = 4
-    c.train.steps = 146
-    c.optim.lr = 1e-6
     if arg == "tiny":
         c = common.tiny(c)
     return c
