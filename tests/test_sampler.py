@@ -10,6 +10,7 @@ from gjax import sharding
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams, generate
+from tests.test_model import random_params  # O(1)-logit params, shared
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -24,19 +25,6 @@ CFG = ModelConfig(
     head_dim=8,
     attention_bias=True,
 )
-
-
-def random_params(cfg, seed=0, scale=0.3):
-    """Params with O(1) logits (the 0.02 init makes every token nearly equally likely)."""
-    params = tr.init_params(cfg, jax.random.key(seed))
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
-    out = []
-    for key, (path, x) in zip(keys, leaves):
-        noise = jax.random.normal(key, x.shape, jnp.float32)
-        is_norm = "scale" in jax.tree_util.keystr(path)
-        out.append((1.0 + 0.1 * noise if is_norm else scale * noise).astype(x.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 PARAMS = random_params(CFG)
