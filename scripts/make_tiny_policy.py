@@ -1,13 +1,19 @@
 """Builds the embedded default policy: a tiny Qwen2 warmed up on the synthetic task.
 
-    python scripts/make_tiny_policy.py [--out gjax/assets/tiny_qwen2] [--steps 300]
+    python scripts/make_tiny_policy.py [--out gjax/assets/tiny_qwen2] [--steps 1000]
 
 Everything is made here, with gjax itself, deterministically from --seed: the character
 tokenizer (gjax.data.tokenizer), a small Qwen2 (tied embeddings, GQA, q/k/v bias), and a
-supervised warm-up on the synthetic task's demonstrations (prompt tokens masked out; loss
-from gjax's chunked log-prob kernel). The warm-up stops early on purpose: the policy knows
-the format and solves the easy problems, so RL has room to raise held-out accuracy. The
-result is written in Hugging Face format (safetensors + config + tokenizer).
+supervised warm-up (prompt tokens masked out; loss from gjax's chunked log-prob kernel).
+The result is written in Hugging Face format (safetensors + config + tokenizer).
+
+The warm-up corpus mixes two styles, as web text does: half of the targets are the worked
+demonstration (step lines, then the boxed answer), half the bare boxed answer. The policy
+learns both and picks between them at its first token, about evenly. Worked answers are
+right far more often (measured on the committed policy, T = 0.7: 68% vs 33%), so the room
+left for RL is a behaviour it can discover from its own samples -- work the problem out --
+rather than knowledge it lacks. `warmup.json` logs greedy held-out accuracy and the share
+of worked answers along the way.
 """
 
 from __future__ import annotations
@@ -60,14 +66,21 @@ def model_config(tok) -> ModelConfig:
     )
 
 
-def encode(tok, problems):
+def bare_answer(problem) -> str:
+    return f"{synthetic.BOXED}{problem.answer}}}"
+
+
+def encode(tok, problems, bare=None):
+    """Left-padded prompts and right-padded targets; ``bare[i]``: target is the bare answer."""
+    bare = np.zeros(len(problems), bool) if bare is None else bare
     prompts = [
         tok(apply_template("plain", p.problem), add_special_tokens=False)["input_ids"]
         for p in problems
     ]
     comps = [
-        tok(p.demonstration, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        for p in problems
+        tok(bare_answer(p) if b else p.demonstration, add_special_tokens=False)["input_ids"]
+        + [tok.eos_token_id]
+        for p, b in zip(problems, bare)
     ]
     p_ids, p_mask = left_pad([np.asarray(x) for x in prompts], PROMPT_LEN, tok.pad_token_id)
     c_ids = np.full((len(comps), COMPLETION_LEN), tok.pad_token_id, np.int32)
@@ -94,7 +107,8 @@ def sft_loss(params, cfg, b):
     return -(logps * m).sum() / m.sum()
 
 
-def accuracy(params, cfg, tok, problems) -> float:
+def evaluate(params, cfg, tok, problems) -> dict:
+    """Greedy held-out accuracy, and the share of answers given with worked steps."""
     _, (p_ids, p_mask) = encode(tok, problems)
     sp = SamplingParams(
         max_new_tokens=COMPLETION_LEN,
@@ -105,24 +119,26 @@ def accuracy(params, cfg, tok, problems) -> float:
     out = generate(params, cfg, p_ids, p_mask, jax.random.key(0), num_samples=1, sampling=sp)
     ids, n = np.asarray(out.tokens_BxN), np.asarray(out.lengths_B)
     texts = tok.batch_decode([r[:k] for r, k in zip(ids, n)], skip_special_tokens=True)
-    return float(np.mean([synthetic.extract_boxed(t) == p.answer for t, p in zip(texts, problems)]))
+    correct = [synthetic.extract_boxed(t) == p.answer for t, p in zip(texts, problems)]
+    worked = [not t.startswith(synthetic.BOXED) for t in texts]
+    return {"heldout_accuracy": float(np.mean(correct)), "worked_fraction": float(np.mean(worked))}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join("gjax", "assets", "tiny_qwen2"))
-    ap.add_argument("--steps", type=int, default=600, help="length of the lr schedule")
+    ap.add_argument("--steps", type=int, default=1000, help="length of the lr schedule")
     ap.add_argument(
-        "--stop_accuracy",
+        "--bare_fraction",
         type=float,
         default=0.5,
-        help="stop at the first evaluation whose greedy held-out accuracy reaches this, so RL "
-        "has room to learn (1.0: train all steps)",
+        help="share of warm-up targets that are the bare boxed answer instead of the worked "
+        "demonstration",
     )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--eval_every", type=int, default=25)
+    ap.add_argument("--eval_every", type=int, default=50)
     args = ap.parse_args()
 
     tok = build_tokenizer()
@@ -138,6 +154,7 @@ def main():
         weight_decay=0.01,
     )
     opt = tx.init(params)
+    bare = np.random.default_rng(args.seed + 3).random(len(train)) < args.bare_fraction
 
     @jax.jit
     def step(params, opt, b):
@@ -148,14 +165,12 @@ def main():
     t0 = time.time()
     log = []
     for i in range(args.steps):
-        b, _ = encode(tok, train[i * args.batch : (i + 1) * args.batch])
+        rows = slice(i * args.batch, (i + 1) * args.batch)
+        b, _ = encode(tok, train[rows], bare[rows])
         params, opt, loss = step(params, opt, b)
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
-            acc = accuracy(params, cfg, tok, heldout)
-            log.append({"step": i + 1, "loss": float(loss), "heldout_accuracy": acc})
+            log.append({"step": i + 1, "loss": float(loss), **evaluate(params, cfg, tok, heldout)})
             print(json.dumps({**log[-1], "elapsed_s": round(time.time() - t0, 1)}), flush=True)
-            if acc >= args.stop_accuracy:
-                break
     hf_io.save_pretrained(params, cfg, args.out, tokenizer=tok)
     with open(os.path.join(args.out, "warmup.json"), "w") as f:
         json.dump({"args": vars(args), "log": log}, f, indent=2)

@@ -3,13 +3,18 @@
 import json
 import os
 
+import jax
+import numpy as np
 from transformers import AutoTokenizer
 
+from configs.common import EMBEDDED_TASK
 from gjax.data import synthetic
+from gjax.data.loading import left_pad
 from gjax.data.templates import apply_template
 from gjax.data.tokenizer import build_tokenizer
 from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
+from gjax.rollout.sampler import SamplingParams, generate
 
 PATH = resolve_model_path("embedded:tiny_qwen2")
 
@@ -32,4 +37,34 @@ def test_checkpoint_is_small_and_documented():
     assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
     with open(os.path.join(PATH, "warmup.json")) as f:
         warmup = json.load(f)
-    assert warmup["log"][-1]["heldout_accuracy"] < 0.5  # room left for RL
+    assert {"heldout_accuracy", "worked_fraction"} <= set(warmup["log"][-1])
+
+
+def test_policy_leaves_room_for_rl():
+    # The warm-up mixes worked and bare answers (scripts/make_tiny_policy.py): sampled at the
+    # tiny configs' temperature, the policy uses both styles (about half each), and working
+    # the problem out is far more often right (measured: 68% vs 36%) -- the behaviour RL is
+    # expected to discover.
+    cfg, params = hf_io.load_pretrained(PATH)
+    tok = build_tokenizer()
+    task = synthetic.SyntheticConfig(**EMBEDDED_TASK)
+    problems = synthetic.generate(128, "test", seed=11, config=task)
+    prompts = [tok(apply_template("plain", p.problem))["input_ids"] for p in problems]
+    ids_PxS, mask_PxS = left_pad([np.asarray(x) for x in prompts], 24, tok.pad_token_id)
+    sampling = SamplingParams(
+        max_new_tokens=32,
+        temperature=0.7,
+        stop_token_ids=(tok.eos_token_id,),
+        pad_token_id=tok.pad_token_id,
+    )
+    G = 4
+    out = generate(
+        params, cfg, ids_PxS, mask_PxS, jax.random.key(0), num_samples=G, sampling=sampling
+    )
+    ids, n = np.asarray(out.tokens_BxN), np.asarray(out.lengths_B)
+    texts = tok.batch_decode([r[:k] for r, k in zip(ids, n)], skip_special_tokens=True)
+    answers = [problems[i // G].answer for i in range(len(texts))]
+    correct = np.array([synthetic.extract_boxed(t) == a for t, a in zip(texts, answers)])
+    worked = np.array([not t.startswith(synthetic.BOXED) for t in texts])
+    assert 0.25 < worked.mean() < 0.75
+    assert correct[worked].mean() > correct[~worked].mean() + 0.2
