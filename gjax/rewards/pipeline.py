@@ -41,7 +41,7 @@ Timings (seconds, `perf_counter`) in `PipelineResult.metrics`:
   rewards/overlap_s  reward wall time hidden behind the caller's work: min(end, wait_begin) - start
   rewards/overlap_frac  overlap_s / wall_s (1.0 = fully hidden)
 plus per-function times `rewards/time_<name>_s`, `rewards/time_judge_s`, per-function means
-`rewards/<name>_mean`, failure counters and the judge's cumulative counters `judge/<counter>`.
+`rewards/<name>_mean`, failure counters and the judge's counters for the batch `judge/<counter>`.
 """
 
 from __future__ import annotations
@@ -228,6 +228,7 @@ class RewardPipeline:
 
         self._lock = threading.Lock()
         self._called: set[str] = set()  # functions that have been called at least once
+        self._judge_seen: dict[str, float] = {}  # the judge's counters at the last result
         self._batches = 0
         self._counts = {"batches": 0, "failed_batches": 0, "fn_failures": 0, "judge_failures": 0}
         self._consecutive = 0
@@ -448,6 +449,26 @@ class RewardPipeline:
 
     # -- the caller side -----------------------------------------------------------------------
 
+    def _judge_counters(self) -> dict[str, float]:
+        """The judge's counters since the previous result (`judge/<counter>`).
+
+        Per-batch counts rather than the judge's process-lifetime totals, so a resumed run
+        logs what an uninterrupted one would (sum the column for totals); the latency
+        figures are gauges and pass through. Batches in flight together share their counts.
+        """
+        stats = getattr(self.judge, "stats", None)
+        if stats is None:
+            return {}
+        with self._lock:
+            now, seen = stats(), self._judge_seen
+            self._judge_seen = now
+        return {
+            f"judge/{k}": float(v)
+            if k.startswith("latency_") and k != "latency_n"
+            else float(v - seen.get(k, 0.0))
+            for k, v in now.items()
+        }
+
     def _finalize(self, raw: _Raw, timings: Timings, batch: int) -> PipelineResult:
         B = len(next(iter(raw.per_fn.values())))
         with self._lock:
@@ -500,11 +521,9 @@ class RewardPipeline:
                 positive_threshold=self.positive_threshold,
             )
             rewards = np.where(valid, rewards, 0.0).astype(np.float32)
+            metrics.update(self._judge_counters())
             metrics.update(judge_metrics)
             metrics["judge/score_mean"] = float(scores[scored].mean()) if scored.any() else 0.0
-            stats = getattr(self.judge, "stats", None)
-            if stats is not None:
-                metrics.update({f"judge/{k}": float(v) for k, v in stats().items()})
 
         wall = timings.end - timings.start
         overlap = max(0.0, min(timings.end, timings.wait_begin) - timings.start)
