@@ -81,6 +81,7 @@ def make_config(args):
     c.rollout.num_samples = args.samples
     c.rollout.max_new_tokens = args.new_tokens
     c.rollout.temperature = args.temperature
+    c.model.dtype = args.dtype
     c.objective.temperature = args.temperature
     c.data.max_prompt_len = args.prompt_len
     c.data.num_examples = max(args.prompts * (args.warmup + args.repeats) * 2, 256)
@@ -308,6 +309,7 @@ def main():
     ap.add_argument("--prompt-len", type=int, default=32, help="max_prompt_len S")
     ap.add_argument("--new-tokens", type=int, default=48, help="max_new_tokens T")
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--dtype", default="float32", help="gjax compute dtype (TRL runs float32)")
     ap.add_argument("--warmup", type=int, default=2, help="untimed gjax steps (compile)")
     ap.add_argument("--trl-warmup", type=int, default=1, help="untimed TRL steps")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per engine")
