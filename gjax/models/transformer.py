@@ -159,7 +159,10 @@ class Linear(nn.Module):
     def __call__(self, x):
         kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, self.cfg, _normal)
         dtype = self.cfg.jnp_dtype
-        y = jnp.dot(x.astype(dtype), kernel.astype(dtype))
+        # Tokens flattened to one axis: a plain 2-D matmul, whose backward XLA:CPU runs ~1.7x
+        # faster than the [B, T, D] form's (measured on the MLP; same math everywhere).
+        y_NxF = jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel.astype(dtype))
+        y = y_NxF.reshape(*x.shape[:-1], self.features)
         if self.use_bias:
             bias = _param(
                 self, "bias", (self.features,), self.axes[1:], self.cfg, nn.initializers.zeros
