@@ -32,9 +32,15 @@ generate / reward).
 
     python benchmarks/train_step.py    # P=16 x G=8, 32 + 48 tokens; ~5 min on a busy 2-core CPU
 
-Measured (embedded policy, shared 2-core CPU, load ~5-8): gjax 5.4 s/step (sample 0.5, old+ref
-log-probs and rewards 1.4, update 3.6), TRL 15.6 s/step (generate 9.9): speedup 2.9x (CPU
-time 2.8x). Under heavier load TRL slows down more than gjax (3.7-5.7x seen).
+Measured (embedded policy, idle 2-core CPU, two runs): gjax 1.23-1.31 s/step (sample
+0.20-0.30, old+ref log-probs and rewards 0.21-0.26, update 0.76-0.80), TRL 1.08-1.27 s/step
+(generate 0.35-0.48): speedup 0.88-0.97. At 0.8M parameters both sides are bound by the same
+CPU matmuls; gjax's sampler is faster, its update slower. On a loaded machine TRL slows down
+more than gjax (2.9-5.7x seen), so compare runs taken on an idle machine.
+
+At scale, gjax alone (`--policy DIR --skip-trl --dtype bfloat16`): a Qwen2.5-Math-1.5B-shaped
+policy (random weights, the character tokenizer) on one H100, P=16 x G=8, 32 + 512 tokens:
+5.34 s/step (sample 1.93, old+ref log-probs and rewards 0.85, update 2.56).
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time) and the settings.
