@@ -46,6 +46,7 @@ class Checkpointer:
         async_save: bool = True,
     ):
         self.directory = epath.Path(directory)
+        self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -63,7 +64,9 @@ class Checkpointer:
         return self._mngr.latest_step()
 
     def should_save(self, step: int) -> bool:
-        return self._mngr.should_save(step)
+        """Periodic saves at multiples of the interval (orbax alone also saves the first step
+        it sees: a wasted full-model write at step 1). Final and preemption saves are forced."""
+        return self.save_interval_steps > 0 and step % self.save_interval_steps == 0
 
     def save(self, step: int, state: Any, meta: dict[str, Any], *, force: bool = False) -> bool:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))

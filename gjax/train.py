@@ -145,6 +145,9 @@ def build_rewards(config, verifier) -> RewardPipeline:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not flags.FLAGS["verbosity"].present:
+        # orbax logs every save step by step (INFO, through absl); --verbosity=0 shows it.
+        logging.getLogger("absl").setLevel(logging.WARNING)
     if _DISTRIBUTED.value:
         jax.distributed.initialize()
     config = _CONFIG.value
@@ -311,15 +314,17 @@ def main(argv) -> None:
         pending = (step + 1, metrics, host_metrics)
         eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
         last = step + 1 == config.train.steps
-        if checkpointer.should_save(step + 1) or stop["signal"] or eval_now or last:
+        save_now = checkpointer.should_save(step + 1) or bool(stop["signal"]) or last
+        if save_now or eval_now:
             if eval_now:
                 host_metrics["eval/heldout_accuracy"] = evaluate(
                     backend, state.params, tok, heldout, verifier, **eval_kw
                 )
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
             pending = None
+        if save_now:
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
-            checkpointer.save(step + 1, state, meta, force=bool(stop["signal"]) or last)
+            checkpointer.save(step + 1, state, meta, force=True)
         if stop["signal"]:
             log.warning("signal %s: checkpoint at step %d saved; exiting", stop["signal"], step + 1)
             break
