@@ -2,10 +2,12 @@
 
     python scripts/make_tiny_policy.py [--out gjax/assets/tiny_qwen2] [--steps 1000]
 
-Everything is made here, with gjax itself, deterministically from --seed: the character
-tokenizer (gjax.data.tokenizer), a small Qwen2 (tied embeddings, GQA, q/k/v bias), and a
-supervised warm-up (prompt tokens masked out; loss from gjax's chunked log-prob kernel).
-The result is written in Hugging Face format (safetensors + config + tokenizer).
+Everything is made here, with gjax itself, from --seed: the character tokenizer
+(gjax.data.tokenizer), a small Qwen2 (tied embeddings, GQA, q/k/v bias), and a supervised
+warm-up (prompt tokens masked out; loss from gjax's chunked log-prob kernel). The result is
+written in Hugging Face format (safetensors + config + tokenizer). Float summation order is
+part of the result: after a change to the model's matmul layout, a rerun's loss differs
+from step 50 on and ends at another (similar) policy (README, "Embedded default").
 
 The warm-up corpus mixes two styles, as web text does: half of the targets are the worked
 demonstration (step lines, then the boxed answer), half the bare boxed answer. The policy
