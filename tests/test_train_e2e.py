@@ -108,8 +108,8 @@ def test_each_algorithm_runs_a_few_steps(algo, env, tmp_path):
 def test_embedded_default_learns(algo, env, tmp_path):
     """The README's main command, defaults untouched: held-out accuracy rises >= 10 points.
 
-    (Measured on the 2-core CI machine: 0.512 -> 0.707 for grpo, 0.512 -> 0.715 for a_grae,
-    about 2.5 minutes each.)
+    (Measured on an idle 2-core CPU: 0.512 -> 0.707 for grpo, 0.512 -> 0.715 for a_grae,
+    about 2 minutes each.)
     """
     wd = tmp_path / algo
     run(f"configs/{algo}.py:tiny", wd, env, "--config.log.progress=False", small=False)
