@@ -8,23 +8,12 @@ from scipy import stats
 
 from gjax import sharding
 from gjax.models import transformer as tr
-from gjax.models.config import ModelConfig
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams, generate
-from tests.test_model import random_params  # O(1)-logit params, shared
+from tests.test_model import random_params, tiny_cfg  # O(1)-logit params, shared
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-CFG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-)
+CFG = tiny_cfg(vocab_size=64)
 
 
 PARAMS = random_params(CFG)

@@ -10,20 +10,9 @@ from jax.sharding import PartitionSpec as P
 from gjax import sharding
 from gjax.models import hf_io
 from gjax.models import transformer as T
-from gjax.models.config import ModelConfig
+from tests.test_model import tiny_cfg
 
-CFG = ModelConfig(
-    model_type="qwen2",
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-    attention_bias=True,
-    tie_word_embeddings=False,
-)
+CFG = tiny_cfg(vocab_size=64, intermediate_size=64)
 
 # Expected specs under DEFAULT_RULES for every leaf of the param tree.
 EXPECTED_SPECS = {

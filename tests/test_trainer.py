@@ -12,7 +12,6 @@ import pytest
 from gjax import objective as obj
 from gjax import sharding
 from gjax.experience import to_model_inputs
-from gjax.models.config import ModelConfig
 from gjax.models.transformer import init_params
 from gjax.trainer import (
     TrainState,
@@ -23,16 +22,12 @@ from gjax.trainer import (
     update,
 )
 from tests.test_experience import make_groups
+from tests.test_model import tiny_cfg
 
-CFG = ModelConfig(
-    model_type="qwen2",
+CFG = tiny_cfg(
     vocab_size=64,
-    hidden_size=32,
     intermediate_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
+    attention_bias=False,
     max_position_embeddings=64,
     tie_word_embeddings=True,
 )
