@@ -217,7 +217,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.problem_field, c.data.answer_field = "problem", "answer"
     c.data.demonstration_field = "demonstration"
     c.data.template = "plain"
-    c.data.synthetic = ml_collections.ConfigDict(dict(EMBEDDED_TASK))
+    c.data.synthetic.update(EMBEDDED_TASK)  # other task fields stay overridable
     c.data.max_prompt_len = 24  # the task's prompts are <= 21 tokens
     c.data.heldout_size = 256
     c.rollout.prompts_per_step = 16

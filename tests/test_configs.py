@@ -24,6 +24,9 @@ def test_every_config_builds_and_validates(algo, arg):
         assert c.model.ref_policy, f"{algo}: kl_beta > 0 needs a reference policy"
     if arg == "tiny":
         assert c.model.path == common.EMBEDDED_POLICY and c.data.source == "synthetic"
+        # The embedded task's difficulty is set; every other task field stays overridable.
+        assert {k: c.data.synthetic[k] for k in common.EMBEDDED_TASK} == common.EMBEDDED_TASK
+        assert set(c.data.synthetic) == set(common.base().data.synthetic)
 
 
 def test_paper_settings_are_the_defaults():
