@@ -136,7 +136,8 @@ class GjaxStep:
         )
         self.tok = hf_io.load_tokenizer(path)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
-        tx, _ = make_optimizer(config.optim, config.train.steps)
+        t = config.train
+        tx, _ = make_optimizer(config.optim, t.steps, t.minibatches * t.num_iterations)
         self.state, state_shardings = init_state(params, tx, self.mesh)
         self.steps = build_steps(
             mesh=self.mesh,

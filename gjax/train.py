@@ -212,7 +212,11 @@ def main(argv) -> None:
     pipeline = build_rewards(config, verifier)
 
     # --- state: fresh or resumed --------------------------------------------------------
-    tx, schedule = make_optimizer(config.optim, config.train.steps)
+    tx, schedule = make_optimizer(
+        config.optim,
+        config.train.steps,
+        updates_per_step=config.train.minibatches * config.train.num_iterations,
+    )
     state, state_shardings = init_state(params, tx, mesh)
     steps = build_steps(
         mesh=mesh,
@@ -221,6 +225,7 @@ def main(argv) -> None:
         tx=tx,
         state_shardings=state_shardings,
         train_cfg=config.train,
+        schedule=schedule,
     )
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
@@ -305,7 +310,6 @@ def main(argv) -> None:
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
         if pending is not None:
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
-        host_metrics["optim/lr"] = float(schedule(step))
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
         host_metrics["time/step_s"] = time.perf_counter() - t0
         host_metrics["throughput/tokens_per_s"] = float(

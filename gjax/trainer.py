@@ -47,23 +47,31 @@ class TrainState:
     opt_state: Any
 
 
-def make_optimizer(optim, total_steps: int) -> tuple[optax.GradientTransformation, Callable]:
-    """AdamW after global-norm clipping, with a linear warmup into constant or cosine."""
+def make_optimizer(
+    optim, total_steps: int, updates_per_step: int = 1
+) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW after global-norm clipping, with a linear warmup into constant or cosine.
+
+    The schedule (returned) counts RL steps, as `optim.warmup_steps` and `total_steps` do;
+    one RL step makes `updates_per_step` optimizer updates (minibatches x num_iterations),
+    which all use that step's learning rate.
+    """
     warmup = max(int(optim.warmup_steps), 0)
     if optim.schedule == "cosine":
         schedule = optax.warmup_cosine_decay_schedule(
             0.0, optim.lr, max(warmup, 1), max(total_steps, warmup + 1)
         )
     elif warmup:
-        schedule = optax.join_schedules(
-            [optax.linear_schedule(0.0, optim.lr, warmup), optax.constant_schedule(optim.lr)],
-            [warmup],
-        )
+        schedule = optax.linear_schedule(0.0, optim.lr, warmup)  # holds optim.lr afterwards
     else:
         schedule = optax.constant_schedule(optim.lr)
+
+    def per_update(count):
+        return schedule(count // updates_per_step)
+
     tx = optax.chain(
         optax.clip_by_global_norm(optim.clip_norm),
-        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
+        optax.adamw(per_update, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
     )
     return tx, schedule
 
@@ -155,8 +163,13 @@ def update(
     minibatches: int,
     microbatches: int,
     num_iterations: int,
+    schedule: Callable | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One RL update on a rollout batch: advantages once, then the optimizer updates."""
+    """One RL update on a rollout batch: advantages once, then the optimizer updates.
+
+    `schedule` (the optimizer's learning-rate schedule) only adds `optim/lr` to the metrics,
+    computed here so the host never waits on the device for it.
+    """
     obj_batch = {
         k: batch[k]
         for k in (
@@ -222,6 +235,8 @@ def update(
         "optim/grad_norm_max": gnorm.max(),
         "optim/updates": jnp.asarray(updates, jnp.float32),
     }
+    if schedule is not None:
+        metrics["optim/lr"] = schedule(state.step)
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
@@ -255,6 +270,7 @@ def build_steps(
     tx: optax.GradientTransformation,
     state_shardings: Any,
     train_cfg,
+    schedule: Callable | None = None,
 ) -> Steps:
     batch_sharding = sharding.activation_sharding(mesh, ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -271,6 +287,7 @@ def build_steps(
             minibatches=train_cfg.minibatches,
             microbatches=train_cfg.microbatches,
             num_iterations=train_cfg.num_iterations,
+            schedule=schedule,
         ),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),

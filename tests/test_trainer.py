@@ -47,6 +47,24 @@ def optim(lr=1e-2):
     )
 
 
+def test_schedule_counts_rl_steps_not_optimizer_updates():
+    # 4 updates per RL step (e.g. 2 minibatches x 2 iterations), warmup over 2 RL steps: the
+    # rate applied by each update is the rate of its RL step, and that is what is reported.
+    oc = optim(lr=1e-2)
+    oc.warmup_steps = 2
+    tx, schedule = make_optimizer(oc, 10, updates_per_step=4)
+    params = {"w": jnp.zeros(())}
+    opt_state = tx.init(params)
+    applied = []
+    for _ in range(12):
+        # Constant gradients: Adam's bias-corrected step is exactly -lr.
+        updates, opt_state = tx.update({"w": jnp.ones(())}, opt_state, params)
+        applied.append(-float(updates["w"]))
+    want = [0.0] * 4 + [5e-3] * 4 + [1e-2] * 4
+    np.testing.assert_allclose(applied, want, rtol=1e-5, atol=1e-12)
+    assert [float(schedule(s)) for s in range(3)] == pytest.approx([0.0, 5e-3, 1e-2])
+
+
 def batch_for(params, P=4, G=4, seed=0):
     rng = np.random.default_rng(seed)
     groups = make_groups(rng.integers(0, 2, (P, G)).astype(np.float32), S=5, N=6, seed=seed)
@@ -121,17 +139,27 @@ def test_update_compiles_once_and_runs_sharded():
     mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
     params = sharding.shard_params(init_params(CFG, jax.random.key(0)), mesh)
     oc = obj.ObjectiveConfig.preset("grpo")
-    tx, _ = make_optimizer(optim(), 10)
+    oc_warm = optim()
+    oc_warm.warmup_steps = 2
+    tx, schedule = make_optimizer(oc_warm, 10)
     state, shardings = init_state(params, tx, mesh)
     train_cfg = ml_collections.ConfigDict(dict(minibatches=2, microbatches=2, num_iterations=2))
     steps = build_steps(
-        mesh=mesh, cfg=CFG, obj_cfg=oc, tx=tx, state_shardings=shardings, train_cfg=train_cfg
+        mesh=mesh,
+        cfg=CFG,
+        obj_cfg=oc,
+        tx=tx,
+        state_shardings=shardings,
+        train_cfg=train_cfg,
+        schedule=schedule,
     )
     for i in range(3):
         host = batch_for(jax.device_get(state.params), P=8, G=4, seed=i)
         batch = steps.put_batch({k: np.asarray(v) for k, v in host.items()})
         state, metrics = steps.update(state, batch, jax.random.key(i))
         assert np.isfinite(float(metrics["loss/total"]))
+        # The learning rate of this step's updates: linear warmup 0, lr/2, then lr.
+        assert float(metrics["optim/lr"]) == pytest.approx([0.0, 5e-3, 1e-2][i])
     assert int(state.step) == 3
     assert steps.update._cache_size() == 1, "the update recompiled after the first step"
     q = state.params["layers"]["attn"]["q"]["kernel"]
