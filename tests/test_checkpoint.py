@@ -11,7 +11,8 @@ from gjax.checkpoint import Checkpointer, CheckpointError
 
 
 def state(value: float) -> dict:
-    return {"params": {"w": jnp.full((4, 3), value)}, "step": jnp.asarray(int(value), jnp.int32)}
+    w = jnp.arange(12.0).reshape(4, 3) + value  # distinct entries: a reordering would show
+    return {"params": {"w": w}, "step": jnp.asarray(int(value), jnp.int32)}
 
 
 def saved(tmp_path, steps, **kw) -> Checkpointer:
@@ -41,7 +42,7 @@ def test_round_trip_is_exact(tmp_path):
     ckpt = saved(tmp_path, [2, 4], max_to_keep=5)
     step, got, meta = ckpt.restore(state(0.0), fingerprint={"algo": "grpo"})
     assert step == 4 and meta["data"] == {"pos": 4}
-    np.testing.assert_array_equal(got["params"]["w"], np.full((4, 3), 4.0))
+    np.testing.assert_array_equal(got["params"]["w"], state(4.0)["params"]["w"])
     assert int(got["step"]) == 4
 
 
@@ -51,7 +52,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capl
     with caplog.at_level(logging.ERROR, logger="gjax.checkpoint"):
         step, got, meta = ckpt.restore(state(0.0))
     assert step == 2 and meta["data"] == {"pos": 2}
-    np.testing.assert_array_equal(got["params"]["w"], np.full((4, 3), 2.0))
+    np.testing.assert_array_equal(got["params"]["w"], state(2.0)["params"]["w"])
     assert "checkpoint step 4" in caplog.text and "unreadable" in caplog.text
     assert ckpt.all_steps() == [2, 4]  # nothing deleted: the damaged step is left to inspect
 

@@ -129,7 +129,8 @@ def test_embedded_default_learns(algo, env, tmp_path):
 
 def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_path):
     """Kill -9 after a checkpoint, resume, SIGTERM, resume: same metrics as one clean run."""
-    args = ("--config.train.steps=5", "--config.checkpoint.every=2")
+    # 10 steps: once the resumed run has saved step 4, it has steps left to be stopped in.
+    args = ("--config.train.steps=10", "--config.checkpoint.every=2")
     clean, broken = tmp_path / "clean", tmp_path / "broken"
     run("configs/grpo.py:tiny", clean, env, *args)
 
@@ -150,7 +151,8 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_pat
     proc.wait()
     assert not (broken / "summary.json").exists()
 
-    # 2) Resume, and SIGTERM it once it has gone past the checkpoint: it saves and exits 0.
+    # 2) Resume, and SIGTERM it once it has saved step 4 (proof that it is the resumed process
+    #    that runs, signal handler installed): it saves where it stopped and exits 0.
     proc = subprocess.Popen(
         command("configs/grpo.py:tiny", broken, *args),
         env=env,
@@ -159,21 +161,23 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_pat
         stderr=subprocess.STDOUT,
         text=True,
     )
+    ckpt4 = broken / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
     deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if any(r["step"] >= 3 for r in rows(broken)):
-            break
-        time.sleep(0.2)
+    while time.time() < deadline and proc.poll() is None and not ckpt4.exists():
+        time.sleep(0.1)
+    assert proc.poll() is None, "the resumed run ended before it could be sent SIGTERM"
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-4000:]
     saved = sorted(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved[-1] >= 3, (saved, out[-2000:])
+    # It stopped early, with a checkpoint where it stopped (not only the periodic ones).
+    assert not (broken / "summary.json").exists()
+    assert 4 <= saved[-1] < 10 and saved[-1] == max(r["step"] for r in rows(broken)), saved
 
     # 3) Resume to the end.
     run("configs/grpo.py:tiny", broken, env, *args)
     want, got = [stable(r) for r in rows(clean)], [stable(r) for r in rows(broken)]
-    assert [r["step"] for r in got] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in got] == list(range(1, 11))
     assert got == want
     assert json.loads((broken / "summary.json").read_text()) == json.loads(
         (clean / "summary.json").read_text()

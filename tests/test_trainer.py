@@ -72,8 +72,11 @@ def batch_for(params, P=4, G=4, seed=0):
     groups.completion_mask_PxGxN[0, 0, 3:] = False
     x = to_model_inputs(groups)
     x = {k: jnp.asarray(v) for k, v in x.items()}
-    x["old_logps_BxT"] = policy_logps(params, x, cfg=CFG, temperature=1.0)
-    x["ref_logps_BxT"] = x["old_logps_BxT"]
+    # Old and reference policies off the current one, so ratios clip and the KL term counts.
+    logps = policy_logps(params, x, cfg=CFG, temperature=1.0)
+    mask = x["loss_mask_BxT"]
+    x["old_logps_BxT"] = jnp.where(mask, logps + 0.3 * rng.standard_normal(logps.shape), 0.0)
+    x["ref_logps_BxT"] = jnp.where(mask, logps + 0.3 * rng.standard_normal(logps.shape), 0.0)
     return x
 
 
@@ -101,6 +104,9 @@ def test_microbatching_does_not_change_the_update(preset):
     oc = obj.ObjectiveConfig.preset(preset)
     s1, m1 = run_update(params, batch, oc, microbatches=1)
     s4, m4 = run_update(params, batch, oc, microbatches=4)
+    # The batch exercises clipping (and the KL term where the preset has one).
+    assert float(m1["policy/clip_frac_low"]) + float(m1["policy/clip_frac_high"]) > 0
+    assert (float(m1["loss/kl"]) > 0) == (oc.kl_beta > 0)
     np.testing.assert_allclose(m1["optim/grad_norm"], m4["optim/grad_norm"], rtol=1e-5)
     np.testing.assert_allclose(m1["loss/total"], m4["loss/total"], rtol=1e-5, atol=1e-7)
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
