@@ -117,7 +117,6 @@ def base() -> ml_collections.ConfigDict:
     c.model.dtype = "bfloat16"  # compute dtype
     c.model.param_dtype = "float32"
     c.model.remat = "full"  # none | full | dots | dots_with_no_batch_dims
-    c.model.ref_policy = False  # keep a frozen reference copy (needed when objective.kl_beta > 0)
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1: all devices not used by the other axes

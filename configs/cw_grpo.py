@@ -21,7 +21,6 @@ def get_config(arg=None):
     c.algo = "cw_grpo"
     c.objective = common.objective("cw_grpo", temperature=0.7)
     c.model.path = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
-    c.model.ref_policy = True
     c.data.source = "knoveleng/open-rs"
     c.data.problem_field = "problem"
     c.data.answer_field = "answer"

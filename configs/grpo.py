@@ -22,7 +22,6 @@ def get_config(arg=None):
     c.algo = "grpo"
     c.objective = common.objective("grpo")
     c = common.agrae_math_setup(c)
-    c.model.ref_policy = True
     if arg == "tiny":
         c = common.tiny(c)
     return c

@@ -158,8 +158,6 @@ def main(argv) -> None:
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())
     obj_cfg = common.to_objective_config(config.objective)
-    if obj_cfg.kl_beta > 0 and not config.model.ref_policy:
-        raise ConfigError("config.objective.kl_beta > 0 needs config.model.ref_policy=True")
     try:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -192,7 +190,8 @@ def main(argv) -> None:
             f"config.data.max_prompt_len + config.rollout.max_new_tokens = {S + T} exceeds the "
             f"model's max_position_embeddings={cfg.max_position_embeddings}"
         )
-    ref_params = jax.tree.map(lambda x: x.copy(), params) if config.model.ref_policy else None
+    # A frozen copy of the initial policy, kept only when the objective has a KL term.
+    ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
 
     # --- data ---------------------------------------------------------------------------
     P = config.rollout.prompts_per_step

@@ -357,7 +357,6 @@ class Rollout:
         self.overlong_filter = s.overlong_filter
         self.overlong_buffer = s.overlong_buffer
         self.overlong_penalty = s.overlong_penalty
-        self.need_ref = obj_cfg_needs_ref(config)
         self.recompute_old = config.rollout.recompute_old_logps
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -371,6 +370,7 @@ class Rollout:
         return reps(tok), reps(mask)
 
     def __call__(self, params, ref_params, prompts, rng) -> RolloutResult:
+        """One rollout batch; `ref_params` is the frozen reference (None: no KL, no ref pass)."""
         t0 = time.perf_counter()
         P = len(prompts)
         g_on = self.G - self.A
@@ -422,10 +422,10 @@ class Rollout:
         on_logps = np.asarray(out.logps_BxN).reshape(P, g_on, self.T)
         need_old = self.A > 0 or self.recompute_old
         inputs = None
-        if need_old or self.need_ref:
+        if need_old or ref_params is not None:
             inputs = self.steps.put_batch(_model_and_targets(groups))
         old = self.steps.logps(params, inputs) if need_old else None
-        ref = self.steps.logps(ref_params, inputs) if self.need_ref else None
+        ref = self.steps.logps(ref_params, inputs) if ref_params is not None else None
         res = handle.result()
         grouped = res.grouped(G)
         groups.rewards_PxG = grouped["rewards_PxG"].astype(np.float32)
@@ -474,7 +474,3 @@ class Rollout:
 def _model_and_targets(groups: Groups) -> dict[str, np.ndarray]:
     arrays = to_model_inputs(groups)
     return {k: arrays[k] for k in _MODEL_KEYS + ("targets_BxT", "loss_mask_BxT")}
-
-
-def obj_cfg_needs_ref(config) -> bool:
-    return float(config.objective.kl_beta) > 0.0

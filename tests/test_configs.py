@@ -19,9 +19,7 @@ def test_every_config_builds_and_validates(algo, arg):
     c = module.get_config(arg)
     assert c.algo == algo
     validate(c, num_devices=8 if arg is None else 1)
-    obj_cfg = common.to_objective_config(c.objective)
-    if obj_cfg.kl_beta > 0:
-        assert c.model.ref_policy, f"{algo}: kl_beta > 0 needs a reference policy"
+    common.to_objective_config(c.objective)
     if arg == "tiny":
         assert c.model.path == common.EMBEDDED_POLICY and c.data.source == "synthetic"
         # The embedded task's difficulty is set; every other task field stays overridable.

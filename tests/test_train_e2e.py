@@ -101,7 +101,7 @@ def test_each_algorithm_runs_a_few_steps(algo, env, tmp_path):
     if algo == "dagrpo":
         assert "judge/score_mean" in got[0] and "adv/masked_fraction" in got[0]
     if algo == "gpg":
-        assert "adv/alpha" in got[0]
+        assert got[0]["adv/alpha"] >= 1.0
 
 
 @pytest.mark.parametrize("algo", ["grpo", "a_grae"])
