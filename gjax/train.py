@@ -234,8 +234,8 @@ def main(argv) -> None:
     )
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
-        start, state, meta = checkpointer.restore(state, fingerprint=fingerprint(config))
-        log.info("resumed from step %d in %s", start, workdir)
+        _, state, meta = checkpointer.restore(state, fingerprint=fingerprint(config))
+        log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
     data_iter = PromptIterator(
         train_data,

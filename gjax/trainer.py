@@ -170,21 +170,7 @@ def update(
     `schedule` (the optimizer's learning-rate schedule) only adds `optim/lr` to the metrics,
     computed here so the host never waits on the device for it.
     """
-    obj_batch = {
-        k: batch[k]
-        for k in (
-            "targets_BxT",
-            "loss_mask_BxT",
-            "old_logps_BxT",
-            "ref_logps_BxT",
-            "rewards_PxG",
-            "valid_PxG",
-            "scores_PxG",
-            "is_anchor_PxG",
-        )
-        if k in batch
-    }
-    prep, prep_metrics = obj.prepare(obj_batch, obj_cfg, rng)
+    prep, prep_metrics = obj.prepare(batch, obj_cfg, rng)  # reads only the keys it needs
     rows = {k: batch[k] for k in _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS if k in batch}
     rows_M = split_rows(rows, minibatches)
     prep_M = split_rows(prep, minibatches)
@@ -203,29 +189,25 @@ def update(
         micro_K = split_rows(minibatch, microbatches)
 
         def accumulate(grads, micro):
-            (loss, sums), g = grad_fn(params, micro)
-            return jax.tree.map(jnp.add, grads, g), (loss, sums)
+            (_, sums), g = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, g), sums
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, (loss_K, sums_K) = jax.lax.scan(accumulate, zeros, micro_K)
+        grads, sums_K = jax.lax.scan(accumulate, zeros, micro_K)
         grad_norm = optax.global_norm(grads)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        sums = jax.tree.map(lambda x: x.sum(0), sums_K)
-        return (params, opt_state), (loss_K.sum(), grad_norm, sums)
+        return (params, opt_state), (grad_norm, jax.tree.map(lambda x: x.sum(0), sums_K))
 
-    carry = (state.params, state.opt_state)
-    gnorms = []
-    sums = None
-    for _ in range(num_iterations):  # static and small (GRPO's mu)
-        carry, (_, gnorm_M, sums_M) = jax.lax.scan(one_update, carry, (rows_M, prep_M))
-        gnorms.append(gnorm_M)
-        it_sums = jax.tree.map(lambda x: x.sum(0), sums_M)
-        sums = it_sums if sums is None else jax.tree.map(jnp.add, sums, it_sums)
-    params, opt_state = carry
+    def one_pass(carry, _):  # one pass over the rollout batch (GRPO's mu passes in all)
+        return jax.lax.scan(one_update, carry, (rows_M, prep_M))
+
+    (params, opt_state), (gnorm_IxM, sums_IxM) = jax.lax.scan(
+        one_pass, (state.params, state.opt_state), None, length=num_iterations
+    )
     updates = minibatches * num_iterations
-    policy = obj.finalize_metrics(sums)
-    gnorm = jnp.concatenate(gnorms)
+    policy = obj.finalize_metrics(jax.tree.map(lambda x: x.sum((0, 1)), sums_IxM))
+    gnorm = gnorm_IxM.reshape(-1)
     metrics = {
         **prep_metrics,
         # Loss parts are per update (each minibatch is normalized on its own), averaged.
