@@ -36,13 +36,14 @@ def test_train_step_benchmark_smoke():
     assert kinds[0] == "setup" and kinds[-1] == "summary"
     assert kinds.count("gjax_step") == 1 and kinds.count("trl_step") == 1
     s = records[-1]
-    assert s["gjax_step_s"] > 0 and s["trl_step_s"] > 0
-    assert s["speedup"] == pytest.approx(s["trl_step_s"] / s["gjax_step_s"])
-    assert s["speedup_pairwise"] == pytest.approx(s["speedup"])  # one pair
+    gjax = next(r for r in records if r["what"] == "gjax_step")
+    trl = next(r for r in records if r["what"] == "trl_step")
+    # The summary reports the timed steps (one each), and gjax's update compiled once.
+    assert s["gjax_step_s"] == gjax["step_s"] > 0 and s["trl_step_s"] == trl["step_s"] > 0
+    assert s["speedup"] == pytest.approx(trl["step_s"] / gjax["step_s"])
+    assert s["gjax_update_compiles"] == 1
     assert (s["P"], s["G"], s["B"], s["max_new_tokens"]) == (2, 4, 8, 6)
     assert s["eos_stop"] is False
     # EOS stopping is off on both sides: every completion is full length.
-    gjax = next(r for r in records if r["what"] == "gjax_step")
-    trl = next(r for r in records if r["what"] == "trl_step")
     assert gjax["completion_tokens"] == 8 * 6
     assert trl["completion_len"] == 6

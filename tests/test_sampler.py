@@ -7,6 +7,7 @@ import pytest
 from scipy import stats
 
 from gjax import sharding
+from gjax.data import loading
 from gjax.models import transformer as tr
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams, generate
 from tests.test_model import random_params, tiny_cfg  # O(1)-logit params, shared
@@ -23,12 +24,7 @@ S = 7
 
 
 def left_pad(prompts, width):
-    tokens = np.zeros((len(prompts), width), np.int32)
-    mask = np.zeros((len(prompts), width), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, width - len(p) :] = p
-        mask[i, width - len(p) :] = 1
-    return jnp.asarray(tokens), jnp.asarray(mask)
+    return loading.left_pad(prompts, width, pad_id=0)
 
 
 @jax.jit(static_argnames=("cfg",))

@@ -9,6 +9,7 @@ import numpy as np
 import optax
 import pytest
 
+from configs import common
 from gjax import objective as obj
 from gjax import sharding
 from gjax.experience import to_model_inputs
@@ -34,17 +35,10 @@ CFG = tiny_cfg(
 
 
 def optim(lr=1e-2):
-    return ml_collections.ConfigDict(
-        dict(
-            lr=lr,
-            warmup_steps=0,
-            schedule="constant",
-            weight_decay=0.0,
-            b1=0.9,
-            b2=0.999,
-            clip_norm=1e9,
-        )
-    )
+    """The config schema's optimizer section (configs.common.base), unclipped, constant lr."""
+    o = common.base().optim
+    o.lr, o.clip_norm, o.warmup_steps, o.schedule = lr, 1e9, 0, "constant"
+    return o
 
 
 def test_schedule_counts_rl_steps_not_optimizer_updates():
