@@ -141,7 +141,7 @@ def test_update_compiles_once_and_runs_sharded():
     oc = obj.ObjectiveConfig.preset("grpo")
     oc_warm = optim()
     oc_warm.warmup_steps = 2
-    tx, schedule = make_optimizer(oc_warm, 10)
+    tx, schedule = make_optimizer(oc_warm, 10, updates_per_step=4)  # 2 minibatches x 2 passes
     state, shardings = init_state(params, tx, mesh)
     train_cfg = ml_collections.ConfigDict(dict(minibatches=2, microbatches=2, num_iterations=2))
     steps = build_steps(
