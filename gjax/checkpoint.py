@@ -17,10 +17,12 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from gjax.cli import UserError
+
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used (corrupt, or from another configuration)."""
 
 

@@ -11,8 +11,10 @@ import difflib
 
 import ml_collections
 
+from gjax.cli import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config value that cannot work; the message names the field and what to do."""
 
 

@@ -17,9 +17,10 @@ import os
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import app, flags
+from absl import flags
 from etils import epath
 
+from gjax import cli
 from gjax.checkpoint import Checkpointer
 from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
@@ -76,4 +77,4 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["workdir", "out"])
-    app.run(main)
+    cli.run(main)

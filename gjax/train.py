@@ -22,12 +22,12 @@ import time
 import jax
 import ml_collections
 import numpy as np
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
 from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import sharding
+from gjax import cli, sharding
 from gjax.config import ConfigError, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
@@ -374,4 +374,4 @@ def _finish(
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config"])
-    app.run(main)
+    cli.run(main)

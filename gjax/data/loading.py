@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from gjax.cli import UserError
 from gjax.data import synthetic as synthetic_lib
 from gjax.data.templates import TEMPLATES
 
@@ -59,7 +60,7 @@ _FORMATS = {
 SYNTHETIC_DEFAULT_SIZES = {"train": 8192, "test": 256}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Bad data or data configuration; the message says what to change."""
 
 
