@@ -2,17 +2,26 @@
 
     python -m gjax.plot WORKDIR [WORKDIR ...] [--out curves.png] [--smooth 0.6]
 
-Panels: reward, entropy, response length, grad norm (log axis), plus held-out accuracy when
-present. Each run is one line, labelled by its workdir name.
+Panels: reward, entropy, response length, grad norm (log axis); then held-out accuracy and
+one panel for every other `eval/*` series (e.g. pass@k) that any run's metrics carry. Each run
+is one line, labelled by its workdir name. Training series are smoothed (EMA, `--smooth`);
+evaluations are sparse and drawn as measured, one marker per evaluation. The held-out panel
+also takes the run's `summary.json` (accuracy before training at step 0, after training at
+the last step), so a run without `--config.log.eval_every` still shows where it started and
+ended.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
+import sys
 
 import numpy as np
 
+from gjax.cli import UserError, format_user_error
 from gjax.metrics import read_jsonl
 
 PANELS = (
@@ -21,6 +30,9 @@ PANELS = (
     ("response/length_mean", "response length (tokens)", False),
     ("optim/grad_norm", "grad norm", True),
 )
+EVAL_PREFIX = "eval/"
+HELDOUT = "eval/heldout_accuracy"
+MAX_COLUMNS = 4
 
 
 def ema(values: np.ndarray, smooth: float) -> np.ndarray:
@@ -34,26 +46,89 @@ def ema(values: np.ndarray, smooth: float) -> np.ndarray:
     return out
 
 
-def plot_runs(workdirs: list[str], out: str, smooth: float = 0.6) -> str:
+def eval_title(key: str) -> str:
+    """`eval/heldout_pass@8` -> `held-out pass@8`."""
+    name = key[len(EVAL_PREFIX) :]
+    if name.startswith("heldout_"):
+        name = "held-out " + name[len("heldout_") :].replace("_", " ")
+    return name
+
+
+def eval_keys(runs: dict[str, list[dict]]) -> list[str]:
+    """Every `eval/*` key with a value in any run: held-out accuracy first, the rest sorted."""
+    keys = {
+        k
+        for rows in runs.values()
+        for r in rows
+        for k, v in r.items()
+        if k.startswith(EVAL_PREFIX) and v is not None
+    }
+    return sorted(keys, key=lambda k: (k != HELDOUT, k))
+
+
+def series(rows: list[dict], key: str, summary: dict | None = None) -> list[tuple[int, float]]:
+    """(step, value) of `key`; for held-out accuracy, `summary.json`'s before/after added."""
+    pts = {r["step"]: float(r[key]) for r in rows if r.get(key) is not None}
+    if key == HELDOUT and summary:
+        before, after = (
+            summary.get("heldout_accuracy_before"),
+            summary.get("heldout_accuracy_after"),
+        )
+        if before is not None:
+            pts.setdefault(0, float(before))
+        if after is not None and rows:
+            pts.setdefault(max(r["step"] for r in rows), float(after))
+    return sorted(pts.items())
+
+
+def load_run(workdir: str) -> tuple[list[dict], dict | None]:
+    rows = read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+    if not rows:
+        raise UserError(
+            f"{workdir}: no metrics.jsonl rows; give the --workdir of a gjax.train run "
+            "(it writes WORKDIR/metrics.jsonl from its first step)"
+        )
+    summary = None
+    path = os.path.join(workdir, "summary.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            summary = json.load(f)
+    return rows, summary
+
+
+def make_figure(workdirs: list[str], smooth: float = 0.6):
+    """The figure (Agg backend): the training panels, then one panel per `eval/*` series."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {}
+    runs, summaries = {}, {}
     for wd in workdirs:
-        rows = read_jsonl(os.path.join(wd, "metrics.jsonl"))
-        if not rows:
-            raise FileNotFoundError(f"{wd}: no metrics.jsonl rows; is this a gjax workdir?")
-        runs[os.path.basename(os.path.normpath(wd))] = rows
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for ax, (key, title, log_axis) in zip(axes, PANELS):
-        for name, rows in runs.items():
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        name = os.path.basename(os.path.normpath(wd))
+        runs[name], summaries[name] = load_run(wd)
+    evals = eval_keys(runs)
+    if any(s and s.get("heldout_accuracy_after") is not None for s in summaries.values()):
+        evals = [HELDOUT, *(k for k in evals if k != HELDOUT)]
+    panels = [(key, title, log, False) for key, title, log in PANELS]
+    panels += [(key, eval_title(key), False, True) for key in evals]
+    nrows = math.ceil(len(panels) / MAX_COLUMNS)
+    ncols = math.ceil(len(panels) / nrows)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    axes = axes.ravel()
+    for ax in axes[len(panels) :]:
+        ax.remove()
+    for ax, (key, title, log_axis, is_eval) in zip(axes, panels):
+        for i, (name, rows) in enumerate(runs.items()):
+            pts = series(rows, key, summaries[name])
             if not pts:
                 continue
             steps, vals = map(np.asarray, zip(*pts))
-            ax.plot(steps, ema(vals.astype(float), smooth), label=name)
+            color = f"C{i}"
+            if is_eval:
+                ax.plot(steps, vals, "o-", color=color, label=name, markersize=4)
+            else:
+                ax.plot(steps, ema(vals.astype(float), smooth), color=color, label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
         if log_axis:
@@ -61,6 +136,13 @@ def plot_runs(workdirs: list[str], out: str, smooth: float = 0.6) -> str:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
+    return fig
+
+
+def plot_runs(workdirs: list[str], out: str, smooth: float = 0.6) -> str:
+    fig = make_figure(workdirs, smooth)
+    import matplotlib.pyplot as plt
+
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
@@ -72,7 +154,11 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default="curves.png")
     parser.add_argument("--smooth", type=float, default=0.6)
     args = parser.parse_args(argv)
-    print(plot_runs(args.workdirs, args.out, args.smooth))
+    try:
+        print(plot_runs(args.workdirs, args.out, args.smooth))
+    except UserError as err:
+        print(format_user_error(err), file=sys.stderr, flush=True)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
