@@ -9,7 +9,8 @@ paper's Table 2 A-GRAE row (about +2-4 points pass@1 over GRPO on MATH-500/AMC23
 Ablations are plain overrides: --config.objective.advantage_kwargs.group_level=none (sample
 level only), ...sample_level=none (group level only).
 
-Embedded default (2-core CPU, ~5 min; prints held-out accuracy before and after):
+Embedded default (about 2 minutes on an idle 2-core CPU; prints held-out accuracy before and
+after; the README's table, from scripts/readme_results.py, has each config's time):
     python -m gjax.train --config=configs/a_grae.py:tiny
 """
 

@@ -9,7 +9,8 @@ temperature 1.0, up to 2048 new tokens, 20 epochs (~146 steps), binary accuracy 
 PPO clip 0.2, k3 KL beta 0.04 to the initial policy. Expected: MATH-500 pass@1 in the high
 70s, the paper's GRPO row of Table 2.
 
-Embedded default (2-core CPU, ~5 min; prints held-out accuracy before and after):
+Embedded default (about 2 minutes on an idle 2-core CPU; prints held-out accuracy before and
+after; the README's table, from scripts/readme_results.py, has each config's time):
     python -m gjax.train --config=configs/grpo.py:tiny
 """
 
