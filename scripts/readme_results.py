@@ -42,6 +42,12 @@ WIDTH = 95  # the README's line width
 BEGIN, END = "<!-- readme_results:begin -->", "<!-- readme_results:end -->"
 
 
+def fail(message: str, status: int = 2) -> None:
+    """A user error (status 2) or a failed run (1): one paragraph on stderr, no traceback."""
+    print(f"readme_results: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
+
+
 def machine() -> dict:
     cpu = platform.processor() or platform.machine()
     try:
@@ -68,7 +74,7 @@ def fresh_workdir(path: str) -> None:
     if not os.path.exists(path):
         return
     if not os.path.exists(os.path.join(path, "config.json")):
-        sys.exit(f"readme_results: {path} exists and is not a gjax workdir; choose another --root")
+        fail(f"{path} exists and is not a gjax workdir; choose another --root")
     shutil.rmtree(path)
 
 
@@ -96,9 +102,11 @@ def run_one(name: str, workdir: str, eval_every: int, overrides: list[str], env)
     if proc.returncode != 0:
         with open(log_path) as f:
             tail = f.read()[-3000:]
-        sys.exit(
-            f"{tail}\nreadme_results: {' '.join(cmd)} exited {proc.returncode}; "
-            f"its output is in {log_path}. No table written."
+        print(tail, file=sys.stderr)
+        fail(
+            f"{' '.join(cmd)} exited {proc.returncode}; its output is in {log_path}. "
+            "No table written.",
+            status=1,
         )
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
@@ -175,7 +183,7 @@ def rewrite_readme(path: str, block: str) -> None:
         text = f.read()
     pattern = re.compile(re.escape(BEGIN) + r".*?" + re.escape(END), re.S)
     if not pattern.search(text):
-        sys.exit(f"readme_results: {path} has no {BEGIN} ... {END} block to rewrite")
+        fail(f"{path} has no {BEGIN} ... {END} block to rewrite; add the two markers")
     with open(path, "w") as f:
         f.write(pattern.sub(lambda _: f"{BEGIN}\n\n{block}\n\n{END}", text, count=1))
 
@@ -199,7 +207,7 @@ def main(argv=None) -> None:
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = [n for n in names if not os.path.exists(os.path.join(ROOT, "configs", f"{n}.py"))]
     if unknown or not names:
-        sys.exit(f"readme_results: unknown config(s) {unknown}; valid: {','.join(CONFIGS)}")
+        fail(f"unknown config(s) {unknown} in --configs; valid: {','.join(CONFIGS)}")
     env = dict(os.environ, PYTHONPATH=ROOT)
     meta = {
         "date": datetime.datetime.now(datetime.UTC).date().isoformat(),

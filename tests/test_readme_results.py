@@ -57,14 +57,23 @@ def test_table_rows_and_readme_command_line():
     assert all(len(ln) <= rr.WIDTH for ln in lines if not ln.startswith("|"))  # README's width
 
 
-def test_rewrite_replaces_only_the_marked_block(tmp_path):
+def test_rewrite_replaces_only_the_marked_block(tmp_path, capsys):
     readme = tmp_path / "README.md"
     readme.write_text(f"intro\n{rr.BEGIN}\nold table\n{rr.END}\nrest\n")
     rr.rewrite_readme(str(readme), "new table")
     assert readme.read_text() == f"intro\n{rr.BEGIN}\n\nnew table\n\n{rr.END}\nrest\n"
     (tmp_path / "bare.md").write_text("no markers\n")
-    with pytest.raises(SystemExit, match="no <!-- readme_results:begin -->"):
+    with pytest.raises(SystemExit) as exc:
         rr.rewrite_readme(str(tmp_path / "bare.md"), "x")
+    assert exc.value.code == 2
+    assert "has no <!-- readme_results:begin -->" in capsys.readouterr().err
+
+
+def test_unknown_config_is_a_user_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        rr.main(["--configs=grpo,nope", "--readme="])
+    assert exc.value.code == 2
+    assert "unknown config(s) ['nope']" in capsys.readouterr().err
 
 
 def test_the_readme_names_the_script_and_has_one_block():
