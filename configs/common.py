@@ -103,6 +103,7 @@ def data_defaults() -> dict:
 
     d = dict(DATA_DEFAULTS)
     d["num_examples"] = ml_collections.config_dict.placeholder(int)
+    d["subset"] = ml_collections.config_dict.placeholder(str)
     from gjax.data.synthetic import SyntheticConfig
 
     d["synthetic"] = ml_collections.ConfigDict(dataclasses.asdict(SyntheticConfig()))

@@ -172,8 +172,8 @@ def check_ranges(config: ml_collections.ConfigDict, fields: dict, schema) -> Non
             continue  # a placeholder left unset: off / all
         if value not in valid:
             raise ConfigError(
-                f"config.{path}={value!r} is out of range: it must be {valid} ({doc}). "
-                f"Set --config.{path} to a value {valid}."
+                f"config.{path}={value!r} is out of range: it must be {valid}. Set "
+                f"--config.{path} to a value {valid} (the field: {doc})."
             )
 
 

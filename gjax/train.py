@@ -145,9 +145,6 @@ def build_rewards(config, verifier) -> RewardPipeline:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if not flags.FLAGS["verbosity"].present:
-        # orbax logs every save step by step (INFO, through absl); --verbosity=0 shows it.
-        logging.getLogger("absl").setLevel(logging.WARNING)
     if _DISTRIBUTED.value:
         jax.distributed.initialize()
     config = _CONFIG.value
