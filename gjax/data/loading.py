@@ -119,7 +119,7 @@ def _json_lines(files: Sequence[str], *, strict: bool, stats: dict | None):
                 if not raw.strip():
                     continue
                 try:
-                    row = json.loads(raw.decode("utf-8"))
+                    row = json.loads(raw.decode("utf-8").rstrip("\r\n"))
                 except UnicodeDecodeError as e:
                     why = f"byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8"
                 except json.JSONDecodeError as e:
