@@ -43,8 +43,8 @@ class UserError(Exception):
 def format_user_error(err: BaseException) -> str:
     """The one-paragraph form of a user error: `gjax: <message>`, wrapped for a terminal."""
     lines = str(err).strip().splitlines() or [type(err).__name__]
-    head = textwrap.fill(f"gjax: {lines[0]}", width=100, subsequent_indent="  ")
-    return "\n".join([head, *lines[1:]])
+    head = textwrap.fill(lines[0], width=100, subsequent_indent="  ")
+    return "\n".join([f"gjax: {head}", *lines[1:]])
 
 
 def _fail(err: BaseException) -> None:

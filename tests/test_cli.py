@@ -102,6 +102,6 @@ def test_quiet_libraries_keeps_warnings():
 
 
 def test_user_error_paragraph():
-    err = cli.UserError("config.x: " + "long words " * 30)
-    text = cli.format_user_error(err)
-    assert text.startswith("gjax: config.x:") and all(len(line) <= 100 for line in text.split("\n"))
+    text = cli.format_user_error(cli.UserError("config.x: " + "long words " * 30 + "\nhint"))
+    assert text.startswith("gjax: config.x: long words") and text.endswith("\nhint")
+    assert all(len(line) <= 106 for line in text.split("\n"))  # wrapped for a terminal
