@@ -254,6 +254,31 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         ) from None
 
 
+def check_model(config: ml_collections.ConfigDict, path: str) -> str:
+    """The local directory of the policy at `path` (from `config.model.path`), after checking
+    that its config.json exists, is supported and fits the run's lengths; no weight is read."""
+    from gjax.models import hf_io
+
+    try:
+        local = hf_io.resolve_dir(path)
+        cfg = hf_io.load_config(local)
+    except ConfigError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"config.model.path={config.model.path!r}: {e}. Set config.model.path to a local or "
+            "gs:// checkpoint directory, a Hugging Face hub id, or embedded:tiny_qwen2."
+        ) from None
+    S, T = config.data.max_prompt_len, config.rollout.max_new_tokens
+    _require(
+        cfg.max_position_embeddings >= S + T,
+        "rollout.max_new_tokens",
+        f"data.max_prompt_len + rollout.max_new_tokens = {S + T} exceeds the model's "
+        f"max_position_embeddings={cfg.max_position_embeddings}",
+    )
+    return local
+
+
 def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
     from configs import common
 

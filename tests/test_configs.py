@@ -250,3 +250,22 @@ def test_range_parses_and_prints():
     assert 0 in r and 0.5 in r and 1 not in r and math.nan not in r and True not in r
     with pytest.raises(ValueError, match="bad interval"):
         Range("0..1")
+
+
+def test_model_path_and_lengths_are_checked_before_any_weight_loads(tmp_path):
+    from gjax.config import check_model
+    from gjax.embedded import resolve_model_path
+
+    c = common.tiny(common.base())
+    c.model.path = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=r"config\.model\.path='.*nope': .*does not exist"):
+        check_model(c, c.model.path)
+    c = common.tiny(common.base())
+    try:
+        local = resolve_model_path(c.model.path)
+    except ConfigError:
+        pytest.skip("embedded policy not built")
+    assert check_model(c, local) == local
+    c.rollout.max_new_tokens = 10**6
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens.*max_position_embeddings"):
+        check_model(c, local)
