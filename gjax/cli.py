@@ -244,7 +244,6 @@ def parse_flags(argv: list[str]) -> list[str]:
             sys.exit(0)
     except UserError as err:
         _fail(err)
-    quiet_libraries()
     return args
 
 
@@ -252,6 +251,9 @@ def run(main) -> None:
     """`absl.app.run(main)`, with user errors printed as one paragraph and exit status 2."""
 
     def guarded(argv):
+        # Here, not in parse_flags: absl sets its own logger's level from --verbosity after
+        # parsing, before main.
+        quiet_libraries()
         try:
             return main(argv)
         except UserError as err:

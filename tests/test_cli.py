@@ -105,3 +105,29 @@ def test_user_error_paragraph():
     text = cli.format_user_error(cli.UserError("config.x: " + "long words " * 30 + "\nhint"))
     assert text.startswith("gjax: config.x: long words") and text.endswith("\nhint")
     assert all(len(line) <= 106 for line in text.split("\n"))  # wrapped for a terminal
+
+
+def test_run_quiets_library_info_after_absl_sets_its_verbosity():
+    # absl resets its own logger's level from --verbosity after parsing; run() quiets after.
+    program = (
+        "import logging\n"
+        "from gjax import cli\n"
+        "def main(argv):\n"
+        "    logging.getLogger('absl').info('orbax says: a save step')\n"
+        "    logging.getLogger('jax._src.xla_bridge').info('Unable to initialize backend tpu')\n"
+        "    logging.getLogger('jax').warning('a real warning')\n"
+        "    logging.getLogger('gjax').info('gjax speaks')\n"
+        "    raise cli.UserError('config.x: bad; set it to y')\n"
+        "cli.run(main)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = subprocess.run(
+        [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stderr.endswith("gjax: config.x: bad; set it to y\n")
+    assert "a real warning" in proc.stderr and "gjax speaks" in proc.stderr
+    assert "orbax says" not in proc.stderr and "Unable to initialize" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", program, "--verbosity=0"], env=env, capture_output=True, text=True
+    )
+    assert "orbax says" in proc.stderr  # asked for: shown
