@@ -134,9 +134,10 @@ def _diagnose(argv: list[str]) -> UserError | None:
         except UserError as err:
             return err
         known = set(_leaves(config))
+        sections = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
         for arg in _overrides(name, argv):
             path = arg.lstrip("-").split("=", 1)[0].split(".", 1)[1]
-            if path not in known:
+            if path not in known | sections:
                 return unknown_field(path, known, how=f" (from {arg})")
     return None
 
@@ -223,7 +224,7 @@ def parse_flags(argv: list[str]) -> list[str]:
             args = flags.FLAGS(rest)
         except flags.Error as err:
             if wants == "help":  # e.g. a required flag not given yet: help is what was asked
-                _print_help(None, None, full=True)
+                _print_help(names[0] if names else None, None, full=True)
                 sys.exit(0)
             raise _flag_error(err) from None
         except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError):
