@@ -10,6 +10,8 @@ import dataclasses
 
 import ml_collections
 
+from gjax.config import Range
+
 # The policy committed with gjax (see scripts/make_tiny_policy.py) and its synthetic task's
 # difficulty (gjax.data.synthetic.SyntheticConfig fields), shared by the warm-up script.
 EMBEDDED_POLICY = "embedded:tiny_qwen2"
@@ -101,6 +103,7 @@ def data_defaults() -> dict:
 
     d = dict(DATA_DEFAULTS)
     d["num_examples"] = ml_collections.config_dict.placeholder(int)
+    d["subset"] = ml_collections.config_dict.placeholder(str)
     from gjax.data.synthetic import SyntheticConfig
 
     d["synthetic"] = ml_collections.ConfigDict(dataclasses.asdict(SyntheticConfig()))
@@ -200,6 +203,203 @@ def base() -> ml_collections.ConfigDict:
     c.log.progress = True
     c.log.eval_every = 0  # held-out eval every N steps (0: only before and after)
     return c
+
+
+# Every field of base(), in its order: a one-line meaning (`python -m gjax.train --help` and
+# `--print_config` print it) and, for a number, the Range `gjax.config.validate` enforces
+# (None for strings and booleans). tests/test_configs.py fails on a field without its line
+# here and on a numeric field without a Range, so a new field adds its line with it.
+# `objective.*_kwargs` are per-estimator (their docstrings define them).
+_NONNEG, _POS, _COUNT = Range("[0, inf)"), Range("(0, inf)"), Range("[1, inf)")
+_SEED, _PROB = Range("[0, 2147483648)"), Range("[0, 1]")
+FIELDS: dict[str, tuple[str, Range | None]] = {
+    "seed": ("seed of the model's sampling and update randomness", _SEED),
+    "algo": ("name of the run in logs and the default workdir (the math is in objective)", None),
+    "model.path": ("policy to train: local dir, gs:// dir, Hub id, or embedded:tiny_qwen2", None),
+    "model.dtype": ("compute dtype: float32 | bfloat16 | float16", None),
+    "model.param_dtype": ("dtype of the trained parameters and optimizer state", None),
+    "model.remat": (
+        "layer recomputation in the backward: none|full|dots|dots_with_no_batch_dims",
+        None,
+    ),
+    "mesh.data": (
+        "devices on the data axis (-1: all not used by the other axes)",
+        Range("[1, inf)", also=(-1,)),
+    ),
+    "mesh.fsdp": (
+        "devices on the fully sharded data-parallel axis (-1: all the rest)",
+        Range("[1, inf)", also=(-1,)),
+    ),
+    "mesh.tensor": (
+        "devices on the tensor-parallel axis (-1: all the rest)",
+        Range("[1, inf)", also=(-1,)),
+    ),
+    "data.source": (
+        "prompts: 'synthetic', a local .jsonl/.parquet/.arrow file or dir, or a Hub id",
+        None,
+    ),
+    "data.subset": ("Hub dataset configuration name (None: the default)", None),
+    "data.split": ("split of the training prompts", None),
+    "data.heldout_split": (
+        "split of the held-out prompts evaluated before and after training",
+        None,
+    ),
+    "data.problem_field": ("column holding the problem text", None),
+    "data.answer_field": ("column holding the reference answer", None),
+    "data.demonstration_field": (
+        "column holding a worked solution ('': none; DaGRPO anchors)",
+        None,
+    ),
+    "data.template": ("prompt template, a name in gjax.data.templates.TEMPLATES", None),
+    "data.max_prompt_len": (
+        "longest prompt in tokens; longer ones are skipped and counted",
+        _COUNT,
+    ),
+    "data.shuffle": ("shuffle the training prompts each epoch", None),
+    "data.shuffle_seed": ("seed of the per-epoch shuffle", _SEED),
+    "data.num_examples": ("training rows to load (None: all; synthetic: 8192)", _COUNT),
+    "data.heldout_size": ("held-out rows to evaluate on", _COUNT),
+    "data.strict": ("stop at a malformed row instead of skipping and counting it", None),
+    "data.synthetic.min_ops": ("synthetic task: fewest operations per problem", _COUNT),
+    "data.synthetic.max_ops": ("synthetic task: most operations per problem", _COUNT),
+    "data.synthetic.min_operand": ("synthetic task: smallest operand", _NONNEG),
+    "data.synthetic.max_operand": ("synthetic task: largest operand", _NONNEG),
+    "data.synthetic.ops": ("synthetic task: operators to draw from (a subset of +-*)", None),
+    "data.synthetic.max_value": ("synthetic task: largest intermediate value", _NONNEG),
+    "data.synthetic.reverse_prob": (
+        "synthetic task: chance a step puts the operand on the left",
+        _PROB,
+    ),
+    "data.synthetic.heldout_fraction": (
+        "synthetic task: fraction of expressions held out",
+        Range("(0, 1)"),
+    ),
+    "data.synthetic_seed": ("seed of the synthetic problem stream", _SEED),
+    "rollout.backend": ("what samples completions: local (gjax's jit sampler)", None),
+    "rollout.prompts_per_step": ("P: prompts per rollout batch (global)", _COUNT),
+    "rollout.num_samples": (
+        "G: completions per prompt (group-relative advantages need G >= 2)",
+        Range("[2, inf)"),
+    ),
+    "rollout.max_new_tokens": ("longest completion in tokens", _COUNT),
+    "rollout.temperature": (
+        "sampling temperature (the loss scores at the same one)",
+        Range("(0, 100]"),
+    ),
+    "rollout.top_p": ("nucleus sampling mass (1: off)", Range("(0, 1]")),
+    "rollout.top_k": ("sample among the k likeliest tokens (0: off)", _NONNEG),
+    "rollout.eval_temperature": ("held-out evaluation temperature (0: greedy)", Range("[0, 100]")),
+    "rollout.recompute_old_logps": (
+        "recompute old log-probs teacher-forced instead of the sampler's",
+        None,
+    ),
+    "objective.advantage": (
+        "advantage estimator, a name in gjax.objective.advantages.ADVANTAGES",
+        None,
+    ),
+    "objective.advantage_kwargs": (
+        "hyperparameters of the advantage estimator (see its docstring)",
+        None,
+    ),
+    "objective.token_weights": (
+        "per-token weighting (cw_gaussian, clip_cov, kl_cov; None: off)",
+        None,
+    ),
+    "objective.token_weights_kwargs": (
+        "hyperparameters of the token weighting (see its docstring)",
+        None,
+    ),
+    "objective.policy_loss": ("per-token surrogate: ppo_clip | pg | gspo | luffy", None),
+    "objective.eps_low": ("PPO clip range below 1: ratio >= 1 - eps_low", Range("[0, 1)")),
+    "objective.eps_high": (
+        "PPO clip range above 1: ratio <= 1 + eps_high (DAPO clip-higher)",
+        _NONNEG,
+    ),
+    "objective.dual_clip": (
+        "dual-clip constant c > 1 for negative advantages (None: off)",
+        Range("(1, inf)"),
+    ),
+    "objective.kl_beta": (
+        "weight of the KL penalty to the frozen initial policy (0: no reference)",
+        _NONNEG,
+    ),
+    "objective.kl_estimator": ("KL estimator: k1 | k2 | k3", None),
+    "objective.entropy_coef": ("weight of the entropy bonus", _NONNEG),
+    "objective.aggregation": (
+        "how token losses become one number (gjax.objective.aggregation)",
+        None,
+    ),
+    "objective.aggregation_constant": (
+        "Dr.GRPO's constant denominator (None: max_new_tokens)",
+        _POS,
+    ),
+    "objective.temperature": (
+        "temperature of the scored log-probs (= rollout.temperature)",
+        Range("(0, 100]"),
+    ),
+    "objective.anchor_treatment": ("loss on DaGRPO anchors: ratio | luffy", None),
+    "objective.luffy_gamma": ("LUFFY's shaping gamma in pi / (pi + gamma)", _POS),
+    "objective.token_chunk": (
+        "tokens per chunk of the log-prob kernel (None: its default)",
+        _COUNT,
+    ),
+    "objective.vocab_tile": ("vocabulary tile of the log-prob kernel (None: its default)", _COUNT),
+    "anchors.per_group": ("DaGRPO: demonstrations mixed into each group of G", _NONNEG),
+    "sampling.dynamic": (
+        "DAPO: drop zero-variance groups and resample until the batch is full",
+        None,
+    ),
+    "sampling.max_rollouts_per_step": ("most rollout rounds per step when resampling", _COUNT),
+    "sampling.min_valid_fraction": (
+        "GPG beta_th: carry valid groups over while below this fraction",
+        _PROB,
+    ),
+    "sampling.overlong_filter": ("DAPO: truncated completions get no loss", None),
+    "sampling.overlong_buffer": (
+        "DAPO soft overlong punishment length in tokens (0: off)",
+        _NONNEG,
+    ),
+    "sampling.overlong_penalty": ("DAPO soft overlong punishment at the length limit", _NONNEG),
+    "reward.functions": ("comma list of name[:weight] from gjax.rewards.REWARDS", None),
+    "reward.timeout_s": ("verifier deadline per completion, seconds", Range("(0, 3600]")),
+    "reward.workers": ("verifier worker processes", Range("[1, 1024]")),
+    "reward.judge": ("LLM judge of the responses: none | openai | rule", None),
+    "reward.judge_base_url": ("OpenAI-compatible endpoint of the judge", None),
+    "reward.judge_model": ("judge model name", None),
+    "reward.judge_api_key_env": (
+        "environment variable holding the judge's API key (not the key)",
+        None,
+    ),
+    "reward.judge_concurrency": ("most judge requests in flight", _COUNT),
+    "reward.judge_timeout_s": ("judge request timeout, seconds", _POS),
+    "reward.judge_max_retries": ("retries of a failed judge request", _NONNEG),
+    "reward.judge_on_missing": ("a sample the judge did not score: keep | drop | fill", None),
+    "reward.judge_fill_score": (
+        "score given to unscored samples under 'fill' (judge scale 1-10)",
+        Range("[1, 10]"),
+    ),
+    "optim.lr": ("peak learning rate (AdamW)", Range("(0, 1]")),
+    "optim.warmup_steps": ("steps of linear warmup from 0 to lr", _NONNEG),
+    "optim.schedule": ("learning rate after warmup: constant | cosine", None),
+    "optim.weight_decay": ("AdamW decoupled weight decay", _NONNEG),
+    "optim.b1": ("AdamW first-moment decay", Range("[0, 1)")),
+    "optim.b2": ("AdamW second-moment decay", Range("[0, 1)")),
+    "optim.clip_norm": ("global gradient-norm clip threshold (a large value: no clipping)", _POS),
+    "train.steps": ("RL steps (rollout batches) to train", _COUNT),
+    "train.minibatches": ("optimizer updates per rollout batch per pass", _COUNT),
+    "train.num_iterations": ("passes over each rollout batch (GRPO's mu)", _COUNT),
+    "train.microbatches": ("gradient accumulation pieces per minibatch", _COUNT),
+    "train.allow_nonfinite": (
+        "go on after a non-finite loss or gradient norm instead of stopping",
+        None,
+    ),
+    "checkpoint.every": ("save a checkpoint every N steps (and at the end or on SIGTERM)", _COUNT),
+    "checkpoint.keep": ("newest checkpoints kept on disk", _COUNT),
+    "checkpoint.async_save": ("write checkpoints in the background", None),
+    "log.tensorboard": ("write TensorBoard events next to metrics.jsonl", None),
+    "log.progress": ("show a progress bar", None),
+    "log.eval_every": ("held-out evaluation every N steps (0: only before and after)", _NONNEG),
+}
 
 
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

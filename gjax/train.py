@@ -28,7 +28,7 @@ from ml_collections import config_flags
 from configs import common
 from gjax import checkpoint as ckpt_lib
 from gjax import cli, sharding
-from gjax.config import ConfigError, validate
+from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
 from gjax.experience import Groups, select_groups
@@ -145,9 +145,6 @@ def build_rewards(config, verifier) -> RewardPipeline:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if not flags.FLAGS["verbosity"].present:
-        # orbax logs every save step by step (INFO, through absl); --verbosity=0 shows it.
-        logging.getLogger("absl").setLevel(logging.WARNING)
     if _DISTRIBUTED.value:
         jax.distributed.initialize()
     config = _CONFIG.value
@@ -157,6 +154,8 @@ def main(argv) -> None:
 
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())
+    # The policy's config.json: found, supported, long enough; no weight is read yet.
+    model_path = check_model(config, resolve_model_path(config.model.path))
     obj_cfg = common.to_objective_config(config.objective)
     try:
         os.makedirs(workdir, exist_ok=True)
@@ -175,7 +174,6 @@ def main(argv) -> None:
     scope.enter_context(sharding.use_rules())
 
     # --- model --------------------------------------------------------------------------
-    model_path = resolve_model_path(config.model.path)
     cfg, params = hf_io.load_pretrained(
         model_path,
         mesh=mesh,
@@ -184,12 +182,7 @@ def main(argv) -> None:
         remat=config.model.remat,
     )
     tok = hf_io.load_tokenizer(model_path)
-    S, T = config.data.max_prompt_len, config.rollout.max_new_tokens
-    if cfg.max_position_embeddings < S + T:
-        raise ConfigError(
-            f"config.data.max_prompt_len + config.rollout.max_new_tokens = {S + T} exceeds the "
-            f"model's max_position_embeddings={cfg.max_position_embeddings}"
-        )
+    T = config.rollout.max_new_tokens
     # A frozen copy of the initial policy, kept only when the objective has a KL term.
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
 

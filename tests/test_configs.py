@@ -1,12 +1,14 @@
 """Every config builds and validates; bad configs fail at start, naming the field."""
 
 import importlib
+import math
+import re
 
 import ml_collections
 import pytest
 
 from configs import common
-from gjax.config import ConfigError, check_schema, resolve_mesh_shape, validate
+from gjax.config import ConfigError, Range, check_schema, resolve_mesh_shape, validate
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo")
 
@@ -45,7 +47,9 @@ def test_paper_settings_are_the_defaults():
 def test_unknown_key_is_named():
     c = common.base()
     c.optim.learning_rate = 1.0
-    with pytest.raises(ConfigError, match=r"config\.optim\.learning_rate.*optim\.lr"):
+    with pytest.raises(
+        ConfigError, match=r"'config\.optim\.learning_rate'.* config\.optim are: .*\blr\b"
+    ):
         check_schema(c, common.base())
 
 
@@ -112,3 +116,156 @@ def test_config_arg_is_checked():
 
     with pytest.raises(ValueError, match=r"unknown config argument 'small'"):
         grpo.get_config("small")
+
+
+# --------------------------------------------------------------------------- field table
+
+PER_ESTIMATOR = ("objective.advantage_kwargs", "objective.token_weights_kwargs")
+
+
+def _leaves():
+    from gjax.config import _walk
+
+    base = common.base()
+    for path, value in _walk(base):
+        if path.startswith(PER_ESTIMATOR):
+            continue
+        holder, _, key = path.rpartition(".")
+        parent = base
+        for k in holder.split(".") if holder else ():
+            parent = parent[k]
+        yield path, value, parent.get_type(key)
+
+
+def test_every_field_has_a_meaning_and_every_number_a_range():
+    paths = {p for p, _, _ in _leaves()}
+    assert sorted(paths - set(common.FIELDS)) == [], "add these fields to configs.common.FIELDS"
+    assert sorted(set(common.FIELDS) - paths - set(PER_ESTIMATOR)) == []
+    for path, value, kind in _leaves():
+        doc, valid = common.FIELDS[path]
+        assert doc.strip() and "\n" not in doc, path
+        numeric = kind in (int, float) and not isinstance(value, bool)
+        assert (valid is not None) == numeric, f"{path}: a number needs a Range, else None"
+        if value is not None:  # every default lies in its range
+            assert valid is None or value in valid, (path, value, str(valid))
+
+
+def _bad_values(valid: Range):
+    """Values just outside `valid` (and non-finite ones): each must be rejected."""
+    lo_closed, lo, hi, hi_closed = valid._bounds()
+    out = [math.nan]
+    if math.isfinite(lo):
+        out.append(lo if not lo_closed else lo - 1)
+    if math.isfinite(hi):
+        out.append(hi if not hi_closed else hi + 1)
+    else:
+        out.append(math.inf)
+    return [v for v in out if v not in valid.also]
+
+
+def _set(c, path, value):
+    holder, _, key = path.rpartition(".")
+    parent = c
+    for k in holder.split(".") if holder else ():
+        parent = parent[k]
+    if parent.get_type(key) is int and isinstance(value, float):
+        # ints cannot be nan/inf: far out instead
+        value = int(value) if math.isfinite(value) else 2**62 if value > 0 else -(2**62)
+    parent[key] = value
+    return value
+
+
+@pytest.mark.parametrize("path", [p for p, (_, r) in common.FIELDS.items() if r is not None])
+def test_every_numeric_field_is_range_checked(path):
+    valid = common.FIELDS[path][1]
+    for bad in _bad_values(valid):
+        c = common.tiny(common.base())
+        bad = _set(c, path, bad)
+        if bad in valid:
+            continue  # e.g. an int field's far-out stand-in for inf is still in [1, inf)
+        with pytest.raises(ConfigError, match=rf"config\.{re.escape(path)}=.* out of range"):
+            validate(c, 1)
+
+
+@pytest.mark.parametrize(
+    "path, value, match",
+    [  # the issue's cases (13.7): each passed validation before
+        ("optim.clip_norm", -1.0, r"optim\.clip_norm=-1\.0 is out of range: it must be > 0"),
+        ("checkpoint.keep", 0, r"checkpoint\.keep=0 .* >= 1"),
+        ("log.eval_every", -1, r"log\.eval_every=-1 .* >= 0"),
+        ("optim.warmup_steps", -3, r"optim\.warmup_steps=-3"),
+        ("optim.b2", 1.5, r"optim\.b2=1\.5 .* in \[0, 1\)"),
+        ("optim.b1", 1.0, r"optim\.b1=1\.0"),
+        ("optim.lr", 1e39, r"optim\.lr=1e\+39 .* in \(0, 1\]"),
+        ("optim.lr", math.inf, r"optim\.lr=inf"),
+        ("data.heldout_size", 0, r"data\.heldout_size=0"),
+        ("reward.timeout_s", 0.0, r"reward\.timeout_s=0\.0"),
+        ("reward.workers", 0, r"reward\.workers=0"),
+        ("mesh.data", 0, r"mesh\.data=0 .* >= 1 or -1"),
+    ],
+)
+def test_harmful_values_are_rejected(path, value, match):
+    c = common.tiny(common.base())
+    _set(c, path, value)
+    with pytest.raises(ConfigError, match=match):
+        validate(c, 1)
+
+
+@pytest.mark.parametrize(
+    "path, value, match",
+    [  # names checked in validate, before the model and the data load (13.6)
+        ("reward.functions", "accuracy,formt", r"reward function 'formt'.*'format'"),
+        ("reward.functions", "accuracy:heavy", r"weight of 'accuracy'"),
+        ("data.template", "qwen", r"data\.template: unknown template 'qwen'.*qwen_boxed"),
+        ("rollout.backend", "vllm", r"rollout\.backend: must be one of \('local',"),
+        ("model.remat", "some", r"model\.remat"),
+        ("model.dtype", "fp8", r"model\.dtype"),
+        ("objective.advantage", "grpoo", r"config\.objective: unknown advantage estimator 'grpoo'"),
+        ("objective.kl_estimator", "k4", r"config\.objective: .*'k4'"),
+        ("data.source", "./no/such/file.jsonl", r"data\.source: no file or directory matches"),
+        ("data.synthetic.min_ops", 5, r"data\.synthetic: need 1 <= min_ops <= max_ops"),
+    ],
+)
+def test_names_are_checked_before_anything_loads(path, value, match):
+    c = common.tiny(common.base())
+    _set(c, path, value)
+    with pytest.raises(ConfigError, match=match):
+        validate(c, 1)
+
+
+def test_unknown_field_names_the_deepest_section_and_close_matches():
+    from gjax.config import _walk, unknown_field
+
+    known = dict(_walk(common.base()))
+    msg = str(unknown_field("train.stepz", known))
+    assert "'config.train.steps'" in msg and "config.train are: allow_nonfinite" in msg
+    msg = str(unknown_field("trian.steps", known))
+    assert "Did you mean 'config.train'" in msg and "The fields of config are: algo" in msg
+
+
+def test_range_parses_and_prints():
+    assert str(Range("[1, inf)")) == ">= 1" and str(Range("(0, 1]")) == "in (0, 1]"
+    assert str(Range("[1, inf)", also=(-1,))) == ">= 1 or -1"
+    r = Range("[0, 1)")
+    assert 0 in r and 0.5 in r and 1 not in r and math.nan not in r and True not in r
+    with pytest.raises(ValueError, match="bad interval"):
+        Range("0..1")
+
+
+def test_model_path_and_lengths_are_checked_before_any_weight_loads(tmp_path):
+    from gjax.config import check_model
+    from gjax.embedded import resolve_model_path
+
+    c = common.tiny(common.base())
+    c.model.path = str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=r"config\.model\.path='.*nope': .*does not exist"):
+        check_model(c, c.model.path)
+    c = common.tiny(common.base())
+    try:
+        local = resolve_model_path(c.model.path)
+    except ConfigError:
+        pytest.skip("embedded policy not built")
+    assert check_model(c, local) == local
+    c.rollout.max_new_tokens = 10**6
+    with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens.*max_position_embeddings"):
+        check_model(c, local)

@@ -367,3 +367,36 @@ def test_encode_completions(tok):
     assert ids[0, n - 1] == tok.eos_token_id and (ids[0, n:] == tok.pad_token_id).all()
     assert tok.decode(ids[0, : n - 1]) == demos[0]
     assert mask[1].all() and tok.eos_token_id not in ids[1].tolist()
+
+
+@pytest.mark.parametrize(
+    "bad_line, why",
+    [
+        (b'{"problem": "caf\xe9 1+1", "answer": "2"}', r"byte 0xe9 at column 17 is not UTF-8"),
+        (b'{"problem": "1+1", "answer": ', r"not valid JSON: Expecting value at column 30"),
+        (b'["1+1", "2"]', r"a JSON list, not an object"),
+    ],
+)
+def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_path, bad_line, why):
+    path = tmp_path / "data.jsonl"
+    good = [
+        json.dumps({"problem": f"Compute {i}+1.", "answer": str(i + 1)}).encode() for i in range(3)
+    ]
+    path.write_bytes(b"\n".join([good[0], bad_line, good[1], b"", good[2]]) + b"\n")
+    cfg = {"source": str(path), "split": "train"}
+    with pytest.raises(DataError, match=rf"{path}, line 2 \(row 2\): {why}.*data\.strict=False"):
+        loading.build_prompt_data({**cfg, "strict": True}, tok)
+    data = loading.build_prompt_data(cfg, tok)  # strict=False: skipped like other bad rows
+    assert data.stats == {
+        "rows": 4,
+        "skipped_empty": 0,
+        "skipped_malformed": 1,
+        "skipped_too_long": 0,
+        "kept": 3,
+    }
+    assert data.problems == [f"Compute {i}+1." for i in range(3)]
+
+
+def test_heldout_size_is_reported_under_its_own_name(tok):
+    with pytest.raises(DataError, match=r"data\.heldout_size must be positive, got 0"):
+        loading.build_prompt_data({"heldout_size": 0}, tok, heldout=True)

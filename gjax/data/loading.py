@@ -16,6 +16,8 @@ or all at once from ``config.data`` (keys of ``DATA_DEFAULTS``, as in ``configs/
 
 Bad input policy (the counts are in ``PromptData.stats``):
 
+* a JSON-lines line that is not UTF-8 or not one JSON object -> ``DataError`` naming the
+  file and line when ``strict=True``, else a counted skip ``skipped_malformed``;
 * a mapped field missing from the columns -> ``DataError`` naming the field, the available
   columns and the config key to set (``data.<name>_field``);
 * an empty / whitespace-only problem -> counted skip ``skipped_empty``;
@@ -38,6 +40,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
+import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -47,6 +51,8 @@ import numpy as np
 from gjax.cli import UserError
 from gjax.data import synthetic as synthetic_lib
 from gjax.data.templates import TEMPLATES
+
+log = logging.getLogger(__name__)
 
 SYNTHETIC = "synthetic"
 _FORMATS = {
@@ -100,7 +106,59 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
-def _load_local(source: str, split: str):
+def _json_lines(files: Sequence[str], *, strict: bool, stats: dict | None):
+    """The rows of JSON-lines files, read line by line: a line that is not UTF-8 or not one
+    JSON object raises a DataError naming the file and line (``strict``) or is skipped and
+    counted in ``stats["skipped_malformed"]``."""
+    import datasets
+
+    rows, bad = [], []
+    for path in files:
+        with open(path, "rb") as f:
+            for line_no, raw in enumerate(f, 1):
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw.decode("utf-8").rstrip("\r\n"))
+                except UnicodeDecodeError as e:
+                    why = f"byte 0x{raw[e.start]:02x} at column {e.start + 1} is not UTF-8"
+                except json.JSONDecodeError as e:
+                    why = f"not valid JSON: {e.msg} at column {e.colno}"
+                else:
+                    if isinstance(row, dict):
+                        rows.append(row)
+                        continue
+                    why = f"a JSON {type(row).__name__}, not an object"
+                if strict:
+                    raise DataError(
+                        f"{path}, line {line_no} (row {line_no}): {why}. Fix the line, or set "
+                        "data.strict=False to skip and count such rows."
+                    )
+                bad.append(f"{path}, line {line_no}: {why}")
+    if bad:
+        log.warning("skipped %d malformed line(s); the first: %s", len(bad), bad[0])
+        if stats is not None:
+            stats["skipped_malformed"] = stats.get("skipped_malformed", 0) + len(bad)
+    if not rows:
+        raise DataError(f"no readable rows in {list(files)[:5]}: {bad[:3]}")
+    try:
+        return datasets.Dataset.from_list(rows)
+    except Exception as err:
+        raise DataError(
+            f"the rows of {list(files)[:5]} do not form one table: {type(err).__name__}: {err}"
+        ) from err
+
+
+def _is_utf8(path: str) -> bool:
+    with open(path, "rb") as f:
+        try:
+            f.read().decode("utf-8")
+        except UnicodeDecodeError:
+            return False
+    return True
+
+
+def _load_local(source: str, split: str, *, strict: bool = False, stats: dict | None = None):
     import datasets
 
     path = os.path.expanduser(source)
@@ -133,9 +191,14 @@ def _load_local(source: str, split: str):
     kind = kinds.pop()
     if kind == "arrow":
         return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
+    if kind == "json" and not all(_is_utf8(f) for f in files):
+        # Arrow stores undecodable bytes and fails later, naming no file or row.
+        return _json_lines(files, strict=strict, stats=stats)
     try:
         return datasets.load_dataset(kind, data_files=files, split="train")
     except Exception as err:
+        if kind == "json":  # find the bad line(s): name them, or skip and count them
+            return _json_lines(files, strict=strict, stats=stats)
         raise DataError(
             f"could not read {source!r} as {kind}: {type(err).__name__}: {err}"
         ) from err
@@ -149,6 +212,8 @@ def load_rows(
     num_examples: int | None = None,
     seed: int = 0,
     synthetic: synthetic_lib.SyntheticConfig | Mapping | None = None,
+    strict: bool = False,
+    stats: dict | None = None,
 ):
     """Loads raw rows as a ``datasets.Dataset``.
 
@@ -163,6 +228,9 @@ def load_rows(
         default ``SYNTHETIC_DEFAULT_SIZES[split]``).
       seed: the synthetic stream's seed.
       synthetic: ``SyntheticConfig`` or a mapping of its fields (difficulty knobs).
+      strict: a JSON-lines line that is not UTF-8 or not a JSON object raises (naming the file
+        and line) instead of being skipped and counted in ``stats["skipped_malformed"]``.
+      stats: a dict that receives those counts (``build_prompt_data`` merges them).
     """
     import datasets
 
@@ -186,7 +254,7 @@ def load_rows(
         problems = synthetic_lib.generate(num, split, seed=seed, config=cfg)
         return datasets.Dataset.from_list([p.as_dict() for p in problems])
     if _looks_like_path(source):
-        ds = _load_local(source, split)
+        ds = _load_local(source, split, strict=strict, stats=stats)
     else:
         try:
             ds = datasets.load_dataset(source, subset, split=split)
@@ -562,6 +630,10 @@ def build_prompt_data(
     """
     cfg = data_config(cfg)
     demonstration = cfg["demonstration_field"] or None
+    size_key = "heldout_size" if heldout else "num_examples"
+    if cfg[size_key] is not None and cfg[size_key] <= 0:
+        raise DataError(f"data.{size_key} must be positive, got {cfg[size_key]}")
+    load_stats: dict[str, int] = {}
     rows = load_rows(
         cfg["source"],
         split=cfg["heldout_split"] if heldout else cfg["split"],
@@ -569,8 +641,10 @@ def build_prompt_data(
         num_examples=cfg["heldout_size"] if heldout else cfg["num_examples"],
         seed=cfg["synthetic_seed"],
         synthetic=cfg["synthetic"],
+        strict=cfg["strict"],
+        stats=load_stats,
     )
-    return prepare_prompts(
+    data = prepare_prompts(
         rows,
         tokenizer,
         fields=FieldMap(cfg["problem_field"], cfg["answer_field"], demonstration),
@@ -578,6 +652,10 @@ def build_prompt_data(
         max_prompt_length=cfg["max_prompt_len"],
         strict=cfg["strict"],
     )
+    skipped = load_stats.get("skipped_malformed", 0)  # lines that never became rows
+    data.stats["rows"] += skipped
+    data.stats["skipped_malformed"] += skipped
+    return data
 
 
 def build_prompt_iterator(
