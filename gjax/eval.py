@@ -209,8 +209,8 @@ def sample_and_score(
     devices = jax.device_count()
     g = min(n, max(1, max_rows))
     calls_per_problem = -(-n // g)
-    p = max(1, max_rows // g)
-    p = -(-p // devices) * devices
+    p = min(max(1, max_rows // g), n_problems)  # prompts per call
+    p = -(-p // devices) * devices  # the batch axis is sharded over the devices
     width = -(-max(len(x) for x in data.prompt_ids) // 8) * 8
     texts: list[list[str]] = [[] for _ in range(n_problems)]
     lengths = np.zeros((n_problems, calls_per_problem * g), np.int32)

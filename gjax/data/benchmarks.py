@@ -127,6 +127,13 @@ def load_benchmark(
     else:
         b = BENCHMARKS.get(spec.name)
         rows = load_rows(spec.path or b.hub_id, split=b.split, subset=b.subset)
+        missing = [f for f in (b.problem_field, b.answer_field) if f not in rows.column_names]
+        if missing:
+            raise DataError(
+                f"benchmark {spec.name!r} ({spec.path or b.hub_id}) has no column(s) {missing} "
+                f"(columns: {rows.column_names}); a copy must keep the format of {b.hub_id}: "
+                f"the problem in {b.problem_field!r}, the answer in {b.answer_field!r}"
+            )
         data = prepare_prompts(
             rows,
             tokenizer,
