@@ -246,13 +246,12 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.steps = 120
     c.train.minibatches = 1
     c.checkpoint.every = 40
-    # pass@k sampled as the rollouts are (16 prompts x 8 at T = 0.7): the evaluation reuses
-    # the training sampler's compiled program, so it adds no compile to a tiny run.
+    # pass@k sampled as the rollouts are (T = 0.7, top-p 1): the evaluation then draws its
+    # samples in the rollout's batch shape and reuses its compiled sampler (no compile added).
     c.eval.num_samples = 8
     c.eval.temperature = 0.7
     c.eval.top_p = 1.0
     c.eval.pass_k = "1,8"
-    c.eval.max_rows = 128
     return c
 
 

@@ -76,6 +76,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
         return 1.0
+    if k == 1:
+        return c / n  # exact (the product below rounds)
     return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
@@ -196,6 +198,8 @@ def sample_and_score(
     sampling: SamplingParams,
     rng: jax.Array,
     max_rows: int = 256,
+    batch_shape: tuple[int, int] | None = None,
+    width: int | None = None,
     progress: bool | str = False,
 ) -> Samples:
     """Draws `num_samples` completions for every problem of `data` and scores them.
@@ -203,15 +207,23 @@ def sample_and_score(
     Every call to the sampler has the same shape (P prompts x G samples, P a multiple of
     the device count, the last batch padded with repeats that are dropped), so it compiles
     once. `max_rows` bounds P x G per call; a problem's n samples span several calls when
-    n > max_rows. `progress`: a tqdm bar (its description, if a string) over the samples.
+    n > G. `batch_shape=(P, G)` and `width` (padded prompt length; default: the longest
+    prompt, rounded up to 8) fix the shape instead, e.g. to the training rollout's so that
+    its compiled program is reused. `progress`: a tqdm bar (its description, if a string).
     """
     n_problems, n = len(data), num_samples
     devices = jax.device_count()
-    g = min(n, max(1, max_rows))
-    calls_per_problem = -(-n // g)
-    p = min(max(1, max_rows // g), n_problems)  # prompts per call
+    if batch_shape is not None:
+        p, g = batch_shape
+    else:
+        g = min(n, max(1, max_rows))
+        p = min(max(1, max_rows // g), n_problems)  # prompts per call
     p = -(-p // devices) * devices  # the batch axis is sharded over the devices
-    width = -(-max(len(x) for x in data.prompt_ids) // 8) * 8
+    calls_per_problem = -(-n // g)
+    longest = max(len(x) for x in data.prompt_ids)
+    width = width or -(-longest // 8) * 8
+    if width < longest:
+        raise ValueError(f"width {width} < the longest prompt ({longest} tokens)")
     texts: list[list[str]] = [[] for _ in range(n_problems)]
     lengths = np.zeros((n_problems, calls_per_problem * g), np.int32)
     truncated = np.zeros((n_problems, calls_per_problem * g), bool)
@@ -250,6 +262,7 @@ def sample_and_score(
             if bar is not None:
                 bar.update(len(rows) * min(g, n - call * g))
     if bar is not None:
+        bar.refresh()  # the last update may fall inside tqdm's redraw interval
         bar.close()
     texts = [t[:n] for t in texts]
     lengths, truncated = lengths[:, :n], truncated[:, :n]
@@ -308,11 +321,18 @@ def heldout_metrics(
     pad_id: int,
     greedy_temperature: float = 0.0,
     seed: int = 0,
+    rollout_sampling: SamplingParams | None = None,
+    rollout_shape: tuple[int, int] | None = None,
     progress: bool = False,
 ) -> dict[str, float]:
     """Training's held-out figures: ``eval/heldout_accuracy`` (one completion per problem at
     `greedy_temperature`, 0 = greedy) and, when ``settings.num_samples`` > 0,
-    ``eval/heldout_pass@k`` for each k (n samples at the settings' temperature and top-p)."""
+    ``eval/heldout_pass@k`` for each k (n samples at the settings' temperature and top-p).
+
+    When the pass@k sampling equals the training rollout's (`rollout_sampling`), the samples
+    are drawn in the rollout's batch shape (`rollout_shape` = (P, G), prompts padded to
+    ``data.max_prompt_length`` as the rollouts are): the sampler's compiled program is the
+    rollout's own, so the evaluation adds no compilation to the run."""
     rng = jax.random.fold_in(jax.random.key(seed), 0xE7A1)
     greedy = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -337,6 +357,7 @@ def heldout_metrics(
         sampled = dataclasses.replace(
             greedy, temperature=settings.temperature, top_p=settings.top_p
         )
+        shared = rollout_shape is not None and sampled == rollout_sampling
         s = sample_and_score(
             backend,
             params,
@@ -347,6 +368,8 @@ def heldout_metrics(
             sampling=sampled,
             rng=jax.random.fold_in(rng, 1),
             max_rows=settings.max_rows,
+            batch_shape=rollout_shape if shared else None,
+            width=data.max_prompt_length if shared else None,
             progress=f"eval pass@{settings.ks[-1]}" if progress else False,
         )
         for k, v in summarize(s, settings.ks).items():

@@ -234,6 +234,8 @@ def main(argv) -> None:
             pad_id=rollout.pad_id,
             greedy_temperature=config.rollout.eval_temperature,
             seed=config.seed,
+            rollout_sampling=rollout.sampling,
+            rollout_shape=(P, config.rollout.num_samples - config.anchors.per_group),
             progress=config.log.progress,
         )
 

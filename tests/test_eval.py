@@ -16,6 +16,7 @@ from gjax import eval as ev
 from gjax.data import benchmarks as bl
 from gjax.data.loading import DataError
 from gjax.data.synthetic import SyntheticConfig, generate
+from gjax.rollout import SampleOutput
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
@@ -242,3 +243,125 @@ def test_cli_on_a_checkpoint_and_a_local_benchmark(workdir, tmp_path):
     assert "| heldout | 8 | 4 |" in table and "| amc23 | 8 | 4 |" in table
     assert "pass@4" in proc.stdout and "results.json" in proc.stdout
     assert "heldout: 100%" in proc.stderr  # the progress bar
+
+
+class ScriptedBackend:
+    """A `RolloutBackend` that answers from the prompt: sample j of a call is the problem's
+    right answer (boxed, then EOS) for even j, a wrong one running to the token limit for odd
+    j. It records every call's shapes and sampling, so batching is checked without a model."""
+
+    def __init__(self, tok, data):
+        self.tok, self.calls = tok, []
+        self.answer_of = {tuple(ids): a for ids, a in zip(data.prompt_ids, data.answers)}
+
+    def generate(self, params, ids_PxS, mask_PxS, rng, *, num_samples, sampling):
+        self.calls.append((ids_PxS.shape, num_samples, sampling))
+        n, eos = sampling.max_new_tokens, sampling.stop_token_ids[0]
+        tokens, lengths = [], []
+        for ids, mask in zip(ids_PxS, mask_PxS):
+            answer = self.answer_of[tuple(ids[mask.astype(bool)])]
+            for j in range(num_samples):
+                if j % 2 == 0:
+                    t = self.tok(f"\\boxed{{{answer}}}", add_special_tokens=False)["input_ids"]
+                    t = [*t, eos]
+                else:
+                    t = self.tok("\\boxed{1000}" + "1" * n, add_special_tokens=False)["input_ids"]
+                t = t[:n]
+                lengths.append(len(t))
+                tokens.append(t + [sampling.pad_token_id] * (n - len(t)))
+        return SampleOutput(np.asarray(tokens, np.int32), None, None, np.asarray(lengths, np.int32))
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    from gjax.rewards.verifier import Verifier
+
+    with Verifier(num_workers=1) as v:
+        yield v
+
+
+def heldout(tok, size):
+    from configs import common
+    from gjax.data.loading import build_prompt_data
+
+    cfg = common.tiny(common.base()).data.to_dict()
+    cfg["heldout_size"] = size
+    return build_prompt_data(cfg, tok, heldout=True)
+
+
+def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd):
+    data = heldout(tok, 10)
+    backend = ScriptedBackend(tok, data)
+    sampling = ev.SamplingParams(max_new_tokens=12, temperature=0.6, stop_token_ids=(1,))
+    s = ev.sample_and_score(
+        backend, None, tok, data, verifier, num_samples=6, sampling=sampling,
+        rng=jax.random.key(0), max_rows=16, progress="bench",
+    )  # fmt: skip
+    # G = 6 per call, P = 16 // 6 = 2 prompts per call (rounded up to the devices), 10 problems.
+    d = jax.device_count()
+    p = -(-2 // d) * d
+    assert {c[:2] for c in backend.calls} == {((p, 24), 6)}
+    assert len(backend.calls) == -(-10 // p)
+    for i in range(10):
+        assert len(s.texts[i]) == 6
+        assert s.texts[i][0] == f"\\boxed{{{data.answers[i]}}}"  # the problem's own row
+    np.testing.assert_array_equal(s.correct_PxN, np.tile([1, 0], (10, 3)))
+    np.testing.assert_array_equal(s.truncated_PxN, np.tile([False, True], (10, 3)))
+    assert (s.lengths_PxN[:, 1::2] == 12).all()
+    assert s.keys[0][:2] == [data.answers[0], "1000"]
+    m = ev.summarize(s, [1, 2, 6])
+    assert m["pass@1"] == 0.5 and m["pass@6"] == 1
+    assert m["pass@2"] == pytest.approx(1 - 3 / 15)  # 1 - C(3,2)/C(6,2)
+    assert "bench: 100%" in capfd.readouterr().err  # the progress bar reached the end
+
+    # n larger than a call: a problem's samples span several calls.
+    backend.calls.clear()
+    s = ev.sample_and_score(
+        backend, None, tok, data, verifier, num_samples=6, sampling=sampling,
+        rng=jax.random.key(0), batch_shape=(4, 4), width=32,
+    )  # fmt: skip
+    assert {c[:2] for c in backend.calls} == {
+        ((-(-4 // jax.device_count()) * jax.device_count(), 32), 4)
+    }
+    np.testing.assert_array_equal(s.correct_PxN, np.tile([1, 0, 1, 0, 1, 0], (10, 1)))
+
+
+def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(tok, verifier, capfd):
+    import ml_collections
+
+    data = heldout(tok, 8)
+    backend = ScriptedBackend(tok, data)
+    settings = ev.HeldoutEval.from_config(
+        ml_collections.ConfigDict(
+            dict(num_samples=4, temperature=0.7, top_p=1.0, pass_k="1,4", max_rows=256)
+        )
+    )
+    rollout = ev.SamplingParams(
+        max_new_tokens=12, temperature=0.7, stop_token_ids=(1,), pad_token_id=0
+    )
+    kw = dict(max_new_tokens=12, eos=(1,), pad_id=0, progress=True)
+    m = ev.heldout_metrics(
+        backend, None, tok, data, verifier, settings, rollout_sampling=rollout,
+        rollout_shape=(2, 2), **kw,
+    )  # fmt: skip
+    assert m == {
+        "eval/heldout_accuracy": 1.0,  # the greedy call's first sample is the right one
+        "eval/heldout_pass@1": 0.5,
+        "eval/heldout_pass@4": 1.0,
+    }
+    (_, g1, greedy_sampling), sampled = backend.calls[0], backend.calls[1:]
+    assert g1 == 1 and greedy_sampling.temperature == 0.0
+    # pass@k: the rollout's own shape, prompt width and sampling (its compiled program).
+    d = jax.device_count()
+    assert {(c[0], c[1]) for c in sampled} == {((-(-2 // d) * d, data.max_prompt_length), 2)}
+    assert {c[2] for c in sampled} == {rollout}
+    err = capfd.readouterr().err
+    assert "eval greedy: 100%" in err and "eval pass@4: 100%" in err
+    # Sampling that differs from the rollout's: the evaluation's own shape.
+    backend.calls.clear()
+    ev.heldout_metrics(
+        backend, None, tok, data, verifier, settings,
+        rollout_sampling=ev.dataclasses.replace(rollout, temperature=1.0), rollout_shape=(2, 2),
+        **kw,
+    )  # fmt: skip
+    assert backend.calls[1][1] == 4
