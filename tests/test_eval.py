@@ -109,6 +109,8 @@ def test_wrong_format_and_bad_specs_are_user_errors(tmp_path, tok):
     spec = bl.parse_specs(f"minerva={path}")[0]
     with pytest.raises(DataError, match="no column.*'solution'.*knoveleng/Minerva-Math"):
         bl.load_benchmark(spec, tok, template="plain", max_prompt_len=64)
+    with pytest.raises(DataError, match="--benchmarks=math500=math500.jsonl"):  # offline Hub
+        bl.load_benchmark(bl.parse_specs("math500")[0], tok, template="plain", max_prompt_len=64)
     with pytest.raises(DataError, match="unknown benchmark 'aime23'; valid: aime24, aime25"):
         bl.parse_specs("math500,aime23")
     with pytest.raises(DataError, match="listed twice"):

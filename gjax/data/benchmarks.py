@@ -126,7 +126,17 @@ def load_benchmark(
         data = build_prompt_data(cfg, tokenizer, heldout=True)
     else:
         b = BENCHMARKS.get(spec.name)
-        rows = load_rows(spec.path or b.hub_id, split=b.split, subset=b.subset)
+        try:
+            rows = load_rows(spec.path or b.hub_id, split=b.split, subset=b.subset)
+        except DataError as e:
+            if spec.path:
+                raise
+            raise DataError(
+                f"benchmark {spec.name!r}: {b.hub_id} could not be loaded from the Hugging Face "
+                f"Hub ({e.__cause__ or e}). Where there is internet, save it with "
+                f"`datasets.load_dataset({b.hub_id!r}, split={b.split!r}).to_json("
+                f"'{spec.name}.jsonl')` and pass --benchmarks={spec.name}={spec.name}.jsonl"
+            ) from e
         missing = [f for f in (b.problem_field, b.answer_field) if f not in rows.column_names]
         if missing:
             raise DataError(
