@@ -31,6 +31,7 @@ Training's held-out evaluation (`gjax.train`) calls `heldout_metrics` from here.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -465,7 +466,8 @@ def restore_params(ckpt_dir: str, abstract_params, step: int | None = None):
 
     from gjax.checkpoint import CheckpointError
 
-    mngr = ocp.CheckpointManager(ckpt_dir, item_names=("state", "meta"))
+    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
+    mngr = ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "meta"))
     try:
         steps = sorted(mngr.all_steps())
         if not steps:
@@ -499,13 +501,69 @@ def restore_params(ckpt_dir: str, abstract_params, step: int | None = None):
     return step, state["params"]
 
 
+@dataclasses.dataclass
+class _Policy:
+    """What the CLI evaluates: params on a mesh, their model config and tokenizer."""
+
+    cfg: Any
+    params: Any
+    tokenizer: Any
+    model_path: str
+    run: dict[str, Any]  # the training run's config (a tiny-default stand-in for --model)
+    label: str
+    step: int | None
+    out_dir: str
+    mesh: Any
+
+
+def _load_policy(F, mesh_for) -> _Policy:
+    """--checkpoint (params restored alone) or --model (an HF dir), placed on the mesh."""
+    from gjax import sharding
+    from gjax.embedded import resolve_model_path
+    from gjax.models import hf_io
+
+    if F.checkpoint:
+        workdir, ckpt_dir, step = split_checkpoint_path(F.checkpoint, F.step)
+        model_path, run = run_model_source(workdir)
+    else:
+        from configs import common
+
+        tiny = common.tiny(common.base())  # `heldout` with --model: the embedded task's
+        model_path, step = resolve_model_path(F.model), None
+        run = {"data": tiny.data.to_dict(), "rollout": tiny.rollout.to_dict()}
+    mesh = mesh_for(run)
+    dtype = F.dtype or run.get("model", {}).get("dtype")
+    overrides = {"dtype": dtype} if dtype else {}
+    if F.checkpoint:
+        param_dtype = run.get("model", {}).get("param_dtype", "float32")
+        cfg = hf_io.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
+        shapes = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s, np.dtype(cfg.jnp_param_dtype)),
+            hf_io.param_shapes(cfg),
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+        abstract = jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+            shapes,
+            sharding.param_shardings(shapes, mesh),
+        )
+        step, params = restore_params(ckpt_dir, abstract, step)
+        label, out_dir = f"{workdir} step {step}", os.path.join(workdir, "eval", f"step_{step}")
+    else:
+        cfg, params = hf_io.load_pretrained(model_path, mesh=mesh, **overrides)
+        label = F.model
+        out_dir = os.path.join("eval_results", os.path.basename(os.path.normpath(F.model)))
+    tok = hf_io.load_tokenizer(model_path)
+    return _Policy(cfg, params, tok, model_path, run, label, step, out_dir, mesh)
+
+
 def main(argv) -> None:
     del argv
+    from ml_collections import ConfigDict
+
     from gjax import sharding
     from gjax.config import resolve_mesh_shape
     from gjax.data import benchmarks as bench_lib
-    from gjax.embedded import resolve_model_path
-    from gjax.models import hf_io
     from gjax.rewards.verifier import Verifier
     from gjax.rollout import LocalSampler
 
@@ -516,51 +574,22 @@ def main(argv) -> None:
         raise EvalError("give exactly one of --checkpoint (a training workdir) or --model (HF dir)")
     specs = bench_lib.parse_specs(F.benchmarks)
 
-    # --- what to evaluate ----------------------------------------------------------------
-    run: dict[str, Any] = {}
-    if F.checkpoint:
-        workdir, ckpt_dir, step = split_checkpoint_path(F.checkpoint, F.step)
-        model_path, run = run_model_source(workdir)
-    else:
-        from configs import common
+    def mesh_for(run):  # the run's mesh (or data-parallel), --fsdp / --tensor override it
+        mesh_cfg = dict(run.get("mesh") or {"data": -1, "fsdp": 1, "tensor": 1})
+        for axis in ("fsdp", "tensor"):
+            if F[axis].value is not None:
+                mesh_cfg[axis], mesh_cfg["data"] = F[axis].value, -1
+        shape = resolve_mesh_shape(ConfigDict(mesh_cfg), jax.device_count())
+        return sharding.make_mesh(shape)
 
-        model_path, step = resolve_model_path(F.model), None
-        run = {"data": common.tiny(common.base()).data.to_dict()}
-        run["rollout"] = {"max_new_tokens": common.tiny(common.base()).rollout.max_new_tokens}
-    mesh_cfg = run.get("mesh", {"data": -1, "fsdp": 1, "tensor": 1})
-    mesh_cfg = {**mesh_cfg, **{k: v for k in ("fsdp", "tensor") if (v := F[k].value) is not None}}
-    if F.fsdp is not None or F.tensor is not None:
-        mesh_cfg["data"] = -1
-    from ml_collections import ConfigDict
-
-    mesh = sharding.make_mesh(resolve_mesh_shape(ConfigDict(mesh_cfg), jax.device_count()))
-    param_dtype = run.get("model", {}).get("param_dtype", "float32")
-    dtype = F.dtype or run.get("model", {}).get("dtype")
-    overrides = {"dtype": dtype} if dtype else {}
-    with jax.set_mesh(mesh), sharding.use_rules():
-        if F.checkpoint:
-            cfg = hf_io.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
-            abstract = jax.tree.map(
-                lambda s: jax.ShapeDtypeStruct(s, np.dtype(cfg.jnp_param_dtype)),
-                hf_io.param_shapes(cfg),
-                is_leaf=lambda x: isinstance(x, tuple),
-            )
-            shardings = sharding.param_shardings(abstract, mesh)
-            abstract = jax.tree.map(
-                lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
-            )
-            step, params = restore_params(ckpt_dir, abstract, step)
-            label = f"{workdir} step {step}"
-        else:
-            cfg, params = hf_io.load_pretrained(model_path, mesh=mesh, **overrides)
-            label = F.model
-        tok = hf_io.load_tokenizer(model_path)
+    # Jitted sampling traced from here on sees the mesh and the logical-axis rules.
+    with contextlib.ExitStack() as scope:
+        policy = _load_policy(F, mesh_for)
+        scope.enter_context(jax.set_mesh(policy.mesh))
+        scope.enter_context(sharding.use_rules())
+        cfg, tok, run = policy.cfg, policy.tokenizer, policy.run
         eos, pad_id = stop_token_ids(cfg, tok)
-        out_dir = F.out or (
-            os.path.join(workdir, "eval", f"step_{step}")
-            if F.checkpoint
-            else os.path.join("eval_results", os.path.basename(os.path.normpath(F.model)))
-        )
+        out_dir = F.out or policy.out_dir
         # The run's own prompt template for its checkpoints; the papers' for a model.
         template = F.template or (run["data"]["template"] if F.checkpoint else "qwen_boxed")
         results: dict[str, dict[str, float]] = {}
@@ -568,7 +597,6 @@ def main(argv) -> None:
         backend = LocalSampler(cfg)
         with Verifier(timeout_s=F.verifier_timeout_s, num_workers=F.verifier_workers) as verifier:
             for i, spec in enumerate(specs):
-                heldout = spec.name == bench_lib.HELDOUT
                 data = bench_lib.load_benchmark(
                     spec,
                     tok,
@@ -577,6 +605,7 @@ def main(argv) -> None:
                     heldout_data=run.get("data"),
                 )
                 room = cfg.max_position_embeddings - max(len(x) for x in data.prompt_ids)
+                heldout = spec.name == bench_lib.HELDOUT
                 want = F.max_new_tokens or (
                     run["rollout"]["max_new_tokens"] if heldout else PAPER_MAX_NEW_TOKENS
                 )
@@ -585,47 +614,28 @@ def main(argv) -> None:
                         f"--max_new_tokens={want} does not fit: {spec.name}'s longest prompt "
                         f"leaves {room} of the model's {cfg.max_position_embeddings} positions"
                     )
-                max_new = min(want, room)
                 n = F.num_samples or bench_lib.default_num_samples(spec.name)
-                ks = parse_ks(F.k, n)
                 sampling = SamplingParams(
-                    max_new_tokens=max_new,
+                    max_new_tokens=min(want, room),
                     temperature=F.temperature,
                     top_p=F.top_p,
                     stop_token_ids=eos,
                     pad_token_id=pad_id,
                 )
-                log.info(
-                    "%s: %d problems x %d samples (T=%s, top-p=%s, <= %d new tokens)",
-                    spec.name, len(data), n, F.temperature, F.top_p, max_new,
+                results[spec.name] = _evaluate_one(
+                    F, spec.name, backend, policy.params, tok, data, verifier, n, sampling,
+                    rng=jax.random.fold_in(jax.random.key(F.seed), i), out_dir=out_dir,
                 )  # fmt: skip
-                rng = jax.random.fold_in(jax.random.key(F.seed), i)
-                samples = sample_and_score(
-                    backend, params, tok, data, verifier, num_samples=n, sampling=sampling,
-                    rng=rng, max_rows=F.max_rows, progress=spec.name,
-                )  # fmt: skip
-                metrics = summarize(samples, ks)
-                if F.greedy:
-                    greedy = sample_and_score(
-                        backend, params, tok, data, verifier, num_samples=1,
-                        sampling=dataclasses.replace(sampling, temperature=0.0, top_p=1.0),
-                        rng=rng, max_rows=F.max_rows, progress=f"{spec.name} greedy",
-                    )  # fmt: skip
-                    metrics["greedy"] = float(greedy.correct_PxN.mean())
-                results[spec.name] = metrics
                 per_benchmark[spec.name] = {
                     "source": spec.path or bench_lib.source_of(spec.name),
                     "num_samples": n,
-                    "k": ks,
-                    "max_new_tokens": max_new,
+                    "k": parse_ks(F.k, n),
+                    "max_new_tokens": sampling.max_new_tokens,
                 }
-                log.info("%s: %s", spec.name, json.dumps(metrics))
-                if F.save_samples:
-                    _write_samples(out_dir, spec.name, data, samples)
     report = {
-        "evaluated": label,
-        "model": model_path,
-        "step": step,
+        "evaluated": policy.label,
+        "model": policy.model_path,
+        "step": policy.step,
         "settings": {
             "temperature": F.temperature,
             "top_p": F.top_p,
@@ -641,8 +651,33 @@ def main(argv) -> None:
     out = epath.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "results.md").write_text(f"# {label}\n\n{table}")
-    print(f"\n{label}\n\n{table}\nresults: {out / 'results.json'}, {out / 'results.md'}")
+    (out / "results.md").write_text(f"# {policy.label}\n\n{table}")
+    print(f"\n{policy.label}\n\n{table}\nresults: {out / 'results.json'}, {out / 'results.md'}")
+
+
+def _evaluate_one(F, name, backend, params, tok, data, verifier, n, sampling, *, rng, out_dir):
+    """One benchmark's metrics: n samples per problem, plus greedy with --greedy."""
+    ks = parse_ks(F.k, n)
+    log.info(
+        "%s: %d problems x %d samples (T=%s, top-p=%s, <= %d new tokens)",
+        name, len(data), n, sampling.temperature, sampling.top_p, sampling.max_new_tokens,
+    )  # fmt: skip
+    kw = dict(rng=rng, max_rows=F.max_rows)
+    samples = sample_and_score(
+        backend, params, tok, data, verifier, num_samples=n, sampling=sampling, progress=name, **kw
+    )
+    metrics = summarize(samples, ks)
+    if F.greedy:
+        greedy = sample_and_score(
+            backend, params, tok, data, verifier, num_samples=1,
+            sampling=dataclasses.replace(sampling, temperature=0.0, top_p=1.0),
+            progress=f"{name} greedy", **kw,
+        )  # fmt: skip
+        metrics["greedy"] = float(greedy.correct_PxN.mean())
+    log.info("%s: %s", name, json.dumps(metrics))
+    if F.save_samples:
+        _write_samples(out_dir, name, data, samples)
+    return metrics
 
 
 def _write_samples(out_dir: str, name: str, data: PromptData, samples: Samples) -> None:
