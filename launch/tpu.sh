@@ -31,9 +31,10 @@ REMOTE_DIR=gjax   # on each worker, under the login user's home
 LOG=gjax-train.log
 PIDFILE=gjax-train.pid
 
+# The header above as help; exit status 2 (a usage error) unless given another.
 usage() {
   sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
-  exit 2
+  exit "${1:-2}"
 }
 
 die() {
@@ -207,6 +208,6 @@ case "$sub" in
   stop) cmd_stop "$@" ;;
   delete) cmd_delete "$@" ;;
   up) cmd_up "$@" ;;
-  -h | --help | help) usage ;;
+  -h | --help | help) usage 0 ;;
   *) die "unknown command '$sub'; one of: create install train logs stop delete up" ;;
 esac
