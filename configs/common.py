@@ -202,6 +202,15 @@ def base() -> ml_collections.ConfigDict:
     c.log.tensorboard = True
     c.log.progress = True
     c.log.eval_every = 0  # held-out eval every N steps (0: only before and after)
+
+    # Held-out evaluation (gjax.eval): greedy accuracy (`eval/heldout_accuracy`, at
+    # rollout.eval_temperature) plus pass@k from n samples at the papers' evaluation sampling.
+    c.eval = ml_collections.ConfigDict()
+    c.eval.num_samples = 8  # n samples per held-out problem for pass@k (0: greedy only)
+    c.eval.temperature = 0.6  # pass@k sampling temperature (A-GRAE App. C.2)
+    c.eval.top_p = 0.95  # pass@k nucleus mass (A-GRAE App. C.2)
+    c.eval.pass_k = "1,8"  # comma list of k logged as eval/heldout_pass@k (each <= num_samples)
+    c.eval.max_rows = 256  # sequences per sampler call during evaluation (bounds memory)
     return c
 
 
@@ -399,6 +408,11 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
     "log.tensorboard": ("write TensorBoard events next to metrics.jsonl", None),
     "log.progress": ("show a progress bar", None),
     "log.eval_every": ("held-out evaluation every N steps (0: only before and after)", _NONNEG),
+    "eval.num_samples": ("n samples per held-out problem for pass@k (0: greedy only)", _NONNEG),
+    "eval.temperature": ("pass@k sampling temperature (A-GRAE App. C.2: 0.6)", Range("(0, 100]")),
+    "eval.top_p": ("pass@k nucleus mass (A-GRAE App. C.2: 0.95)", Range("(0, 1]")),
+    "eval.pass_k": ("comma list of k logged as eval/heldout_pass@k (each <= num_samples)", None),
+    "eval.max_rows": ("sequences per sampler call during evaluation (bounds memory)", _COUNT),
 }
 
 
@@ -437,6 +451,12 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.train.steps = 120
     c.train.minibatches = 1
     c.checkpoint.every = 40
+    # pass@k sampled as the rollouts are (T = 0.7, top-p 1): the evaluation then draws its
+    # samples in the rollout's batch shape and reuses its compiled sampler (no compile added).
+    c.eval.num_samples = 8
+    c.eval.temperature = 0.7
+    c.eval.top_p = 1.0
+    c.eval.pass_k = "1,8"
     return c
 
 

@@ -28,6 +28,7 @@ from ml_collections import config_flags
 from configs import common
 from gjax import checkpoint as ckpt_lib
 from gjax import cli, sharding
+from gjax import eval as eval_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
@@ -37,7 +38,7 @@ from gjax.models import hf_io
 from gjax.rewards.pipeline import RewardPipeline
 from gjax.rewards.registry import RewardSpec, build_reward
 from gjax.rewards.verifier import Verifier
-from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
+from gjax.rollout import LocalSampler, RolloutBackend
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -78,37 +79,6 @@ def make_backend(config, cfg) -> RolloutBackend:
         f"config.rollout.backend={config.rollout.backend!r} is not available in this version; "
         "use 'local' (the jit sampler)"
     )
-
-
-def evaluate(
-    backend, params, tok, data, verifier, *, max_new_tokens, eos, pad_id, temperature, batch=128
-) -> float:
-    """pass@1 on held-out prompts (greedy at temperature 0), scored by the verifier."""
-    sampling = SamplingParams(
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        stop_token_ids=eos,
-        pad_token_id=pad_id,
-    )
-    batch = min(batch, len(data))
-    it = PromptIterator(
-        data, global_batch_size=batch, shuffle=False, num_epochs=1, process_index=0, process_count=1
-    )
-    correct, total = 0.0, 0
-    for prompts in it:
-        out = backend.generate(
-            params,
-            prompts.prompt_ids_PxS,
-            prompts.prompt_mask_PxS,
-            jax.random.key(0),
-            num_samples=1,
-            sampling=sampling,
-        )
-        ids, lengths = np.asarray(out.tokens_BxN), np.asarray(out.lengths_B)
-        texts = tok.batch_decode([r[:n] for r, n in zip(ids, lengths)], skip_special_tokens=True)
-        correct += float(verifier.score(texts, prompts.answers).sum())
-        total += len(texts)
-    return correct / max(total, 1)
 
 
 def build_rewards(config, verifier) -> RewardPipeline:
@@ -157,6 +127,7 @@ def main(argv) -> None:
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
     obj_cfg = common.to_objective_config(config.objective)
+    eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     try:
         os.makedirs(workdir, exist_ok=True)
         with open(os.path.join(workdir, "config.json"), "w") as f:
@@ -241,19 +212,34 @@ def main(argv) -> None:
     rollout = Rollout(
         cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
     )
-    eval_kw = dict(
-        max_new_tokens=T,
-        eos=rollout.eos,
-        pad_id=rollout.pad_id,
-        temperature=config.rollout.eval_temperature,
-    )
+
+    def evaluate(params) -> dict[str, float]:
+        """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar."""
+        return eval_lib.heldout_metrics(
+            backend,
+            params,
+            tok,
+            heldout,
+            verifier,
+            eval_settings,
+            max_new_tokens=T,
+            eos=rollout.eos,
+            pad_id=rollout.pad_id,
+            greedy_temperature=config.rollout.eval_temperature,
+            seed=config.seed,
+            rollout_sampling=rollout.sampling,
+            rollout_shape=(P, config.rollout.num_samples - config.anchors.per_group),
+            progress=config.log.progress,
+        )
 
     # --- held-out accuracy before training ----------------------------------------------
     if meta["heldout_accuracy_before"] is None:
-        meta["heldout_accuracy_before"] = evaluate(
-            backend, state.params, tok, heldout, verifier, **eval_kw
-        )
-    log.info("held-out accuracy before: %.3f", meta["heldout_accuracy_before"])
+        meta["heldout_before"] = evaluate(state.params)
+        meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
+    before = meta.get("heldout_before") or {
+        "eval/heldout_accuracy": meta["heldout_accuracy_before"]
+    }
+    log.info("held-out before: %s", _fmt_eval(before))
 
     # --- the RL loop --------------------------------------------------------------------
     stop = {"signal": None}
@@ -313,9 +299,7 @@ def main(argv) -> None:
         save_now = checkpointer.should_save(step + 1) or bool(stop["signal"]) or last
         if save_now or eval_now:
             if eval_now:
-                host_metrics["eval/heldout_accuracy"] = evaluate(
-                    backend, state.params, tok, heldout, verifier, **eval_kw
-                )
+                host_metrics.update(evaluate(state.params))
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
             pending = None
         if save_now:
@@ -327,13 +311,16 @@ def main(argv) -> None:
     checkpointer.wait()
     if not stop["signal"]:
         # --- held-out accuracy after training -------------------------------------------
-        after = evaluate(backend, state.params, tok, heldout, verifier, **eval_kw)
+        after_metrics = evaluate(state.params)
+        after = after_metrics["eval/heldout_accuracy"]
         summary = {
             "algo": config.algo,
             "steps": config.train.steps,
             "heldout_size": len(heldout),
             "heldout_accuracy_before": meta["heldout_accuracy_before"],
             "heldout_accuracy_after": after,
+            **_pass_at_k(before, "before"),
+            **_pass_at_k(after_metrics, "after"),
         }
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
@@ -347,6 +334,19 @@ def main(argv) -> None:
     pipeline.close()
     verifier.close()
     scope.close()
+
+
+def _fmt_eval(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k.removeprefix('eval/heldout_')} {v:.3f}" for k, v in metrics.items())
+
+
+def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:
+    """`eval/heldout_pass@k` -> summary keys `heldout_pass@k_<when>` (config.eval sampling)."""
+    return {
+        f"{k.removeprefix('eval/')}_{when}": v
+        for k, v in metrics.items()
+        if k.startswith("eval/heldout_pass@")
+    }
 
 
 def _finish(

@@ -1,0 +1,213 @@
+#!/usr/bin/env bash
+# Run gjax on a Cloud TPU VM or pod slice: create it, install gjax on every worker, start the
+# same `python -m gjax.train ... --jax_distributed` on all workers, stream logs, clean up.
+#
+#   launch/tpu.sh create  NAME ZONE ACCELERATOR      # e.g. v5p-64, v6e-8, v4-32
+#   launch/tpu.sh install NAME ZONE                  # clone/update gjax + pip install, all workers
+#   launch/tpu.sh train   NAME ZONE CONFIG WORKDIR [--config.x=y ...]   # start on all workers
+#   launch/tpu.sh logs    NAME ZONE [WORKER]         # follow a worker's log (default 0)
+#   launch/tpu.sh stop    NAME ZONE                  # SIGTERM: checkpoint, then exit
+#   launch/tpu.sh delete  NAME ZONE                  # delete the VM (or its queued resource)
+#   launch/tpu.sh up      NAME ZONE ACCELERATOR CONFIG WORKDIR [...]    # create+install+train+logs
+#
+# Every worker runs the same command (multi-controller JAX); jax.distributed.initialize()
+# reads the topology from the TPU metadata. WORKDIR should be gs://... so that a preempted
+# slice resumes by running `up` (or `train`) again with the same WORKDIR.
+#
+# Environment:
+#   GJAX_DRY_RUN=1      print every gcloud command (one per line, shell-quoted), run none
+#   GJAX_PROJECT        gcloud --project (default: gcloud's configured project)
+#   GJAX_QUEUED=1       create through `queued-resources` (how large slices are granted)
+#   GJAX_SPOT=1         spot capacity (--spot)
+#   GJAX_REPO, GJAX_REF the git repository and ref to install (default: upstream, main)
+#   GJAX_EXTRAS         pip extras (default: tpu,gcs)
+#   TPU_SOFTWARE_VERSION  runtime image (default: chosen from the accelerator's generation)
+set -euo pipefail
+
+REPO=${GJAX_REPO:-https://github.com/gjax/gjax.git}
+REF=${GJAX_REF:-main}
+EXTRAS=${GJAX_EXTRAS:-tpu,gcs}
+REMOTE_DIR=gjax   # on each worker, under the login user's home
+LOG=gjax-train.log
+PIDFILE=gjax-train.pid
+
+# The header above as help; exit status 2 (a usage error) unless given another.
+usage() {
+  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
+  exit "${1:-2}"
+}
+
+die() {
+  echo "launch/tpu.sh: $*" >&2
+  exit 2
+}
+
+# One shell word, quoted only where the shell needs it (readable, and safe to paste).
+q() {
+  if [[ "$1" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
+    printf '%s' "$1"
+  else
+    printf '%s' "${1@Q}"
+  fi
+}
+
+# Runs (or, with GJAX_DRY_RUN=1, prints) one command.
+run() {
+  if [[ "${GJAX_DRY_RUN:-0}" == 1 ]]; then
+    local out="" word
+    for word in "$@"; do
+      out+="${out:+ }$(q "$word")"
+    done
+    printf '%s\n' "$out"
+  else
+    "$@"
+  fi
+}
+
+project_flag=()
+if [[ -n "${GJAX_PROJECT:-}" ]]; then
+  project_flag=(--project="$GJAX_PROJECT")
+fi
+
+tpu() {
+  run gcloud compute tpus "$@" "${project_flag[@]}"
+}
+
+# The TPU runtime image for an accelerator type such as v5p-64 or v5litepod-16.
+runtime_version() {
+  if [[ -n "${TPU_SOFTWARE_VERSION:-}" ]]; then
+    echo "$TPU_SOFTWARE_VERSION"
+    return
+  fi
+  case "$1" in
+    v6e-*) echo v2-alpha-tpuv6e ;;
+    v5p-*) echo v2-alpha-tpuv5 ;;
+    v5litepod-* | v5e-*) echo v2-alpha-tpuv5-lite ;;
+    v4-* | v3-* | v2-*) echo tpu-ubuntu2204-base ;;
+    *) die "unknown accelerator type '$1'; set TPU_SOFTWARE_VERSION" ;;
+  esac
+}
+
+# Whether the TPU VM exists (dry run: prints the check and assumes it does not).
+exists() {
+  if [[ "${GJAX_DRY_RUN:-0}" == 1 ]]; then
+    tpu tpu-vm describe "$1" --zone="$2" --format='value(state)'
+    return 1
+  fi
+  tpu tpu-vm describe "$1" --zone="$2" --format='value(state)' >/dev/null 2>&1
+}
+
+cmd_create() {
+  [[ $# -eq 3 ]] || usage
+  local name=$1 zone=$2 accel=$3 version spot=()
+  version=$(runtime_version "$accel")
+  [[ "${GJAX_SPOT:-0}" == 1 ]] && spot=(--spot)
+  if exists "$name" "$zone"; then
+    echo "TPU VM $name already exists in $zone" >&2
+    return
+  fi
+  if [[ "${GJAX_QUEUED:-0}" == 1 ]]; then
+    tpu queued-resources create "$name" --node-id="$name" --zone="$zone" \
+      --accelerator-type="$accel" --runtime-version="$version" "${spot[@]}"
+    wait_active "$name" "$zone"
+  else
+    tpu tpu-vm create "$name" --zone="$zone" --accelerator-type="$accel" \
+      --version="$version" "${spot[@]}"
+  fi
+}
+
+# Polls a queued resource until it is ACTIVE (granted and booted); fails on a dead end.
+wait_active() {
+  local name=$1 zone=$2 state
+  local describe=(queued-resources describe "$name" --zone="$zone" --format='value(state.state)')
+  if [[ "${GJAX_DRY_RUN:-0}" == 1 ]]; then
+    tpu "${describe[@]}"
+    return
+  fi
+  while true; do
+    state=$(tpu "${describe[@]}")
+    case "$state" in
+      ACTIVE) return ;;
+      FAILED | SUSPENDED)
+        die "queued resource $name is $state; see: gcloud compute tpus ${describe[*]}" ;;
+      *)
+        echo "queued resource $name: ${state:-unknown}; waiting" >&2
+        sleep "${GJAX_POLL_S:-30}" ;;
+    esac
+  done
+}
+
+on_all_workers() {
+  local name=$1 zone=$2 command=$3
+  tpu tpu-vm ssh "$name" --zone="$zone" --worker=all --command="$command"
+}
+
+cmd_install() {
+  [[ $# -eq 2 ]] || usage
+  local d command
+  d=$(q "$REMOTE_DIR")
+  command="set -e; [ -d $d ] || git clone --quiet $(q "$REPO") $d; cd $d"
+  command+="; git fetch --quiet origin $(q "$REF"); git checkout --quiet --detach FETCH_HEAD"
+  command+="; python3 -m pip install --quiet -e $(q ".[$EXTRAS]")"
+  on_all_workers "$1" "$2" "$command"
+}
+
+cmd_train() {
+  [[ $# -ge 4 ]] || usage
+  local name=$1 zone=$2 config=$3 workdir=$4 args word command
+  shift 4
+  args=""
+  for word in python3 -m gjax.train --config="$config" --workdir="$workdir" --jax_distributed "$@"; do
+    args+=" $(q "$word")"
+  done
+  # Detached (the ssh session may end), stdin closed; nohup and env exec python, so the pid
+  # file holds the trainer's own pid (`stop` sends it SIGTERM: checkpoint, then exit).
+  command="cd $REMOTE_DIR || exit 1; nohup env PYTHONUNBUFFERED=1${args} > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$PIDFILE"
+  on_all_workers "$name" "$zone" "$command"
+  echo "started on all workers of $name; logs: launch/tpu.sh logs $name $zone" >&2
+}
+
+cmd_logs() {
+  [[ $# -eq 2 || $# -eq 3 ]] || usage
+  tpu tpu-vm ssh "$1" --zone="$2" --worker="${3:-0}" --command="tail -n +1 -F ~/$LOG"
+}
+
+cmd_stop() {
+  [[ $# -eq 2 ]] || usage
+  on_all_workers "$1" "$2" "if [ -f ~/$PIDFILE ]; then kill -TERM \"\$(cat ~/$PIDFILE)\" || true; fi"
+}
+
+cmd_delete() {
+  [[ $# -eq 2 ]] || usage
+  if [[ "${GJAX_QUEUED:-0}" == 1 ]]; then
+    # --force deletes the node it holds too.
+    tpu queued-resources delete "$1" --zone="$2" --force --quiet
+  else
+    tpu tpu-vm delete "$1" --zone="$2" --quiet
+  fi
+}
+
+cmd_up() {
+  [[ $# -ge 5 ]] || usage
+  local name=$1 zone=$2 accel=$3
+  shift 3
+  cmd_create "$name" "$zone" "$accel"
+  cmd_install "$name" "$zone"
+  cmd_train "$name" "$zone" "$@"
+  cmd_logs "$name" "$zone"
+}
+
+[[ $# -ge 1 ]] || usage
+sub=$1
+shift
+case "$sub" in
+  create) cmd_create "$@" ;;
+  install) cmd_install "$@" ;;
+  train) cmd_train "$@" ;;
+  logs) cmd_logs "$@" ;;
+  stop) cmd_stop "$@" ;;
+  delete) cmd_delete "$@" ;;
+  up) cmd_up "$@" ;;
+  -h | --help | help) usage 0 ;;
+  *) die "unknown command '$sub'; one of: create install train logs stop delete up" ;;
+esac
