@@ -58,7 +58,7 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
     return cfg
 
 
-_DATA_KWARGS = {"scores_PxG", "is_anchor_PxG", "rng"}
+_DATA_KWARGS = {"scores_PxG", "is_anchor_PxG", "rng", "group_size"}
 
 
 def hyperparameters(kind: str, name: str | None) -> dict:
