@@ -173,6 +173,9 @@ def base() -> ml_collections.ConfigDict:
     c.reward.judge_max_retries = 4
     c.reward.judge_on_missing = "keep"  # keep | drop | fill (gjax.rewards.judge)
     c.reward.judge_fill_score = 5.5
+    c.reward.judge_out_of_range = "clamp"  # clamp | reject: a judge score outside [1, 10]
+    c.reward.judge_max_missing_fraction = 0.5  # a batch with more judge scores missing is bad
+    c.reward.judge_max_missing_steps = 3  # stop after this many bad batches in a row (0: never)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6

@@ -453,8 +453,6 @@ class Rollout:
             # Per-batch figures only: process-lifetime counters would restart on a resume.
             **{k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"},
         }
-        if groups.scores_PxG is not None and np.isfinite(groups.scores_PxG).any():
-            metrics["judge/score_mean"] = float(np.nanmean(groups.scores_PxG))
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)
 
