@@ -145,6 +145,7 @@ def test_load_parity_with_transformers(hf_models, name):
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
     assert cfg.attention_bias == (name.startswith("qwen2") or name == "llama_bias")
     assert ("bias" in params["layers"]["attn"]["o"]) == (name == "llama_bias")
+    sharding.param_logical_axes(params)  # every loaded tensor has a sharding rule
     if name == "llama3":
         assert cfg.rope_scaling_dict["rope_type"] == "llama3"
     # Structure and shapes are exactly the model's own param tree.
