@@ -106,7 +106,7 @@ def _quiet_httpx(*extra: str) -> None:
     """httpx logs every request at INFO (~1,000 lines a step at the papers' batch)."""
     for name in ("httpx", "httpcore", *extra):
         logger = logging.getLogger(name)
-        if logger.getEffectiveLevel() < logging.WARNING or logger.level == logging.NOTSET:
+        if logger.level == logging.NOTSET:  # a level the user set stays
             logger.setLevel(logging.WARNING)
 
 
@@ -244,6 +244,9 @@ def _raw_score(text: str) -> float | None:
     return None
 
 
+OUT_OF_RANGE = ("clamp", "reject")
+
+
 def parse_score(text: str | None, *, out_of_range: str = "clamp") -> tuple[float | None, str]:
     """Score in [1, 10] from a judge reply, and a status: 'ok', 'clamped' or 'unparseable'.
 
@@ -254,7 +257,7 @@ def parse_score(text: str | None, *, out_of_range: str = "clamp") -> tuple[float
     >>> parse_score("The final answer 32 is correct.")
     (None, 'unparseable')
     """
-    if out_of_range not in ("clamp", "reject"):
+    if out_of_range not in OUT_OF_RANGE:
         raise ValueError(f"out_of_range must be 'clamp' or 'reject', got {out_of_range!r}")
     if not text:
         return None, "unparseable"
@@ -790,9 +793,6 @@ class OpenAIJudge:
             self._stats.add("unparseable")
             log.debug("judge reply without a score: %r", (text or "")[:200])
         return value
-
-
-OUT_OF_RANGE = ("clamp", "reject")
 
 
 def check_reward_config(reward: Any) -> None:
