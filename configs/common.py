@@ -60,7 +60,7 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
     return cfg
 
 
-_DATA_KWARGS = {"scores_PxG", "is_anchor_PxG", "rng"}
+_DATA_KWARGS = {"scores_PxG", "is_anchor_PxG", "rng", "group_size"}
 
 
 def hyperparameters(kind: str, name: str | None) -> dict:
@@ -176,6 +176,9 @@ def base() -> ml_collections.ConfigDict:
     c.reward.judge_max_retries = 4
     c.reward.judge_on_missing = "keep"  # keep | drop | fill (gjax.rewards.judge)
     c.reward.judge_fill_score = 5.5
+    c.reward.judge_out_of_range = "clamp"  # clamp | reject: a judge score outside [1, 10]
+    c.reward.judge_max_missing_fraction = 0.5  # a batch with more judge scores missing is bad
+    c.reward.judge_max_missing_steps = 3  # stop after this many bad batches in a row (0: never)
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6
@@ -386,6 +389,15 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
     "reward.judge_fill_score": (
         "score given to unscored samples under 'fill' (judge scale 1-10)",
         Range("[1, 10]"),
+    ),
+    "reward.judge_out_of_range": ("a judge score outside [1, 10]: clamp | reject", None),
+    "reward.judge_max_missing_fraction": (
+        "a batch with a larger fraction of judge scores missing counts as bad",
+        _PROB,
+    ),
+    "reward.judge_max_missing_steps": (
+        "stop the run after this many bad judge batches in a row (0: never)",
+        _NONNEG,
     ),
     "optim.lr": ("peak learning rate (AdamW)", Range("(0, 1]")),
     "optim.warmup_steps": ("steps of linear warmup from 0 to lr", _NONNEG),

@@ -20,6 +20,9 @@ def get_config(arg=None):
     c = common.base()
     c.algo = "cw_grpo"
     c.objective = common.objective("cw_grpo", temperature=0.7)
+    # Sec. 2.3: covariance statistics and the normaliser N = sum_j |o_j| per group of G;
+    # "batch" reads them over the whole update batch instead.
+    c.objective.token_weights_kwargs.scope = "group"
     c.model.path = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
     c.data.source = "knoveleng/open-rs"
     c.data.problem_field = "problem"

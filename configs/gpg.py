@@ -5,7 +5,9 @@ Command (TPU v5p-64 class; the paper used 48 NPUs):
 Setup (GPG App. "Training setting on 7B"): Qwen2.5-Math-7B on the DAPO dataset, 144 prompts
 x G=8 per batch, accuracy reward only, AdamW lr 1e-6 constant, weight decay 0.1,
 beta_th = 0.6 (valid groups are carried over and accumulated until they make up 60% of a
-batch), 1100 steps; no ratio, no clip, no KL (GPG eq. (5)). Expected: GPG Table 1's 7B row.
+batch), 1100 steps; no ratio, no clip, no KL, each group's loss over its own token count
+(GPG eq. (5): objective.aggregation = "group_token_mean"; "token_mean" is one global count).
+Expected: GPG Table 1's 7B row.
 
 Embedded default (2-core CPU, a few minutes):
     python -m gjax.train --config=configs/gpg.py:tiny

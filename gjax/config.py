@@ -329,6 +329,9 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         "reward.judge_on_missing",
         "must be keep|drop|fill",
     )
+    from gjax.rewards.judge import check_reward_config
+
+    check_reward_config(config.reward)  # judge fields; a key pasted as the env name is refused
     _require(
         config.optim.schedule in ("constant", "cosine"), "optim.schedule", "must be constant|cosine"
     )

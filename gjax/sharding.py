@@ -198,6 +198,7 @@ _LAYER_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "v", "kernel"): ("embed", "kv_heads"),
     ("attn", "v", "bias"): ("kv_heads",),
     ("attn", "o", "kernel"): ("q_heads", "embed"),
+    ("attn", "o", "bias"): ("embed",),  # Llama attention_bias only
     ("mlp", "gate", "kernel"): ("embed", "mlp"),
     ("mlp", "up", "kernel"): ("embed", "mlp"),
     ("mlp", "down", "kernel"): ("mlp", "embed"),

@@ -103,12 +103,15 @@ def build_rewards(config, verifier) -> RewardPipeline:
             max_concurrency=r.judge_concurrency,
             timeout_s=r.judge_timeout_s,
             max_retries=r.judge_max_retries,
+            out_of_range=r.judge_out_of_range,
         )
     return RewardPipeline(
         {"reward": reward},
         judge=judge,
         on_missing=config.reward.judge_on_missing,
         fill_value=config.reward.judge_fill_score,
+        max_missing_fraction=config.reward.judge_max_missing_fraction,
+        max_missing_batches=config.reward.judge_max_missing_steps or None,
     )
 
 

@@ -34,6 +34,7 @@ from gjax import sharding
 from gjax.experience import Groups, append_anchors, to_model_inputs
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
+from gjax.objective.aggregation import minibatch_scale_MxB
 from gjax.objective.logprobs import token_logps_BxT
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
 
@@ -174,8 +175,16 @@ def update(
     rows = {k: batch[k] for k in _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS if k in batch}
     rows_M = split_rows(rows, minibatches)
     prep_M = split_rows(prep, minibatches)
-    scale_M = minibatch_weight_scale(prep_M["mask_BxT"], obj_cfg.aggregation)
-    prep_M["weight_BxT"] = prep_M["weight_BxT"] * scale_M[:, None, None]
+    if obj_cfg.aggregation == "group_token_mean":  # per-row: groups straddle minibatches
+        p, g = batch["rewards_PxG"].shape
+        group_MxB = split_rows(jnp.arange(p * g, dtype=jnp.int32) // g, minibatches)
+        prep_M["weight_BxT"] = (
+            prep_M["weight_BxT"]
+            * minibatch_scale_MxB(obj_cfg.aggregation, prep_M["mask_BxT"], group_MxB)[:, :, None]
+        )
+    else:
+        scale_M = minibatch_weight_scale(prep_M["mask_BxT"], obj_cfg.aggregation)
+        prep_M["weight_BxT"] = prep_M["weight_BxT"] * scale_M[:, None, None]
 
     def loss_fn(params, micro):
         mb, mprep = micro
@@ -444,8 +453,6 @@ class Rollout:
             # Per-batch figures only: process-lifetime counters would restart on a resume.
             **{k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"},
         }
-        if groups.scores_PxG is not None and np.isfinite(groups.scores_PxG).any():
-            metrics["judge/score_mean"] = float(np.nanmean(groups.scores_PxG))
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)
 

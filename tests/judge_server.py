@@ -15,6 +15,9 @@ Actions (strings; `|` chains a `sleep:` prefix with a final action):
   "badjson"          200 with a body that is not JSON
   "sleep:0.5|score:7" sleep, then the action (beyond the client's timeout: a slow reply)
 
+Authentication: `JudgeServer(api_key="...")` answers 401 (OpenAI's error body) to every
+request whose `Authorization` header is not `Bearer <api_key>`, before any case applies.
+
 Counters (read under `lock`): `requests`, `per_case`, `inflight`, `max_inflight`, `arrivals`
 (case, monotonic time), `auth_headers`, `bodies`.
 """
@@ -77,7 +80,11 @@ class _Handler(BaseHTTPRequestHandler):
             owner.auth_headers.append(self.headers.get("Authorization"))
             owner.bodies.append(body)
             queue = owner.programs.get(case)
-            if queue:
+            if owner.api_key is not None and (
+                self.headers.get("Authorization") != f"Bearer {owner.api_key}"
+            ):
+                action = "unauthorized"
+            elif queue:
                 action = queue.popleft() if len(queue) > 1 else queue[0]
             else:
                 action = owner.default
@@ -111,6 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             with contextlib.suppress(OSError):
                 self.connection.shutdown(socket.SHUT_RDWR)
+        elif name == "unauthorized":
+            msg = {"error": {"message": "Incorrect API key provided", "code": "invalid_api_key"}}
+            self._send(401, json.dumps(msg).encode())
         elif name == "badjson":
             self._send(200, b"this is not json {")
         else:
@@ -143,8 +153,9 @@ class _Server(ThreadingHTTPServer):
 class JudgeServer:
     """`with JudgeServer() as s: OpenAIJudge(base_url=s.base_url, ...)`."""
 
-    def __init__(self, default: str = "score:5"):
+    def __init__(self, default: str = "score:5", api_key: str | None = None):
         self.default = default
+        self.api_key = api_key
         self.lock = threading.Lock()
         self.programs: dict[str | None, collections.deque[str]] = {}
         self.reset_counters()

@@ -1,6 +1,7 @@
 """HF weights in and out: parity with transformers (PyTorch CPU, test-only) and bad input.
 
-Tiny random Qwen2 (q/k/v bias; tied and untied) and Llama (GQA, Llama-3 rope scaling) models
+Tiny random Qwen2 (q/k/v bias; tied and untied) and Llama (GQA, Llama-3 rope scaling; and
+attention_bias=true, which biases q/k/v/o) models
 are built by transformers itself, saved with `save_pretrained` (single file and sharded with
 an index), loaded by gjax and compared on padded batches; then exported by gjax and loaded
 back by transformers.
@@ -57,6 +58,10 @@ HF_CONFIGS = {
             "high_freq_factor": 4.0,
             "original_max_position_embeddings": 16,
         },
+    ),
+    # attention_bias=true: transformers' Llama puts a bias on q/k/v AND o_proj.
+    "llama_bias": lambda: transformers.LlamaConfig(
+        **_COMMON, tie_word_embeddings=True, attention_bias=True, rope_theta=10000.0
     ),
 }
 
@@ -136,9 +141,11 @@ _forward = jax.jit(T.forward, static_argnums=1, static_argnames="return_logits")
 def test_load_parity_with_transformers(hf_models, name):
     model, single, sharded = hf_models[name]
     cfg, params = hf_io.load_pretrained(single)
-    assert cfg.tie_word_embeddings == (name == "qwen2_tied")
+    assert cfg.tie_word_embeddings == (name in ("qwen2_tied", "llama_bias"))
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
-    assert cfg.attention_bias == name.startswith("qwen2")
+    assert cfg.attention_bias == (name.startswith("qwen2") or name == "llama_bias")
+    assert ("bias" in params["layers"]["attn"]["o"]) == (name == "llama_bias")
+    sharding.param_logical_axes(params)  # every loaded tensor has a sharding rule
     if name == "llama3":
         assert cfg.rope_scaling_dict["rope_type"] == "llama3"
     # Structure and shapes are exactly the model's own param tree.
@@ -464,7 +471,12 @@ def test_save_rejects_params_not_matching_config(hf_models, tmp_path):
 
 
 def test_param_shapes_match_model():
-    for model_type, tie in [("qwen2", True), ("qwen2", False), ("llama", False)]:
+    for model_type, tie, bias in [
+        ("qwen2", True, True),
+        ("qwen2", False, True),
+        ("llama", False, False),
+        ("llama", True, True),
+    ]:
         cfg = ModelConfig(
             model_type=model_type,
             vocab_size=40,
@@ -475,9 +487,10 @@ def test_param_shapes_match_model():
             num_kv_heads=1,
             head_dim=6,
             tie_word_embeddings=tie,
-            attention_bias=model_type == "qwen2",
+            attention_bias=bias,
         )
         shapes = hf_io.param_shapes(cfg)
+        assert ("bias" in shapes["layers"]["attn"]["o"]) == (model_type == "llama" and bias)
         abstract = jax.tree.map(lambda a: a.shape, T.abstract_params(cfg))
         assert shapes == abstract
 

@@ -252,13 +252,114 @@ def test_failure_policy_after_retries_exhausted(server):
 
 def test_client_errors_are_not_retried(server):
     server.program("bad", ["status:400"])
-    server.program("auth", ["status:401"])
     server.program("badjson", ["badjson"])
     judge = _judge(server)
-    assert _score(judge, ["bad", "auth", "badjson"]) == [None, None, None]
+    assert _score(judge, ["bad", "badjson"]) == [None, None]
     assert _counts(judge, "calls", "retries", "failures", "other_errors") == dict(
-        calls=3, retries=0, failures=3, other_errors=3
+        calls=2, retries=0, failures=2, other_errors=2
     )
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_rejected_credentials_raise_at_once(status, caplog):
+    """A wrong key (the server checks the Bearer token) or a 403: `score` raises
+    JudgeAuthError (a user error) after one request per item, and every later call raises
+    without a request; the key never appears in the message or the log."""
+    from gjax.cli import UserError
+    from gjax.rewards.judge import JudgeAuthError
+
+    caplog.set_level(logging.INFO)
+    with JudgeServer(api_key="the-right-key" if status == 401 else None) as server:
+        server.default = f"status:{status}"
+        judge = _judge(server, api_key_env="GJAX_JUDGE_KEY_NAME")
+        with pytest.raises(JudgeAuthError, match=rf"rejected the credentials \(HTTP {status}\)"):
+            _score(judge, ["a", "b", "c"])
+        assert server.requests == 3  # not retried
+        with pytest.raises(JudgeAuthError, match=r"GJAX_JUDGE_KEY_NAME") as err:
+            _score(judge, ["d"])
+        assert server.requests == 3  # no request once the credentials are known bad
+    assert isinstance(err.value, UserError)
+    assert KEY not in str(err.value) and KEY not in caplog.text
+
+
+def test_httpx_request_lines_are_quiet(server, caplog):
+    """httpx logs one INFO line per request unless quieted; the judge quiets it."""
+    caplog.set_level(logging.INFO)
+    judge = _judge(server)
+    assert _score(judge, ["a", "b"]) == [5.0, 5.0]
+    assert server.requests >= 2
+    assert not [r for r in caplog.records if r.name.startswith(("httpx", "httpcore"))]
+
+
+def test_out_of_range_policy_reaches_the_judge_from_the_config(server):
+    from configs import common
+    from gjax.train import build_rewards
+
+    server.program("high", ["score:42"])
+    c = common.base()
+    c.reward.functions = "format"
+    c.reward.judge, c.reward.judge_base_url = "openai", server.base_url
+    for policy, want in (("clamp", 10.0), ("reject", None)):
+        c.reward.judge_out_of_range = policy
+        pipe = build_rewards(c, verifier=None)
+        try:
+            assert pipe.judge.out_of_range == policy
+            assert _score(pipe.judge, ["high"]) == [want]
+        finally:
+            pipe.close()
+
+
+def test_a_key_pasted_as_the_env_name_is_refused_unshown(tmp_path):
+    from configs import common
+    from gjax.config import ConfigError, validate
+
+    with pytest.raises(ValueError, match="NAME of an environment variable") as err:
+        OpenAIJudge(model="m", base_url="http://127.0.0.1:1/v1", api_key_env=KEY)
+    assert KEY not in str(err.value)
+    c = common.tiny(common.base())
+    c.reward.judge_api_key_env = KEY
+    with pytest.raises(ConfigError, match=r"config\.reward\.judge_api_key_env") as err:
+        validate(c, 1)
+    assert KEY not in str(err.value)
+    for name in ("OPENAI_API_KEY", "HF_TOKEN", "MY_JUDGE_KEY_2"):  # real names pass
+        c.reward.judge_api_key_env = name
+        validate(c, 1)
+    c.reward.judge_out_of_range = "wrap"
+    with pytest.raises(ConfigError, match=r"judge_out_of_range"):
+        validate(c, 1)
+
+
+@pytest.mark.slow
+def test_train_refuses_a_pasted_key_before_writing_anything(tmp_path):
+    """`python -m gjax.train` with a key as judge_api_key_env: one paragraph, exit 2, the key
+    neither printed nor written (no config.json)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    wd = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gjax.train",
+            "--config=configs/grpo.py:tiny",
+            f"--workdir={wd}",
+            f"--config.reward.judge_api_key_env={KEY}",
+        ],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "judge_api_key_env" in proc.stderr and "Traceback" not in proc.stderr
+    assert KEY not in proc.stdout + proc.stderr
+    assert not (wd / "config.json").exists()
 
 
 def test_slow_replies_time_out_and_are_retried(server):

@@ -100,6 +100,11 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
         w = mf / jnp.maximum(mf.sum(), 1.0)
     elif cfg.aggregation == "seq_mean_token_mean":
         w = mf / (nseq * jnp.maximum(lens, 1.0))
+    elif cfg.aggregation == "group_token_mean":  # GPG eq. (5), groups = G consecutive rows
+        g = batch["rewards_PxG"].shape[1]
+        n_g = jnp.repeat(lens.reshape(-1, g).sum(1), g)[:, None]
+        ngrp = jnp.maximum((n_g[::g] > 0).sum(), 1.0)
+        w = mf / (ngrp * jnp.maximum(n_g, 1.0))
     else:
         c = t if cfg.aggregation_constant is None else cfg.aggregation_constant
         w = mf / (nseq * c)
@@ -107,7 +112,12 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
     kl_coef = 0.0
     if cfg.token_weights is not None:
         tw = TOKEN_WEIGHTS.get(cfg.token_weights)(
-            old, adv * mf, mf * keep, rng=rng, **dict(cfg.token_weights_kwargs)
+            old,
+            adv * mf,
+            mf * keep,
+            rng=rng,
+            group_size=batch["rewards_PxG"].shape[1],
+            **dict(cfg.token_weights_kwargs),
         )
         adv = adv * tw.w_BxT
         kl_coef = tw.kl_coef_BxT
@@ -451,6 +461,37 @@ def test_gpg_alpha_scales_gradient_with_zero_variance_groups():
     assert float(m["adv/alpha"]) == pytest.approx(alpha)
     assert_close(loss, want_loss, 1e-6)
     assert_close(g_h[0], want, 1e-6)
+
+
+def test_gpg_preset_is_eq5_per_group_token_mean():
+    """GPG eq. (5) by hand on a softmax bandit with unequal group token counts (4 and 3).
+
+    pi = (.1, .2, .3, .4); group 0: rewards (1, 0) -> A = (.5, -.5), |o| = 1, 3; group 1:
+    rewards (0, 1) -> A = (-.5, .5), |o| = 2, 1 (alpha = 1: no zero-variance group). Loss
+    -A log pi(a) per token: group 0 (-.5 ln .4 + .5 (ln .1 + ln .2 + ln .3)) / 4, group 1
+    (.5 * 2 ln .4 - .5 ln .1) / 3, their mean -0.2233146 (one global token mean: -0.2664072).
+    """
+    h = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]]))
+    actions = jnp.array([[3, 0, 0], [0, 1, 2], [3, 3, 0], [0, 0, 0]], jnp.int32)
+    mask = jnp.arange(3)[None, :] < jnp.array([1, 3, 2, 1])[:, None]
+    batch = {
+        "targets_BxT": actions,
+        "loss_mask_BxT": mask,
+        "old_logps_BxT": jnp.log(jnp.array([0.1, 0.2, 0.3, 0.4]))[actions],
+        "rewards_PxG": jnp.array([[1.0, 0.0], [0.0, 1.0]]),
+        "valid_PxG": jnp.ones((2, 2), bool),
+    }
+    hidden = jnp.ones((4, 3, 1))
+    cfg = ObjectiveConfig.preset("gpg")
+    assert cfg.aggregation == "group_token_mean"
+    ln = math.log
+    g0 = (-0.5 * ln(0.4) + 0.5 * (ln(0.1) + ln(0.2) + ln(0.3))) / 4
+    g1 = (0.5 * 2 * ln(0.4) - 0.5 * ln(0.1)) / 3
+    loss, _ = objective(hidden, h, batch, cfg)
+    assert float(loss) == pytest.approx((g0 + g1) / 2, rel=1e-6)
+    assert float(loss) == pytest.approx(-0.2233146, rel=1e-6)
+    loss_tok, _ = objective(hidden, h, batch, cfg.replace(aggregation="token_mean"))
+    assert float(loss_tok) == pytest.approx(-0.2664072, rel=1e-6)
 
 
 @pytest.mark.parametrize("cfg_name", ["grpo", "a_grae"])

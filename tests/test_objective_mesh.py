@@ -67,7 +67,8 @@ def _value_and_grad(hidden, head, batch, cfg):
 @pytest.mark.parametrize(
     "preset,overrides",
     [
-        ("gpg", {}),  # token_mean; GPG alpha over the global batch
+        ("gpg", {}),  # group_token_mean (GPG eq. (5)); GPG alpha over the global batch
+        ("cw_grpo", {"kl_beta": 0.0}),  # CW weights: statistics per group
         ("grpo", {"entropy_coef": 0.01}),  # seq_mean_token_mean, k3 KL
         ("dr_grpo", {"aggregation_constant": 6.0}),  # seq_mean_token_sum_norm
     ],

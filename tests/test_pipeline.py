@@ -13,7 +13,12 @@ import numpy as np
 import pytest
 
 from gjax.rewards.judge import OpenAIJudge
-from gjax.rewards.pipeline import PipelineResult, RewardPipeline, RewardPipelineError
+from gjax.rewards.pipeline import (
+    JudgeUnavailableError,
+    PipelineResult,
+    RewardPipeline,
+    RewardPipelineError,
+)
 from tests.judge_server import JudgeServer
 
 B = 4
@@ -345,3 +350,56 @@ def test_end_to_end_verifier_and_openai_judge_overlap_device():
     assert res.metrics["judge/calls"] == 4 and server.requests == 4
     # (Ordering/overlap is asserted deterministically in test_rewards_overlap_device_work.)
     assert 0 <= res.metrics["rewards/overlap_frac"] <= 1
+
+
+def _openai_judge(server, **kw):
+    args = dict(model="judge", base_url=server.base_url, api_key="k", max_retries=0, timeout_s=5)
+    return OpenAIJudge(**{**args, **kw})
+
+
+def test_rejected_judge_credentials_stop_at_once():
+    """HTTP 401 from the judge (a wrong key): the first batch's result() raises JudgeAuthError,
+    even with fail_fast_first_call=False, instead of training on filled-in scores."""
+    from gjax.rewards.judge import JudgeAuthError
+
+    with JudgeServer(api_key="right") as server:
+        judge = _openai_judge(server, api_key="wrong")
+        with RewardPipeline({"acc": exact_match}, judge=judge, fail_fast_first_call=False) as pipe:
+            handle = pipe.submit(PROMPTS, COMPLETIONS, ANSWERS, REFS)
+            with pytest.raises(JudgeAuthError, match=r"rejected the credentials \(HTTP 401\)"):
+                handle.result(timeout=60)
+            with pytest.raises(JudgeAuthError):  # the handle keeps its error
+                handle.result()
+
+
+def test_score_metrics_count_real_scores_and_a_silent_judge_stops_the_run():
+    """judge/score_mean averages the scores that arrived (filled ones are counted apart); a
+    judge missing more than max_missing_fraction of its scores for max_missing_batches
+    batches in a row stops the run; one good batch resets the count."""
+    with JudgeServer() as server:
+        server.program("up", ["score:3"])
+        server.program("down", ["status:500"])
+        judge = _openai_judge(server)
+        pipe = RewardPipeline(
+            {"acc": exact_match},
+            judge=judge,
+            on_missing="keep",
+            max_missing_fraction=0.5,
+            max_missing_batches=2,
+        )
+        with pipe:
+
+            def batch(cases, tag):
+                qs = [f"<<case:{c}>> q" for c in cases]
+                comps = [f"{c} {tag}" for c in COMPLETIONS]  # fresh items: no cache hits
+                return pipe.submit(PROMPTS, comps, ANSWERS, REFS, questions=qs).result(60)
+
+            res = batch(["up", "down", "down", "down"], 0)  # 3/4 missing: bad batch 1
+            m = res.metrics
+            assert m["judge/score_mean"] == 3.0  # not pulled up by the filled-in 10s and 1s
+            assert (m["judge/scored"], m["judge/missing"], m["judge/filled"]) == (1, 3, 3)
+            res = batch(["up", "up", "down", "down"], 1)  # 1/2 missing: not above the bound
+            assert res.metrics["judge/score_mean"] == 3.0
+            batch(["down"] * 4, 2)  # bad batch 1 again
+            with pytest.raises(JudgeUnavailableError, match=r"2 consecutive batches"):
+                batch(["down"] * 4, 3)

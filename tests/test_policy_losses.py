@@ -153,8 +153,47 @@ def test_aggregation_weights_golden():
 
 @pytest.mark.parametrize("mode", agg.AGGREGATIONS.names())
 def test_all_masked_aggregation_is_zero_not_nan(mode):
-    w = agg.aggregation_weights(mode, jnp.zeros((2, 3)), jnp.ones((2,), bool))
+    w = agg.aggregation_weights(
+        mode, jnp.zeros((2, 3)), jnp.ones((2,), bool), group_B=jnp.array([0, 0])
+    )
     assert np.array_equal(w, np.zeros((2, 3)))
+
+
+def test_group_token_mean_is_gpg_eq5_by_hand():
+    """GPG eq. (5): each group's token sum over ITS token count, then the mean over groups.
+
+    Group 0: |o| = 1, 3 (N_0 = 4); group 1: |o| = 2, 1 (N_1 = 3). Per-token losses are
+    constant per sequence: 2 | -1 || 1 | 0.5. Eq. (5): ((2 - 3) / 4 + (2 + 0.5) / 3) / 2
+    = (-0.25 + 0.8333...) / 2 = 0.2916...; one global token mean: (-1 + 2.5) / 7 = 0.2142...
+    """
+    mask = jnp.arange(3)[None, :] < jnp.array([1, 3, 2, 1])[:, None]
+    ell = _f([[2.0], [-1.0], [1.0], [0.5]]) * jnp.ones((1, 3))
+    w = agg.aggregation_weights("group_token_mean", mask, group_B=jnp.array([0, 0, 1, 1]))
+    np.testing.assert_allclose(w, mask * _f([[1 / 8], [1 / 8], [1 / 6], [1 / 6]]), rtol=1e-7)
+    np.testing.assert_allclose(jnp.sum(w * ell), (-0.25 + 2.5 / 3) / 2, rtol=1e-6)
+    np.testing.assert_allclose(jnp.sum(w * ell), 0.2916667, rtol=1e-6)
+    tok = agg.aggregation_weights("token_mean", mask)
+    np.testing.assert_allclose(jnp.sum(tok * ell), 1.5 / 7, rtol=1e-6)
+    # Labels are names only; an uncounted sequence leaves its group's count; an emptied group
+    # leaves the mean over groups.
+    w2 = agg.aggregation_weights("group_token_mean", mask, group_B=jnp.array([9, 9, 4, 4]))
+    np.testing.assert_array_equal(w2, w)
+    w3 = agg.aggregation_weights(
+        "group_token_mean",
+        mask,
+        jnp.array([True, False, True, True]),
+        group_B=jnp.array([0, 0, 1, 1]),
+    )
+    np.testing.assert_allclose(w3, mask * _f([[1 / 2], [0], [1 / 6], [1 / 6]]), rtol=1e-7)
+    w4 = agg.aggregation_weights(
+        "group_token_mean",
+        mask,
+        jnp.array([False, False, True, True]),
+        group_B=jnp.array([0, 0, 1, 1]),
+    )
+    np.testing.assert_allclose(w4, mask * _f([[0], [0], [1 / 3], [1 / 3]]), rtol=1e-7)
+    with pytest.raises(ValueError, match="group_B"):
+        agg.aggregation_weights("group_token_mean", mask)
 
 
 def test_aggregation_bad_input():

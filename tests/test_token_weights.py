@@ -41,6 +41,94 @@ def test_cw_gaussian_golden_with_padding():
     assert float(jnp.abs(out.kl_coef_BxT).sum()) == 0.0
 
 
+# Two groups of G = 2 (T = 2, 9 marks padding). Group 0: logp (0, -1 | -2), A (1, 1 | -1);
+# group 1: logp (-3, -3 | -1), A (.5, .5 | -.5).
+CW_LP = jnp.asarray([[0.0, -1.0], [-2.0, 9.0], [-3.0, -3.0], [-1.0, 9.0]])
+CW_ADV = jnp.asarray([1.0, -1.0, 0.5, -0.5])
+CW_MASK = jnp.asarray([[1, 1], [1, 0], [1, 1], [1, 0]])
+
+
+def test_cw_gaussian_per_group_golden():
+    """CW-GRPO Sec. 2.3 per group (N = sum_{j=1..G} |o_j|), by hand.
+
+    Group 0: mean logp -1, mean A 1/3; c = (1 * 2/3, 0, -1 * -4/3) = (2/3, 0, 4/3); mean 2/3,
+    sigma^2 = 8/27, so c^2 / (2 sigma^2) = (3/4, 0, 3) and w~ = 3 (e^-.75, 1, e^-3) / S0 with
+    S0 = 1 + e^-.75 + e^-3. Group 1: mean logp -7/3, mean A 1/6; c = (-2/9, -2/9, -8/9),
+    sigma^2 = 8/81, exponents (1/4, 1/4, 4): w~ = 3 (e^-.25, e^-.25, e^-4) / S1.
+    """
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(CW_LP, CW_ADV, CW_MASK, group_size=2)
+    e = math.exp
+    s0, s1 = 1 + e(-0.75) + e(-3), 2 * e(-0.25) + e(-4)
+    want = [
+        [3 * e(-0.75) / s0, 3 / s0],  # 0.93098, 1.97089
+        [3 * e(-3) / s0, 0.0],  # 0.09812
+        [3 * e(-0.25) / s1, 3 * e(-0.25) / s1],  # 1.48257
+        [3 * e(-4) / s1, 0.0],  # 0.03487
+    ]
+    np.testing.assert_allclose(out.w_BxT, want, rtol=1e-6)
+    w = np.asarray(out.w_BxT)
+    assert w[:2].sum() / 3 == pytest.approx(1.0, rel=1e-6)  # mean 1 in EACH group
+    assert w[2:].sum() / 3 == pytest.approx(1.0, rel=1e-6)
+    assert float(out.metrics["cov_std"]) == pytest.approx(
+        (math.sqrt(8 / 27) + math.sqrt(8 / 81)) / 2, rel=1e-6
+    )
+
+
+def test_cw_gaussian_batch_scope_is_the_whole_batch():
+    """scope='batch' (the batch-wide reading): one set of statistics over all 6 tokens, so the
+    groups' mean weights differ from 1 (0.804 and 1.196 here)."""
+    out = TOKEN_WEIGHTS.get("cw_gaussian")(CW_LP, CW_ADV, CW_MASK, group_size=2, scope="batch")
+    lp = np.array([0, -1, -2, -3, -3, -1.0])
+    a = np.array([1, 1, -1, 0.5, 0.5, -0.5])
+    c = (lp - lp.mean()) * (a - a.mean())
+    w = np.exp(-(c**2) / (2 * c.var()))
+    w = w * 6 / w.sum()
+    got = np.asarray(out.w_BxT)[np.asarray(CW_MASK) > 0]
+    np.testing.assert_allclose(got, w, rtol=1e-6)
+    assert got[:3].mean() == pytest.approx(0.8039487, rel=1e-6)
+    assert got[3:].mean() == pytest.approx(1.1960513, rel=1e-6)
+    # No group_size: the whole batch is one group, whatever the scope.
+    one = TOKEN_WEIGHTS.get("cw_gaussian")(CW_LP, CW_ADV, CW_MASK)
+    np.testing.assert_array_equal(one.w_BxT, out.w_BxT)
+    with pytest.raises(ValueError, match="scope"):
+        TOKEN_WEIGHTS.get("cw_gaussian")(CW_LP, CW_ADV, CW_MASK, scope="prompt")
+    with pytest.raises(ValueError, match="group_size"):
+        TOKEN_WEIGHTS.get("cw_gaussian")(CW_LP, CW_ADV, CW_MASK, group_size=3)
+
+
+def test_cw_grpo_preset_and_config_weight_per_group():
+    """The cw_grpo objective (and configs/cw_grpo.py) default to the paper's per-group scope:
+    prepare on two groups gives mean weight 1 in each; scope='batch' does not."""
+    from configs import cw_grpo
+    from gjax.objective.objective import ObjectiveConfig, prepare
+
+    assert cw_grpo.get_config().objective.token_weights_kwargs.scope == "group"
+    rng = np.random.default_rng(0)
+    lengths = np.array([2, 6, 3, 5, 6, 6, 1, 4])
+    batch = {
+        "targets_BxT": jnp.zeros((8, 6), jnp.int32),
+        "loss_mask_BxT": jnp.asarray(np.arange(6)[None, :] < lengths[:, None]),
+        "old_logps_BxT": jnp.asarray(-rng.exponential(1.5, (8, 6)), jnp.float32),
+        "rewards_PxG": jnp.array([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]]),
+        "valid_PxG": jnp.ones((2, 4), bool),
+    }
+    for scope, per_group in (("group", True), ("batch", False)):
+        cfg = ObjectiveConfig.preset("cw_grpo", kl_beta=0.0)
+        if scope == "batch":
+            cfg = cfg.replace(token_weights_kwargs={"scope": "batch"})
+        prep, _ = prepare(batch, cfg)
+        plain, _ = prepare(batch, cfg.replace(token_weights=None, token_weights_kwargs=()))
+        m = np.asarray(prep["mask_BxT"]) > 0
+        w = np.asarray(prep["adv_BxT"])[m] / np.asarray(plain["adv_BxT"])[m]
+        g = np.repeat(np.arange(2), 4)[:, None].repeat(6, 1)[m]
+        means = [w[g == k].mean() for k in range(2)]
+        if per_group:
+            np.testing.assert_allclose(means, [1.0, 1.0], rtol=1e-5)
+        else:
+            assert w.mean() == pytest.approx(1.0, rel=1e-5)
+            assert abs(means[0] - 1.0) > 1e-2
+
+
 def test_cw_mean_one_and_extreme_covariance_smallest():
     lp, adv, mask = _random_batch(1)
     out = TOKEN_WEIGHTS.get("cw_gaussian")(lp, adv, mask)

@@ -209,3 +209,45 @@ def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
         timeout=600,
     )
     assert proc.returncode != 0 and "is not writable" in proc.stderr
+
+
+def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
+    """DaGRPO against a real HTTP judge on 127.0.0.1. (1) Every request fails (HTTP 500): the
+    first steps train on substituted scores, which the metrics say (score_mean over real scores
+    only: 0; all filled), and the third bad batch in a row stops the run. (2) A wrong key
+    (HTTP 401): the first step stops the run. Both: one paragraph, exit 2, no traceback."""
+    from tests.judge_server import JudgeServer
+
+    with JudgeServer(default="status:500", api_key="right-key") as server:
+        judge = [
+            "--config.reward.judge=openai",
+            f"--config.reward.judge_base_url={server.base_url}",
+            "--config.reward.judge_api_key_env=GJAX_E2E_JUDGE_KEY",
+            "--config.reward.judge_max_retries=0",
+            "--config.reward.judge_max_missing_steps=3",
+            "--config.train.steps=4",
+        ]
+        results = {}
+        for name, key in (("down", "right-key"), ("wrong_key", "wrong-key")):
+            wd = tmp_path / name
+            results[name] = subprocess.run(
+                command("configs/dagrpo.py:tiny", wd, *judge),
+                env={**env, "GJAX_E2E_JUDGE_KEY": key},
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
+    down, wrong = results["down"], results["wrong_key"]
+    assert down.returncode == 2, down.stderr[-4000:]
+    assert "3 consecutive batches" in down.stderr and "Traceback" not in down.stderr
+    first = rows(tmp_path / "down")[0]
+    assert first["step"] == 1
+    assert first["judge/score_mean"] == 0.0 and first["judge/scored"] == 0
+    assert first["judge/filled"] == 16  # 4 prompts x G = 4, all kept on substituted scores
+    assert wrong.returncode == 2, wrong.stderr[-4000:]
+    assert "rejected the credentials (HTTP 401)" in wrong.stderr
+    assert "Traceback" not in wrong.stderr and "wrong-key" not in wrong.stderr
+    assert not os.path.exists(tmp_path / "wrong_key" / "metrics.jsonl") or not rows(
+        tmp_path / "wrong_key"
+    )

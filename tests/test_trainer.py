@@ -108,7 +108,8 @@ def test_microbatching_does_not_change_the_update(preset):
 
 
 @pytest.mark.parametrize(
-    "aggregation", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+    "aggregation",
+    ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_token_mean"],
 )
 def test_each_minibatch_is_normalized_on_its_own(aggregation):
     """Two minibatches = two updates whose losses equal the objective on each half alone."""
@@ -123,8 +124,9 @@ def test_each_minibatch_is_normalized_on_its_own(aggregation):
         rows = {k: v[m::2] for k, v in batch.items() if k.endswith(("_BxS", "_BxT"))}
         sub_prep = {k: v[m::2] for k, v in prep.items()}
         mask = sub_prep["mask_BxT"]
+        group_B = (jnp.arange(16) // 4)[m::2]  # a group's rows in this half are its group here
         sub_prep["weight_BxT"] = obj.AGGREGATIONS.get(aggregation)(
-            mask, constant=oc.aggregation_constant
+            mask, constant=oc.aggregation_constant, group_B=group_B
         ) * (sub_prep["weight_BxT"] > 0)
         from gjax.models.transformer import lm_head_kernel
         from gjax.trainer import completion_hidden

@@ -8,6 +8,8 @@ import os
 import pathlib
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -466,3 +468,83 @@ def test_inside_a_child_process():
             assert got == expected
         else:
             assert got[0] == "error" and "daemonic process" in got[1], got
+
+
+_OWNER_SCRIPT = r"""
+import sys
+from gjax.rewards.verifier import Verifier
+
+if __name__ == "__main__":
+    v = Verifier(num_workers=1, timeout_s=600.0, start_method=sys.argv[1])
+    print(v.worker_pids()[0], flush=True)
+    v.score([r"\boxed{9^{9^{9^9}}}"], ["1"])  # hours of SymPy: the owner is killed first
+"""
+
+
+def _cpu_ticks(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_workers_die_with_their_owner(tmp_path):
+    """An owner SIGKILLed while its worker scores 9^{9^{9^9}}: the worker (and the forkserver)
+    are gone within seconds, not after minutes of CPU; the item ran under an RLIMIT_CPU."""
+    from gjax.rewards.verifier import _pid_alive
+
+    script = tmp_path / "owner.py"
+    script.write_text(_OWNER_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    owner = subprocess.Popen(
+        [sys.executable, str(script), "forkserver"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    worker = None
+    try:
+        worker = int(owner.stdout.readline())
+        with open(f"/proc/{worker}/stat") as f:
+            forkserver = int(f.read().rsplit(")", 1)[1].split()[1])
+        start = _cpu_ticks(worker)
+        deadline = time.monotonic() + 60
+        while _cpu_ticks(worker) - start < 20 and time.monotonic() < deadline:  # busy on it
+            time.sleep(0.05)
+        with open(f"/proc/{worker}/limits") as f:
+            cpu = next(line for line in f if line.startswith("Max cpu time")).split()
+        assert cpu[3] != "unlimited" and int(cpu[3]) <= 600 + 10 + 60, cpu  # soft limit set
+        owner.kill()
+        owner.wait()
+        t0 = time.monotonic()
+        while (_pid_alive(worker) or _pid_alive(forkserver)) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert not _pid_alive(worker), "verifier worker outlived its owner"
+        assert not _pid_alive(forkserver), "forkserver outlived its owner"
+    finally:
+        owner.kill()
+        owner.wait()
+        if worker is not None and _pid_alive(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_CPU semantics")
+def test_cpu_limit_ends_a_runaway_item_without_the_parent():
+    """The RLIMIT_CPU backstop: a worker whose parent never kills it (here: nobody reads its
+    pipe) dies of SIGXCPU about timeout_s + cpu_slack_s CPU seconds into the item."""
+    import multiprocessing
+
+    from gjax.rewards import verifier as vmod
+
+    ctx = multiprocessing.get_context("forkserver")
+    parent, child = ctx.Pipe(duplex=True)
+    cfg = VerifierConfig(timeout_s=1.0, cpu_slack_s=0.0)
+    proc = ctx.Process(target=vmod._worker_main, args=(child, cfg, os.getpid()), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(120) and parent.recv() == ("ready", None)
+        parent.send((r"\boxed{9^{9^{9^9}}}", "1"))
+        proc.join(timeout=60)
+        assert proc.exitcode == -signal.SIGXCPU
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()

@@ -47,7 +47,7 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2: True)
+    attention_bias: bool = False  # q/k/v bias (Qwen2: True); Llama: q/k/v/o (see o_bias)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -192,6 +192,11 @@ class ModelConfig:
             raise FileNotFoundError(f"no config.json in checkpoint directory {path}")
         with open(config_path) as f:
             return cls.from_hf(json.load(f), **overrides)
+
+    @property
+    def o_bias(self) -> bool:
+        """transformers' Llama puts `attention_bias` on o_proj too; Qwen2's o_proj has none."""
+        return self.model_type == "llama" and self.attention_bias
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict for this architecture (loadable by transformers 5.x)."""

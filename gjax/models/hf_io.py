@@ -23,6 +23,7 @@ HF name map (`model.layers.{l}.` prefix for per-layer tensors):
     layers/attn/{q,k,v}/kernel self_attn.{q,k,v}_proj.weight      [out, in] -> transposed
     layers/attn/{q,k,v}/bias  self_attn.{q,k,v}_proj.bias         (attention_bias only)
     layers/attn/o/kernel      self_attn.o_proj.weight             transposed
+    layers/attn/o/bias        self_attn.o_proj.bias               (Llama attention_bias only)
     layers/post_attn_norm/scale post_attention_layernorm.weight
     layers/mlp/{gate,up,down}/kernel mlp.{gate,up,down}_proj.weight transposed
     final_norm/scale          model.norm.weight
@@ -76,6 +77,7 @@ _LAYER_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
     ("attn", "v", "kernel"): ("self_attn.v_proj.weight", True),
     ("attn", "v", "bias"): ("self_attn.v_proj.bias", False),
     ("attn", "o", "kernel"): ("self_attn.o_proj.weight", True),
+    ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
     ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", False),
     ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
     ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
@@ -124,6 +126,8 @@ def param_shapes(cfg: ModelConfig) -> Params:
         attn["q"]["bias"] = (n, q)
         attn["k"]["bias"] = (n, kv)
         attn["v"]["bias"] = (n, kv)
+    if cfg.o_bias:
+        attn["o"]["bias"] = (n, d)
     shapes: Params = {
         "embed": {"embedding": (v, d)},
         "layers": {

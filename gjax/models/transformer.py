@@ -1,7 +1,7 @@
 """The policy: a decoder-only transformer covering HF `Qwen2ForCausalLM` and `LlamaForCausalLM`.
 
 Architecture (both families): token embedding -> L x [RMSNorm -> GQA self-attention with RoPE
-(q/k/v bias when `attention_bias`) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
+(q/k/v bias when `attention_bias`, o too for Llama) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
 final RMSNorm -> LM head (tied to the embedding or not).
 
     rms_norm(x) = x / sqrt(mean(x^2) + eps) * scale                 (computed in f32)
@@ -202,7 +202,7 @@ class Attention(nn.Module):
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         out = dot_attention(q, key, val, mask_BxTxT).reshape(b, t, h * dh)
         out = nn.with_logical_constraint(out, ("batch", "length", "q_heads"))
-        return Linear(cfg, cfg.hidden_size, ("q_heads", "embed"), name="o")(out)
+        return Linear(cfg, cfg.hidden_size, ("q_heads", "embed"), cfg.o_bias, name="o")(out)
 
 
 class MLP(nn.Module):
@@ -431,6 +431,8 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
         }
         if cfg.attention_bias:
             layer["qkv_bias"] = jnp.concatenate([attn[n]["bias"] for n in "qkv"]).astype(dtype)
+        if cfg.o_bias:
+            layer["o_bias"] = attn["o"]["bias"].astype(dtype)
         out.append(layer)
     return out
 
@@ -511,7 +513,8 @@ def decode_step(
         out = from_prefix_layout(jnp.einsum("pkqs,pksd->pkqd", e_pre.astype(dtype), prefix_v[i]))
         out = out + jnp.einsum("bkrn,bknd->bkrd", e_own.astype(dtype), cache_v[i])
         out = (out / denom[..., None].astype(dtype)).reshape(b_, h_ * dh)
-        x = x + jnp.dot(out, lp["o"])
+        o = jnp.dot(out, lp["o"])
+        x = x + (o + lp["o_bias"] if "o_bias" in lp else o)
         h = rms_norm(x, lp["post_attn_norm"], eps)
         gate_up = jnp.dot(h, lp["gate_up"])
         f_ = gate_up.shape[-1] // 2

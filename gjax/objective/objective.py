@@ -195,9 +195,9 @@ def _presets() -> dict[str, ObjectiveConfig]:
         # over the global batch, no KL. Dynamic sampling / overlong shaping live in the loop.
         "dapo": c(advantage="dapo", eps_high=0.28, aggregation="token_mean"),
         # GPG (Chu et al.) eqs. (5)-(8): -logp * A, A = alpha (r - mean) (F_norm = 1, alpha
-        # folded into A by the estimator), no ratio / clip / KL. Eq. (5) is a per-group token
-        # mean; we use the global token mean (equal for equal group token counts).
-        "gpg": c(advantage="gpg", policy_loss="pg", aggregation="token_mean"),
+        # folded into A by the estimator), no ratio / clip / KL; eq. (5) divides each group's
+        # token sum by the group's token count (aggregation='token_mean': one global count).
+        "gpg": c(advantage="gpg", policy_loss="pg", aggregation="group_token_mean"),
         # A-GRAE Sec. 5.1 on GRPO: DDAS (eq. (12)) + ASS (eq. (13)) with alpha = 1 (math).
         "a_grae": c(
             advantage="a_grae",
@@ -210,7 +210,8 @@ def _presets() -> dict[str, ObjectiveConfig]:
             advantage_kwargs={"delta": 3.0, "scale": "none"},
             aggregation="seq_mean_token_sum_norm",
         ),
-        # CW-GRPO Sec. 2.3: GRPO with Gaussian covariance weights on the advantage.
+        # CW-GRPO Sec. 2.3: GRPO with Gaussian covariance weights on the advantage, statistics
+        # and normaliser per group (token_weights_kwargs={'scope': 'batch'}: over the batch).
         "cw_grpo": c(advantage="grpo", token_weights="cw_gaussian", kl_beta=0.04),
         # GSPO (Zheng et al. 2025): sequence-level ratio, clip range (3e-4, 4e-4), no KL.
         "gspo": c(advantage="grpo", policy_loss="gspo", eps_low=3e-4, eps_high=4e-4),
@@ -314,8 +315,13 @@ def prepare(
     loss_mask_BxT = batch["loss_mask_BxT"]
     loss_mask_BxT = loss_mask_BxT if loss_mask_BxT.dtype == bool else loss_mask_BxT != 0
     mask_BxT = (loss_mask_BxT & counted_B[:, None]).astype(jnp.float32)
+    group_B = jnp.arange(b, dtype=jnp.int32) // g  # prompt-major: row b is in group b // G
     agg_BxT = aggregation_weights(
-        cfg.aggregation, loss_mask_BxT, counted_B, constant=cfg.aggregation_constant
+        cfg.aggregation,
+        loss_mask_BxT,
+        counted_B,
+        constant=cfg.aggregation_constant,
+        group_B=group_B,
     )
     weight_BxT = agg_BxT * keep_B[:, None].astype(jnp.float32)
     adv_BxT = jnp.broadcast_to(adv_B[:, None], (b, t)) * mask_BxT
@@ -328,7 +334,12 @@ def prepare(
         if cfg.token_weights == "clip_cov" and rng is None:
             raise ValueError("token_weights='clip_cov' picks random tokens: pass rng=<jax key>")
         tw = TOKEN_WEIGHTS.get(cfg.token_weights)(
-            old_BxT, adv_BxT, tw_mask_BxT, rng=rng, **dict(cfg.token_weights_kwargs)
+            old_BxT,
+            adv_BxT,
+            tw_mask_BxT,
+            rng=rng,
+            group_size=g,
+            **dict(cfg.token_weights_kwargs),
         )
         adv_BxT = adv_BxT * jax.lax.stop_gradient(tw.w_BxT)
         if cfg.token_weights == "kl_cov":

@@ -22,11 +22,14 @@ Sec. 2.3)::
 
     c_t = (logp_t - mean(logp)) * (A_t - mean(A))
 
-where both means run over ALL valid tokens of the global batch (token-weighted: a long response
-contributes more tokens). CW-GRPO writes the means "over responses" with the normaliser
-N = sum_j |o_j|; we take the whole update batch, as Cui et al.'s reference Clip-Cov/KL-Cov do
-(their covariance is a masked mean over the batch's response tokens). Under ``jit`` with sharded
-arrays these reductions are global (GSPMD).
+where both means run over valid tokens (token-weighted: a long response contributes more
+tokens). CW-GRPO's means run over the G responses of one group with the normaliser
+N = sum_{j=1..G} |o_j| (Sec. 2.3), so ``cw_gaussian`` computes its statistics and its
+normaliser per group by default (``scope='group'``; ``'batch'`` takes the whole update batch).
+Clip-Cov/KL-Cov take the whole batch, as Cui et al.'s reference code does (a masked mean over
+the batch's response tokens). ``group_size`` (G, rows per group in the prompt-major batch) is
+passed by ``prepare``; None means one group, the whole batch. Under ``jit`` with sharded arrays
+these reductions are global (GSPMD).
 """
 
 from __future__ import annotations
@@ -125,38 +128,68 @@ def _rank(key_N):
 
 
 @TOKEN_WEIGHTS.register("none")
-def none(logps_BxT, adv_BxT, loss_mask_BxT, *, rng=None) -> TokenWeightOutput:
+def none(logps_BxT, adv_BxT, loss_mask_BxT, *, rng=None, group_size=None) -> TokenWeightOutput:
     """Plain GRPO: weight 1 on valid tokens, 0 on padding; no KL-Cov term."""
     _, _, valid, nonfinite = _check("none", logps_BxT, adv_BxT, loss_mask_BxT)
     w = valid.astype(jnp.float32)
     return _out(w, jnp.zeros_like(w), _weight_metrics(w, valid, nonfinite))
 
 
+CW_SCOPES = ("group", "batch")
+
+
+def _rows_of(x_BxT, rows):
+    """[B, T] -> [rows, B*T/rows]: each row one group's tokens (prompt-major batch)."""
+    return x_BxT.reshape(rows, -1)
+
+
 @TOKEN_WEIGHTS.register("cw_gaussian")
-def cw_gaussian(logps_BxT, adv_BxT, loss_mask_BxT, *, rng=None) -> TokenWeightOutput:
+def cw_gaussian(
+    logps_BxT, adv_BxT, loss_mask_BxT, *, rng=None, group_size=None, scope: str = "group"
+) -> TokenWeightOutput:
     """CW-GRPO (Sec. 2.3) Gaussian-kernel advantage weights.
 
-    ``c_t`` the token covariance (module docstring), ``sigma = std(c)`` (population std over
-    valid tokens), ``w_t = exp(-c_t^2 / (2 sigma^2))`` and ``w~_t = w_t * N / sum_valid w`` so the
-    mean weight over the N valid tokens is 1; padding gets 0. Tokens with extreme |c| get the
-    smallest weights. The exponent is shifted by its max before ``exp`` (cancels in the
-    normalisation) so weights never underflow to an all-zero 0/0. ``sigma = 0`` (all c equal)
-    gives w = 1 on every valid token. No hyperparameters.
-    metrics: ``w_min``/``w_mean``/``w_max`` over valid tokens, ``cov_mean``, ``cov_std``.
+    Per group (``scope='group'``, the paper) or over the whole batch (``'batch'``): ``c_t`` the
+    token covariance (module docstring), ``sigma = std(c)`` (population std over the valid
+    tokens), ``w_t = exp(-c_t^2 / (2 sigma^2))`` and ``w~_t = w_t * N / sum_valid w`` with N the
+    number of valid tokens (``N = sum_{j=1..G} |o_j|`` per group), so the mean weight is 1 in
+    every group (over the batch with ``'batch'``); padding gets 0. Tokens with extreme |c| get
+    the smallest weights. The exponent is shifted by its max before ``exp`` (cancels in the
+    normalisation) so weights never underflow to an all-zero 0/0. ``sigma = 0`` (all c equal,
+    e.g. a group with one reward) gives w = 1 on its valid tokens.
+    metrics: ``w_min``/``w_mean``/``w_max`` over valid tokens, ``cov_mean`` (over valid tokens),
+    ``cov_std`` (sigma, averaged over the groups with valid tokens).
     """
+    if scope not in CW_SCOPES:
+        raise ValueError(f"cw_gaussian: scope must be one of {CW_SCOPES}, got {scope!r}")
     logps, adv, valid, nonfinite = _check("cw_gaussian", logps_BxT, adv_BxT, loss_mask_BxT)
-    c = token_covariance(logps, adv, valid)
-    c_mean = _masked_mean(c, valid)
-    sigma = jnp.sqrt(_masked_mean((c - c_mean) ** 2, valid))
+    b = logps.shape[0]
+    if group_size is not None and (group_size < 1 or b % group_size):
+        raise ValueError(f"cw_gaussian: group_size {group_size} does not divide B = {b}")
+    rows = b // group_size if scope == "group" and group_size is not None else 1
+    lp, a, v = (_rows_of(x, rows) for x in (logps, adv, valid))  # [K, N]: K groups
+
+    def mean(x):  # masked mean along each group, [K, 1]
+        return jnp.sum(jnp.where(v, x, 0.0), 1, keepdims=True) / jnp.maximum(
+            jnp.sum(v, 1, keepdims=True), 1
+        )
+
+    c = jnp.where(v, (lp - mean(lp)) * (a - mean(a)), 0.0)
+    sigma = jnp.sqrt(mean((c - mean(c)) ** 2))
     z = jnp.where(sigma > 0, -(c**2) / (2.0 * jnp.where(sigma > 0, sigma, 1.0) ** 2), 0.0)
-    z = jnp.where(valid, z, 0.0)
-    z_max = jnp.max(jnp.where(valid, z, -jnp.inf))
+    z = jnp.where(v, z, 0.0)
+    z_max = jnp.max(jnp.where(v, z, -jnp.inf), 1, keepdims=True)
     z_max = jnp.where(jnp.isfinite(z_max), z_max, 0.0)
-    w = jnp.where(valid, jnp.exp(z - z_max), 0.0)
-    n = jnp.sum(valid).astype(jnp.float32)
-    w = w * (n / jnp.maximum(jnp.sum(w), 1e-30))
+    w = jnp.where(v, jnp.exp(z - z_max), 0.0)
+    n = jnp.sum(v, 1, keepdims=True).astype(jnp.float32)
+    w = (w * (n / jnp.maximum(jnp.sum(w, 1, keepdims=True), 1e-30))).reshape(valid.shape)
+    has = n[:, 0] > 0
+    cov_std = jnp.sum(jnp.where(has, sigma[:, 0], 0.0)) / jnp.maximum(jnp.sum(has), 1)
+    c_mean = _masked_mean(c.reshape(valid.shape), valid)
     return _out(
-        w, jnp.zeros_like(w), _weight_metrics(w, valid, nonfinite, cov_mean=c_mean, cov_std=sigma)
+        w,
+        jnp.zeros_like(w),
+        _weight_metrics(w, valid, nonfinite, cov_mean=c_mean, cov_std=cov_std),
     )
 
 
@@ -167,6 +200,7 @@ def clip_cov(
     loss_mask_BxT,
     *,
     rng=None,
+    group_size=None,
     ratio: float = 2e-4,
     omega_low: float = 1.0,
     omega_high: float = 5.0,
@@ -218,6 +252,7 @@ def kl_cov(
     loss_mask_BxT,
     *,
     rng=None,
+    group_size=None,
     ratio: float = 2e-3,
     kl_coef: float = 1.0,
 ) -> TokenWeightOutput:

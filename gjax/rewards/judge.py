@@ -36,6 +36,11 @@ Policies of `OpenAIJudge` (all counted in `stats()`):
     flight at the same time share one HTTP request (`dedup_hits`).
   * the API key comes from `api_key` or the environment variable `api_key_env`; it is held
     in a wrapper whose repr is `***` and which refuses to be pickled, and it is never logged.
+    An `api_key_env` that looks like a key rather than a variable name is refused unshown.
+  * authentication: a 401/403 reply means every later request fails the same way, so
+    `score` raises `JudgeAuthError` (a user error: fix the key) instead of returning
+    scores that never arrived; the pipeline stops the run on it.
+  * httpx (under the openai client) logs one INFO line per request; it is set to WARNING.
 """
 
 from __future__ import annotations
@@ -61,9 +66,49 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from gjax.cli import UserError
 from gjax.registry import Registry
 
 log = logging.getLogger(__name__)
+
+
+class JudgeAuthError(UserError, RuntimeError):
+    """The judge endpoint rejected the credentials (HTTP 401/403): no score can arrive."""
+
+
+# What an API key (not an environment variable NAME) looks like: a vendor prefix, or a long
+# token mixing lower case and digits (variable names are conventionally upper case).
+_ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_KEY_PREFIX_RE = re.compile(r"^(sk|pk|rk|gsk|hf|ghp|gho|xai|xoxb|xoxp)[-_]|^AIza")  # case-sensitive
+
+
+def looks_like_api_key(value: Any) -> bool:
+    """True when `value`, meant to NAME an environment variable, looks like a secret itself."""
+    if not isinstance(value, str) or not value:
+        return False
+    if not _ENV_NAME_RE.match(value) or _KEY_PREFIX_RE.match(value):
+        return True
+    lower = sum(c.islower() for c in value)
+    digits = sum(c.isdigit() for c in value)
+    return len(value) >= 24 and lower >= 4 and digits >= 4
+
+
+def _refuse_key_as_env_name(field: str) -> str:
+    return (
+        f"{field} must be the NAME of an environment variable that holds the judge's API key "
+        "(e.g. OPENAI_API_KEY), but its value looks like a key itself (not shown, and not "
+        f"written anywhere). Export the key, e.g. `export OPENAI_API_KEY=...`, and set {field} "
+        "to the variable's name."
+    )
+
+
+def _quiet_httpx(*extra: str) -> None:
+    """httpx logs every request at INFO (~1,000 lines a step at the papers' batch)."""
+    for name in ("httpx", "httpcore", *extra):
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:  # a level the user set stays
+            logger.setLevel(logging.WARNING)
+
 
 SCORE_MIN = 1.0
 SCORE_MAX = 10.0
@@ -199,6 +244,9 @@ def _raw_score(text: str) -> float | None:
     return None
 
 
+OUT_OF_RANGE = ("clamp", "reject")
+
+
 def parse_score(text: str | None, *, out_of_range: str = "clamp") -> tuple[float | None, str]:
     """Score in [1, 10] from a judge reply, and a status: 'ok', 'clamped' or 'unparseable'.
 
@@ -209,7 +257,7 @@ def parse_score(text: str | None, *, out_of_range: str = "clamp") -> tuple[float
     >>> parse_score("The final answer 32 is correct.")
     (None, 'unparseable')
     """
-    if out_of_range not in ("clamp", "reject"):
+    if out_of_range not in OUT_OF_RANGE:
         raise ValueError(f"out_of_range must be 'clamp' or 'reject', got {out_of_range!r}")
     if not text:
         return None, "unparseable"
@@ -443,7 +491,7 @@ class OpenAIJudge:
         if not model:
             raise ValueError("OpenAIJudge needs a model name (config key 'model')")
         check_template(prompt_template)
-        if out_of_range not in ("clamp", "reject"):
+        if out_of_range not in OUT_OF_RANGE:
             raise ValueError(f"out_of_range must be 'clamp' or 'reject', got {out_of_range!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -453,6 +501,9 @@ class OpenAIJudge:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
         if backoff_base_s < 0 or backoff_max_s < 0 or max_retry_after_s < 0:
             raise ValueError("backoff_base_s, backoff_max_s and max_retry_after_s must be >= 0")
+        if looks_like_api_key(api_key_env):
+            raise ValueError(_refuse_key_as_env_name("api_key_env"))
+        _quiet_httpx()
         key = api_key
         if key is None and api_key_env:
             key = os.environ.get(api_key_env) or None
@@ -489,6 +540,7 @@ class OpenAIJudge:
         self.cache_size = int(cache_size)
         self._rng = random.Random(seed)
         self._stats = _Stats()
+        self._auth_error: str | None = None  # set by a 401/403 reply; every later call raises
         self._cache: collections.OrderedDict[str, float] = collections.OrderedDict()
         self._cache_lock = threading.Lock()
         self._loops: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopState] = (
@@ -550,9 +602,13 @@ class OpenAIJudge:
                 f"{len(questions)} questions, {n} responses, {len(references)} references"
             )
         self._stats.add("items", n)
-        results = await asyncio.gather(
-            *(self._score_one(q, r, ref) for q, r, ref in zip(questions, responses, references))
-        )
+        if self._auth_error is None:
+            results = await asyncio.gather(
+                *(self._score_one(q, r, ref) for q, r, ref in zip(questions, responses, references))
+            )
+        if self._auth_error is not None:
+            self._stats.add("missing", n)
+            raise JudgeAuthError(self._auth_error)
         n_scored = sum(s is not None for s in results)
         self._stats.add("scored", n_scored)
         self._stats.add("missing", n - n_scored)
@@ -582,6 +638,11 @@ class OpenAIJudge:
                     base_url=self.base_url,
                     max_retries=0,
                     timeout=self.timeout_s,
+                )
+                # The client's HTTP library under whatever top-level name it is installed.
+                _quiet_httpx(
+                    *{k.__module__.partition(".")[0] for k in type(client._client).__mro__}
+                    - {"openai", "builtins"}
                 )
                 state = _LoopState(client, asyncio.Semaphore(self.max_concurrency), {})
                 self._loops[loop] = state
@@ -701,6 +762,12 @@ class OpenAIJudge:
                         detail,
                         self.api_key_env,
                     )
+                    self._auth_error = (
+                        f"the judge at {self.base_url} rejected the credentials ({detail}): "
+                        f"check the key in ${self.api_key_env} (config.reward.judge_api_key_env) "
+                        "and the endpoint (config.reward.judge_base_url); no judge score can "
+                        "arrive, so the run stops here."
+                    )
                 log.warning(
                     "judge %s at %s: giving up after %d attempt(s): %s",
                     self.model,
@@ -726,6 +793,30 @@ class OpenAIJudge:
             self._stats.add("unparseable")
             log.debug("judge reply without a score: %r", (text or "")[:200])
         return value
+
+
+def check_reward_config(reward: Any) -> None:
+    """Validates the judge fields of `config.reward` (gjax.config.validate calls this before
+    anything is written): raises `ConfigError` naming the field, never echoing a key."""
+    from gjax.config import ConfigError
+
+    if looks_like_api_key(reward.judge_api_key_env):
+        raise ConfigError(_refuse_key_as_env_name("config.reward.judge_api_key_env"))
+    if reward.judge_out_of_range not in OUT_OF_RANGE:
+        raise ConfigError(
+            "config.reward.judge_out_of_range: must be clamp|reject, got "
+            f"{reward.judge_out_of_range!r}"
+        )
+    if not 0.0 <= reward.judge_max_missing_fraction <= 1.0:
+        raise ConfigError(
+            "config.reward.judge_max_missing_fraction: must be in [0, 1], got "
+            f"{reward.judge_max_missing_fraction}"
+        )
+    if reward.judge_max_missing_steps < 0:
+        raise ConfigError(
+            "config.reward.judge_max_missing_steps: must be >= 0 (0: never stop), got "
+            f"{reward.judge_max_missing_steps}"
+        )
 
 
 def make_judge(name: str, config: Mapping[str, Any] | None = None) -> Judge:

@@ -33,6 +33,14 @@ Failures never kill the loop:
     turn into a silent run of zeros).
   * `max_consecutive_failures=N`: after N consecutive batches with a failure, `result()`
     raises `RewardPipelineError` naming the last error.
+  * a judge that rejects the credentials (`JudgeAuthError`, HTTP 401/403): `result()` raises
+    it at once, first call or not (no score can arrive; training on filled-in scores would
+    be a silent run of made-up numbers).
+  * `max_missing_batches=N`: after N consecutive batches whose fraction of missing judge
+    scores exceeds `max_missing_fraction`, `result()` raises `JudgeUnavailableError`.
+
+Judge score metrics count real scores only: `judge/score_mean` over the scores that arrived;
+`judge/missing` and `judge/filled` (missing ones trained on a substituted score) apart.
 
 Timings (seconds, `perf_counter`) in `PipelineResult.metrics`:
   rewards/wall_s     first reward work started -> everything finished
@@ -59,7 +67,8 @@ from typing import Any
 
 import numpy as np
 
-from gjax.rewards.judge import ON_MISSING, Judge, resolve_missing_scores
+from gjax.cli import UserError
+from gjax.rewards.judge import ON_MISSING, Judge, JudgeAuthError, resolve_missing_scores
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +78,10 @@ _JUDGE_KEY = "<judge>"
 
 class RewardPipelineError(RuntimeError):
     """Raised by `RewardHandle.result()` when rewards cannot be trusted any more."""
+
+
+class JudgeUnavailableError(UserError, RewardPipelineError):
+    """Too many judge scores missing for too many consecutive batches."""
 
 
 @dataclasses.dataclass
@@ -119,6 +132,7 @@ class _Raw:
     scores: list[float | None] | None
     errors: list[str]
     fatal: str | None
+    auth_error: str | None = None  # the judge's JudgeAuthError message
 
 
 class RewardHandle:
@@ -154,7 +168,7 @@ class RewardHandle:
             self.timings = timings
             try:
                 self._result = self._pipeline._finalize(raw, timings, self.batch)
-            except RewardPipelineError as e:
+            except (RewardPipelineError, JudgeAuthError) as e:
                 self._error = e
                 raise
             return self._result
@@ -172,6 +186,8 @@ class RewardPipeline:
       on_reward_error: 'invalid' (default) or 'zero', see the module docstring.
       fail_fast_first_call: re-raise an exception from a function's very first call.
       max_consecutive_failures: raise after this many consecutive failing batches (None: never).
+      max_missing_fraction, max_missing_batches: raise after `max_missing_batches` consecutive
+        batches with more than this fraction of judge scores missing (None: never).
       max_workers: threads for sync reward functions.
     """
 
@@ -187,6 +203,8 @@ class RewardPipeline:
         on_reward_error: str = "invalid",
         fail_fast_first_call: bool = True,
         max_consecutive_failures: int | None = None,
+        max_missing_fraction: float = 0.5,
+        max_missing_batches: int | None = None,
         max_workers: int = 4,
     ):
         if callable(reward_fns) and not isinstance(reward_fns, Mapping):
@@ -216,6 +234,13 @@ class RewardPipeline:
             raise ValueError(
                 f"max_consecutive_failures must be >= 1 or None, got {max_consecutive_failures}"
             )
+        if not 0.0 <= max_missing_fraction <= 1.0:
+            raise ValueError(f"max_missing_fraction must be in [0, 1], got {max_missing_fraction}")
+        if max_missing_batches is not None and max_missing_batches < 1:
+            raise ValueError(f"max_missing_batches must be >= 1 or None, got {max_missing_batches}")
+        self.max_missing_fraction = float(max_missing_fraction)
+        self.max_missing_batches = max_missing_batches
+        self._missing_run = 0  # consecutive batches above max_missing_fraction
         self.reward_fns = dict(reward_fns)
         self.weights = {name: float(weights.get(name, 1.0)) for name in self.reward_fns}
         self.judge = judge
@@ -429,9 +454,14 @@ class RewardPipeline:
                     fn_valid[name] = valid_B
                 fn_metrics.update(metrics)
         scores = None
+        auth_error = None
         if self.judge is not None:
             out = outs[-1]
-            if isinstance(out, BaseException):
+            if isinstance(out, JudgeAuthError):
+                auth_error = str(out)
+                errors.append(f"judge: {auth_error}")
+                scores = [None] * B
+            elif isinstance(out, BaseException):
                 msg = f"judge raised {type(out).__name__}: {out}"
                 log.error("%s", msg, exc_info=out)
                 errors.append(msg)
@@ -445,7 +475,8 @@ class RewardPipeline:
                 scores = [None] * B
             else:
                 scores = list(out)
-        return _Raw(per_fn, fn_ok, fn_valid, fn_metrics, scores, errors, fatal), timings
+        raw = _Raw(per_fn, fn_ok, fn_valid, fn_metrics, scores, errors, fatal, auth_error)
+        return raw, timings
 
     # -- the caller side -----------------------------------------------------------------------
 
@@ -469,6 +500,19 @@ class RewardPipeline:
             for k, v in now.items()
         }
 
+    def _check_missing(self, fraction: float, batch: int) -> None:
+        with self._lock:
+            self._missing_run = self._missing_run + 1 if fraction > self.max_missing_fraction else 0
+            run = self._missing_run
+        if self.max_missing_batches is not None and run >= self.max_missing_batches:
+            raise JudgeUnavailableError(
+                f"the judge returned no score for more than {self.max_missing_fraction:.0%} of "
+                f"the responses in {run} consecutive batches ({fraction:.0%} in batch {batch}), "
+                "so training would run on substituted scores. Check the judge endpoint "
+                "(config.reward.judge_base_url, its logs above), or loosen "
+                "config.reward.judge_max_missing_fraction / judge_max_missing_steps."
+            )
+
     def _finalize(self, raw: _Raw, timings: Timings, batch: int) -> PipelineResult:
         B = len(next(iter(raw.per_fn.values())))
         with self._lock:
@@ -481,6 +525,8 @@ class RewardPipeline:
             else:
                 self._consecutive = 0
             consecutive = self._consecutive
+        if raw.auth_error is not None:
+            raise JudgeAuthError(raw.auth_error)
         if raw.fatal is not None:
             raise RewardPipelineError(raw.fatal)
         if (
@@ -523,7 +569,11 @@ class RewardPipeline:
             rewards = np.where(valid, rewards, 0.0).astype(np.float32)
             metrics.update(self._judge_counters())
             metrics.update(judge_metrics)
+            # Real scores only; substituted ones (on_missing keep/fill) are counted apart.
             metrics["judge/score_mean"] = float(scores[scored].mean()) if scored.any() else 0.0
+            metrics["judge/scored"] = float(scored.sum())
+            metrics["judge/filled"] = float((~scored & valid).sum())
+            self._check_missing(judge_metrics["judge/missing_fraction"], batch)
 
         wall = timings.end - timings.start
         overlap = max(0.0, min(timings.end, timings.wait_begin) - timings.start)

@@ -14,6 +14,13 @@ is useless inside the async reward pipeline. This module therefore:
    recycled after ``max_tasks_per_worker`` items (and after any exception) to bound memory.
    Workers also get an address-space limit (``worker_memory_mb``), so a huge integer is a
    ``MemoryError`` (a counted crash) rather than a swapping host.
+3. ties every worker's life to its owner (the process that created the Verifier), so a
+   trainer killed with SIGKILL leaves no worker burning CPU on a pathological item: on Linux
+   the worker asks for SIGKILL when its parent dies (``prctl(PR_SET_PDEATHSIG)``; its parent
+   is the forkserver, which exits with the owner, or the owner itself with ``spawn``); a
+   watchdog thread exits when the owner is gone (covers platforms without prctl, as long as
+   the item lets go of the GIL); and a per-item RLIMIT_CPU of ``timeout_s + cpu_slack_s``
+   (the parent kills at ``timeout_s``) ends a runaway item whatever else failed.
 
 A timed-out, crashing or unparseable item scores 0 and is counted in :meth:`Verifier.stats`;
 nothing is raised into the training loop except programming errors (mismatched lengths,
@@ -62,11 +69,15 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 import re
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -223,6 +234,8 @@ class VerifierConfig:
       start_method: ``forkserver`` (fast replacement: math-verify is preloaded) or ``spawn``.
       startup_timeout_s: how long to wait for a new worker to come up.
       gold_cache_size: parsed gold answers kept per worker (each gold recurs G times).
+      cpu_slack_s: CPU seconds past ``timeout_s`` before a worker's RLIMIT_CPU ends its item
+        (a backstop: the parent kills an overrunning worker at the deadline).
     """
 
     extractors: tuple[str, ...] = ("boxed", "answer_tag")
@@ -239,6 +252,7 @@ class VerifierConfig:
     start_method: str = "forkserver"
     startup_timeout_s: float = 60.0
     gold_cache_size: int = 4_096
+    cpu_slack_s: float = 10.0
 
     def __post_init__(self):
         if not self.extractors:
@@ -257,6 +271,8 @@ class VerifierConfig:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
         if self.max_tasks_per_worker < 1:
             raise ValueError(f"max_tasks_per_worker must be >= 1, got {self.max_tasks_per_worker}")
+        if not self.cpu_slack_s >= 0:
+            raise ValueError(f"cpu_slack_s must be >= 0, got {self.cpu_slack_s}")
         if self.max_response_chars < 1 or self.max_answer_chars < 1:
             raise ValueError("max_response_chars and max_answer_chars must be >= 1")
         if self.start_method not in ("forkserver", "spawn"):
@@ -354,8 +370,86 @@ def warm_up() -> None:
     _warm = True
 
 
-def _worker_main(conn: multiprocessing.connection.Connection, cfg: VerifierConfig) -> None:
-    """Worker loop: ``(response, gold)`` in, ``(outcome, detail)`` out; ``None`` stops it."""
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a SIGKILLed, unreaped owner)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: fall back to signal 0
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+
+
+def _die_with_owner(owner_pid: int) -> None:
+    """In a worker: SIGKILL when the parent dies (Linux), and a watchdog on the owner."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    # A forkserver child inherits the owner's end of the forkserver's "alive" pipe (for
+    # children of its own); the forkserver only exits on EOF there, so a worker holding it
+    # would keep its parent, hence itself, alive forever. Workers start no processes.
+    from multiprocessing import forkserver
+
+    alive_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    if not _pid_alive(owner_pid):  # the owner died before the signal was armed
+        os._exit(1)
+
+    def watch():
+        while _pid_alive(owner_pid):
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="gjax-verifier-watchdog", daemon=True).start()
+
+
+def _cpu_limit_next_item(budget_s: float) -> None:
+    """Soft RLIMIT_CPU = CPU used so far + ``budget_s``: SIGXCPU (default: terminate) ends
+    a runaway item even with no parent left to kill it. The hard limit is left alone, so the
+    soft one can move up again before the next item."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    soft = int(used.ru_utime + used.ru_stime + budget_s) + 1
+    _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+    if hard != resource.RLIM_INFINITY:
+        soft = min(soft, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+
+def _worker_main(
+    conn: multiprocessing.connection.Connection,
+    cfg: VerifierConfig,
+    owner_pid: int | None = None,
+) -> None:
+    """Worker loop: ``(response, gold)`` in, ``(outcome, detail)`` out; ``None`` stops it.
+
+    ``owner_pid``: the Verifier's process; when given (a real worker process), the worker dies
+    with it and each item runs under a CPU-time limit (module docstring, point 3).
+    """
+    if owner_pid is not None:
+        import resource
+
+        _die_with_owner(owner_pid)
+        with contextlib.suppress(ValueError, OSError):  # SIGXCPU must not write core files
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cfg.worker_memory_mb is not None:
         import resource
 
@@ -373,6 +467,8 @@ def _worker_main(conn: multiprocessing.connection.Connection, cfg: VerifierConfi
             if msg is None:
                 break
             response, gold = msg
+            if owner_pid is not None:
+                _cpu_limit_next_item(cfg.timeout_s + cfg.cpu_slack_s)
             try:
                 out = (_score_one(response, gold, cfg, gold_cache, regex), None)
             except Exception as e:  # noqa: BLE001 (an item must never kill the loop)
@@ -403,6 +499,7 @@ class _Slot:
     def __init__(self, ctx, cfg: VerifierConfig):
         self._ctx = ctx
         self._cfg = cfg
+        self._owner = os.getpid()
         self.proc = None
         self.conn = None
         self.tasks = 0
@@ -413,7 +510,10 @@ class _Slot:
     def start(self) -> None:
         parent_conn, child_conn = self._ctx.Pipe(duplex=True)
         proc = self._ctx.Process(
-            target=_worker_main, args=(child_conn, self._cfg), daemon=True, name="gjax-verifier"
+            target=_worker_main,
+            args=(child_conn, self._cfg, self._owner),
+            daemon=True,
+            name="gjax-verifier",
         )
         proc.start()
         child_conn.close()
