@@ -133,9 +133,13 @@ class MetricsWriter:
 
             tqdm.write(LEGEND, file=sys.stderr)
             self._bar = tqdm(
-                total=self._total, initial=step, dynamic_ncols=True, desc="train", leave=True
+                total=self._total,
+                initial=step,
+                dynamic_ncols=True,
+                desc="train",
+                leave=True,
+                postfix=shown,
             )
-            self._bar.set_postfix(shown)
             return
         self._bar.set_postfix(shown, refresh=False)
         self._bar.update(step - self._bar.n)
