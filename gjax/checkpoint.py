@@ -135,6 +135,8 @@ class Checkpointer:
 
     def _save_failed(self, step: int | None, err: BaseException) -> CheckpointSaveError:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if len(reason) > 240:  # storage errors name every layer; the cause comes last
+            reason = "..." + reason[-240:]
         self._mngr.reload()  # the failed step is not a checkpoint
         return CheckpointSaveError(
             f"saving the checkpoint of step {step} in {self.directory} failed: {reason}. "

@@ -6,6 +6,7 @@ CI still runs them. Runs share a persistent compilation cache to keep the suite 
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -200,6 +201,40 @@ def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path
     proc = run("configs/grpo.py:tiny", broken, env, "--config.train.steps=5")
     assert "already at step 10 >= train.steps=5: nothing to train" in proc.stdout
     assert json.loads((broken / "summary.json").read_text()) == summary
+
+    # 5) The disk fills up: every file stops at 2 MiB (the state's data file is ~8 MiB), so
+    #    the save at step 12 fails. The run stops at once (was: trained on, crashed at the
+    #    next save, or hung at exit) with a clear error; step 10 stays intact.
+    def full_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit get EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    t0 = time.time()
+    proc = subprocess.run(
+        command(
+            "configs/grpo.py:tiny",
+            broken,
+            "--config.train.steps=16",
+            *args[1:],
+            "--config.checkpoint.async_save=True",  # the default: the write fails in the background
+        ),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=full_disk,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())  # the paragraph is wrapped for the terminal
+    assert err.endswith("fix the directory first."), proc.stderr[-3000:]
+    assert "gjax: saving the checkpoint of step 12" in err and "File too large" in err
+    assert "last intact checkpoint is step 10" in err
+    # It stopped as soon as the background write failed, at the next save at the latest.
+    assert max(r["step"] for r in rows(broken)) <= 14
+    assert time.time() - t0 < 300
+    assert not (broken / "checkpoints" / "12").exists()
+    assert (broken / "checkpoints" / "10" / "_CHECKPOINT_METADATA").exists()
 
 
 def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
