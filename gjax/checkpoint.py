@@ -144,14 +144,20 @@ class Checkpointer:
         )
 
     def restore(
-        self, abstract_state: Any, *, step: int | None = None, fingerprint: Mapping | None = None
+        self,
+        abstract_state: Any,
+        *,
+        step: int | None = None,
+        fingerprint: Mapping | None = None,
+        move_damaged: bool = False,
     ) -> tuple[int, Any, dict[str, Any]]:
         """Restores the newest sound checkpoint (or `step`) into `abstract_state`'s shardings.
 
         A checkpoint that fails to read, whose content differs from its digest, or that holds
         non-finite values is reported and the next older one is tried, so one torn write or
-        one damaged file never loses the run; once an older one restores, the damaged ones are
-        moved aside (`damaged_directory`). A checkpoint written under a different
+        one damaged file never loses the run. With `move_damaged` (a run that will save those
+        steps again), once an older one restores, the damaged ones are moved aside
+        (`damaged_directory`); readers (export) leave the directory as it is. A checkpoint written under a different
         configuration (see `fingerprint`) is refused with the differing fields named.
         """
         steps = [step] if step is not None else sorted(self.all_steps(), reverse=True)
@@ -196,7 +202,8 @@ class Checkpointer:
                 skip(s, problem)
                 continue
             if damaged:
-                self._move_aside(damaged)
+                if move_damaged:
+                    self._move_aside(damaged)
                 log.warning("restored step %s after skipping damaged checkpoints", s)
             return s, state, meta
         raise CheckpointError(
@@ -212,7 +219,13 @@ class Checkpointer:
             stamp = time.strftime("%Y%m%dT%H%M%S")
             for s in steps:
                 dst = self.damaged_directory / f"{s}-{stamp}"
-                (self.directory / str(s)).rename(dst)
+                try:
+                    (self.directory / str(s)).rename(dst)
+                except OSError as e:  # the run would fail later, saving that step again
+                    raise CheckpointError(
+                        f"checkpoint step {s} in {self.directory} is damaged and could not be "
+                        f"moved aside to {dst} ({e}); move or delete it, then rerun."
+                    ) from e
                 log.warning("moved the damaged checkpoint of step %s aside to %s", s, dst)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils

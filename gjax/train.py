@@ -240,7 +240,9 @@ def main(argv) -> None:
     )
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
-        _, state, meta = checkpointer.restore(state, fingerprint=fingerprint(config))
+        _, state, meta = checkpointer.restore(
+            state, fingerprint=fingerprint(config), move_damaged=True
+        )
         log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
     if start >= config.train.steps:

@@ -59,8 +59,10 @@ def test_round_trip_is_exact(tmp_path):
 def test_damaged_newest_checkpoint_falls_back_and_is_moved_aside(tmp_path, caplog):
     ckpt = saved(tmp_path, [2, 4], max_to_keep=5)
     damage(ckpt, 4)
+    assert ckpt.restore(state(0.0))[0] == 2
+    assert ckpt.all_steps() == [2, 4]  # a reader (export) leaves the directory as it is
     with caplog.at_level(logging.WARNING, logger="gjax.checkpoint"):
-        step, got, meta = ckpt.restore(state(0.0))
+        step, got, meta = ckpt.restore(state(0.0), move_damaged=True)  # as train.py does
     assert step == 2 and meta["data"] == {"pos": 2}
     np.testing.assert_array_equal(got["params"]["w"], state(2.0)["params"]["w"])
     assert "checkpoint step 4" in caplog.text and "unreadable" in caplog.text
@@ -148,7 +150,7 @@ def test_nonfinite_checkpoint_from_an_older_version_is_skipped(tmp_path):
     args = ocp.args.Composite(state=ocp.args.StandardSave(bad), meta=ocp.args.JsonSave({}))
     ckpt._mngr.save(3, args=args, force=True)  # as the old code did: no check, no digest
     ckpt.wait()
-    assert ckpt.restore(state(0.0))[0] == 2
+    assert ckpt.restore(state(0.0), move_damaged=True)[0] == 2
     assert ckpt.all_steps() == [2]
 
 
