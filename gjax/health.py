@@ -3,18 +3,16 @@
 Divergence (a non-finite loss, gradient norm or train state) raises `Diverged`, whose message
 names the last checkpoint that is really intact. A collapse with finite numbers (a policy
 uniform over the vocabulary, or zero reward with a zero gradient, step after step) trains
-on without learning and ends with exit status 0, so `CollapseWatch` says so once, loudly.
+on without learning and ends with exit status 0, so `CollapseWatch` says so once, loudly
+(it returns the warning; the caller shows it, e.g. above the progress bar).
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Mapping
 
 from gjax.cli import UserError
-
-log = logging.getLogger(__name__)
 
 
 class Diverged(UserError, FloatingPointError):
@@ -55,5 +53,4 @@ class CollapseWatch:
             "finite but the run no longer learns; lower optim.lr (a rate too high for the "
             "model is the usual cause) or check the rewards, and start a new --workdir."
         )
-        log.warning(msg)
         return msg

@@ -144,6 +144,13 @@ class MetricsWriter:
         self._bar.set_postfix(shown, refresh=False)
         self._bar.update(step - self._bar.n)
 
+    def warn(self, message: str) -> None:
+        """A warning for the user: above the progress bar while there is one, else logged."""
+        if self._bar is not None:
+            self._bar.write(f"WARNING: {message}", file=sys.stderr)
+        else:
+            log.warning(message)
+
     def close(self) -> None:
         """Closes the sinks; the bar ends its line, so what is printed next has its own."""
         self._file.close()

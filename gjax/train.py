@@ -440,8 +440,9 @@ def _finish(
             f"{checkpointer.last_intact()} Lower optim.lr (now {config.optim.lr:g}), check "
             "the rewards, or set --config.train.allow_nonfinite=True to continue anyway."
         )
-    watch(step, row)
     writer.write(step, row)
+    if collapsed := watch(step, row):
+        writer.warn(collapsed)
     return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 

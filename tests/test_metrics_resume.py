@@ -108,13 +108,26 @@ def test_workdir_layout_names_every_output():
         ({"policy/entropy": 2.0, "optim/grad_norm": 0.0, "reward/mean": 0.0}, "nothing"),
     ],
 )
-def test_collapse_with_finite_numbers_is_warned_once(row, why, caplog):
+def test_collapse_with_finite_numbers_is_warned_once(row, why):
     watch = CollapseWatch(vocab_size=151_936)  # ln V = 11.93
     healthy = {"policy/entropy": 2.0, "optim/grad_norm": 0.3, "reward/mean": 0.4}
-    with caplog.at_level("WARNING", logger="gjax.health"):
-        got = [watch(1, row), watch(2, row), watch(3, healthy), watch(4, row), watch(5, row)]
-        assert got == [None] * 5  # two in a row, then healthy: no warning
-        msg = watch(6, row)
-        assert watch(7, row) is None and watch(8, healthy) is None  # once
+    got = [watch(1, row), watch(2, row), watch(3, healthy), watch(4, row), watch(5, row)]
+    assert got == [None] * 5  # two in a row, then healthy: no warning
+    msg = watch(6, row)
+    assert watch(7, row) is None and watch(8, healthy) is None  # once
     assert msg.startswith("steps 4-6: training has collapsed") and why in msg
-    assert "lower optim.lr" in msg and msg in caplog.text
+    assert "lower optim.lr" in msg
+
+
+def test_warnings_go_above_the_progress_bar(tmp_path, capsys, caplog):
+    w = MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False, progress=False)
+    with caplog.at_level("WARNING", logger="gjax.metrics"):
+        w.warn("no bar: logged")
+    assert "no bar: logged" in caplog.text
+    w = MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False, progress=True)
+    w.write(1, {"reward/mean": 0.5})
+    w.warn("collapsed")
+    w.close()
+    err = capsys.readouterr().err
+    # tqdm clears the bar's line (\r), writes the warning on a line of its own, redraws.
+    assert "\rWARNING: collapsed\n" in err and err.index("WARNING") > err.index("train:")
