@@ -2,25 +2,42 @@
 
 `MetricsWriter.write(step, metrics)` takes host floats; the loop hands it step N's metrics
 while the device already runs step N+1 (pulled one step late, nanodo-style).
+
+On resume from step k the sinks continue where the checkpoint ends: JSONL rows past k are
+dropped (and rows up to k that the file lacks are rebuilt from the checkpoint's history),
+and TensorBoard purges its events past k (`purge_step`), so no step appears twice.
+The progress bar starts at the first step written, so its rate and ETA leave out the
+first step's compilation.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+log = logging.getLogger(__name__)
+
 PROGRESS_KEYS = (
-    ("reward/mean", "r"),
-    ("reward/accuracy", "acc"),
+    ("reward/mean", "reward"),
+    ("reward/accuracy", "train_acc"),
     ("response/length_mean", "len"),
-    ("policy/entropy", "ent"),
-    ("optim/grad_norm", "gn"),
-    ("time/step_s", "s/it"),
+    ("policy/entropy", "entropy"),
+    ("optim/grad_norm", "grad_norm"),
+    ("time/step_s", "s/step"),
+)
+LEGEND = (
+    "progress: reward = mean reward of this step's samples; train_acc = fraction of them "
+    "answered correctly (training samples, not the held-out accuracy reported at the end); "
+    "len = mean completion tokens; entropy = policy entropy (nats/token); grad_norm = "
+    "gradient norm; s/step = seconds per step. The first step compiles, so the ETA starts "
+    "with the second."
 )
 
 
@@ -44,7 +61,11 @@ def read_jsonl(path: str) -> list[dict[str, Any]]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard.
+
+    `history` (the rows a resumed checkpoint holds, steps 1..start_step) rebuilds rows that
+    `metrics.jsonl` lacks (a deleted or truncated file).
+    """
 
     def __init__(
         self,
@@ -54,48 +75,114 @@ class MetricsWriter:
         tensorboard: bool = True,
         progress: bool = True,
         start_step: int = 0,
+        history: list[Mapping[str, Any]] = (),
     ):
         os.makedirs(workdir, exist_ok=True)
         self.path = os.path.join(workdir, "metrics.jsonl")
-        self._truncate_after(start_step)
+        self._truncate_after(start_step, history)
         self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-        self._bar = None
-        if progress:
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total_steps, initial=start_step, dynamic_ncols=True, desc="train", leave=True
+            # purge_step: TensorBoard drops this directory's earlier events at steps >= it
+            # (the steps a killed run wrote past its checkpoint; they are redone).
+            self._tb = SummaryWriter(
+                os.path.join(workdir, "tensorboard"),
+                purge_step=start_step + 1 if start_step else None,
             )
+        self._progress, self._total = progress, total_steps
+        self._bar = None
 
-    def _truncate_after(self, step: int) -> None:
-        """On resume, drop rows the restored checkpoint does not cover (they will be redone)."""
-        rows = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
+    def _truncate_after(self, step: int, history: list[Mapping[str, Any]]) -> None:
+        """On resume, drop rows the restored checkpoint does not cover (they will be redone),
+        and rebuild from `history` the rows up to `step` that the file lacks."""
+        kept = {r["step"]: r for r in read_jsonl(self.path) if r.get("step", 0) <= step}
+        lost = {
+            int(r["step"]): _row(int(r["step"]), {k: v for k, v in r.items() if k != "step"})
+            for r in history
+            if r["step"] <= step and r["step"] not in kept
+        }
+        if lost:
+            log.warning(
+                "%s lacked %d of the %d steps the checkpoint covers; rebuilt them from the "
+                "checkpoint's history (without time/ and throughput/ figures, which it does not "
+                "keep)",
+                self.path,
+                len(lost),
+                step,
+            )
         with open(self.path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+            for s in sorted({**lost, **kept}):
+                f.write(json.dumps({**lost, **kept}[s]) + "\n")
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        row = {"step": int(step)}
-        row.update({k: (v if math.isfinite(v) else None) for k, v in sorted(metrics.items())})
-        self._file.write(json.dumps(row) + "\n")
+        self._file.write(json.dumps(_row(step, metrics)) + "\n")
         self._file.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._progress:
+            self._show(step, metrics)
+
+    def _show(self, step: int, metrics: Mapping[str, float]) -> None:
+        shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS if k in metrics}
+        if self._bar is None:  # started at the first step written: the ETA leaves out compiles
+            from tqdm import tqdm
+
+            tqdm.write(LEGEND, file=sys.stderr)
+            self._bar = tqdm(
+                total=self._total,
+                initial=step,
+                dynamic_ncols=True,
+                desc="train",
+                leave=True,
+                postfix=shown,
+            )
+            return
+        self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def warn(self, message: str) -> None:
+        """A warning for the user: above the progress bar while there is one, else logged."""
         if self._bar is not None:
-            shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS if k in metrics}
-            self._bar.set_postfix(shown, refresh=False)
-            self._bar.update(step - self._bar.n)
+            self._bar.write(f"WARNING: {message}", file=sys.stderr)
+        else:
+            log.warning(message)
 
     def close(self) -> None:
+        """Closes the sinks; the bar ends its line, so what is printed next has its own."""
         self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:
             self._bar.close()
+
+
+def _row(step: int, metrics: Mapping[str, float]) -> dict[str, Any]:
+    row = {"step": int(step)}
+    row.update({k: (_finite(v)) for k, v in sorted(metrics.items())})
+    return row
+
+
+def _finite(v):
+    return v if v is None or math.isfinite(v) else None
+
+
+def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bool) -> str:
+    """What a run leaves in its workdir, for the last lines it prints."""
+    ckpts = ", ".join(map(str, checkpoint_steps)) or "none"
+    lines = [
+        f"workdir {workdir}:",
+        "  metrics.jsonl   one JSON row per step (python -m gjax.plot WORKDIR --out curves.png)",
+        *(
+            ["  tensorboard/    TensorBoard events (tensorboard --logdir WORKDIR/tensorboard)"]
+            if tensorboard
+            else []
+        ),
+        f"  checkpoints/    steps {ckpts}; the same command resumes, gjax.export converts",
+        "  summary.json    held-out accuracy before and after training",
+        "  config.json     the full config of the run",
+    ]
+    return "\n".join(lines).replace("WORKDIR", workdir)

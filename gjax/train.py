@@ -6,17 +6,22 @@ main() reads top to bottom: config -> mesh -> model -> data -> rewards -> state 
 resumed) -> held-out eval -> the RL loop -> held-out eval -> summary. Each RL step:
 rollout (sampler; rewards on the host overlap old/ref log-probs on the device) -> group
 selection (DAPO dynamic sampling / GPG beta_th) -> one jitted update -> metrics pulled one
-step late. SIGTERM saves a checkpoint and exits cleanly; a rerun with the same --workdir
-resumes exactly.
+step late. SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with
+status 128 + the signal's number (143, 130), so a supervisor sees an unfinished run; a second
+one exits at once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
+once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved; the last
+intact checkpoint is named and kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
 import signal
+import sys
 import time
 
 import jax
@@ -33,7 +38,8 @@ from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
 from gjax.experience import Groups, select_groups
-from gjax.metrics import MetricsWriter, to_host
+from gjax.health import CollapseWatch, Diverged
+from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
 from gjax.rewards.pipeline import RewardPipeline
 from gjax.rewards.registry import RewardSpec, build_reward
@@ -201,9 +207,17 @@ def main(argv) -> None:
     )
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
-        _, state, meta = checkpointer.restore(state, fingerprint=fingerprint(config))
+        _, state, meta = checkpointer.restore(
+            state, fingerprint=fingerprint(config), move_damaged=True
+        )
         log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
+    if start >= config.train.steps:
+        print(
+            f"{workdir} is already at step {start} >= train.steps={config.train.steps}: nothing "
+            "to train (raise --config.train.steps to train further).",
+            flush=True,
+        )
     data_iter = PromptIterator(
         train_data,
         global_batch_size=P,
@@ -235,6 +249,11 @@ def main(argv) -> None:
             progress=config.log.progress,
         )
 
+    # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
+    stop = {"signal": None}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, functools.partial(_on_stop_signal, stop))
+
     # --- held-out accuracy before training ----------------------------------------------
     if meta["heldout_accuracy_before"] is None:
         meta["heldout_before"] = evaluate(state.params)
@@ -245,21 +264,24 @@ def main(argv) -> None:
     log.info("held-out before: %s", _fmt_eval(before))
 
     # --- the RL loop --------------------------------------------------------------------
-    stop = {"signal": None}
-    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
     writer = MetricsWriter(
         workdir,
         total_steps=config.train.steps,
         start_step=start,
         tensorboard=config.log.tensorboard,
         progress=config.log.progress,
+        history=meta["history"],
     )
+    watch = CollapseWatch(cfg.vocab_size)
     base_key = jax.random.key(config.seed)
     s = config.sampling
     min_valid = 1.0 if s.dynamic else s.min_valid_fraction
     pending = None  # (step, device metrics, host metrics): written one step late
     history = meta["history"]
     for step in range(start, config.train.steps):
+        if stop["signal"]:  # arrived before this run trained a step: nothing new to save
+            break
+        checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         key = jax.random.fold_in(base_key, step)
         carried: Groups | None = None
@@ -290,7 +312,7 @@ def main(argv) -> None:
         batch = steps.put_batch(rollout.model_inputs(batch_groups))
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
         if pending is not None:
-            history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
+            history.append(_finish(writer, watch, checkpointer, *pending, config=config))
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
         host_metrics["time/step_s"] = time.perf_counter() - t0
         host_metrics["throughput/tokens_per_s"] = float(
@@ -303,40 +325,81 @@ def main(argv) -> None:
         if save_now or eval_now:
             if eval_now:
                 host_metrics.update(evaluate(state.params))
-            history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
+            history.append(_finish(writer, watch, checkpointer, *pending, config=config))
             pending = None
         if save_now:
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
         if stop["signal"]:
-            log.warning("signal %s: checkpoint at step %d saved; exiting", stop["signal"], step + 1)
             break
     checkpointer.wait()
-    if not stop["signal"]:
-        # --- held-out accuracy after training -------------------------------------------
-        after_metrics = evaluate(state.params)
-        after = after_metrics["eval/heldout_accuracy"]
-        summary = {
-            "algo": config.algo,
-            "steps": config.train.steps,
-            "heldout_size": len(heldout),
-            "heldout_accuracy_before": meta["heldout_accuracy_before"],
-            "heldout_accuracy_after": after,
-            **_pass_at_k(before, "before"),
-            **_pass_at_k(after_metrics, "after"),
-        }
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+    writer.close()  # ends the progress bar's line: what follows is printed on lines of its own
+    trained = int(state.step)
+    if stop["signal"]:
+        name = signal.Signals(stop["signal"]).name
+        saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
         print(
-            f"held-out accuracy: before {summary['heldout_accuracy_before']:.3f} -> "
-            f"after {after:.3f} ({len(heldout)} problems); summary: "
-            f"{os.path.join(workdir, 'summary.json')}"
+            f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
+            f"exit status {128 + stop['signal']}. Rerun the same command to resume.",
+            file=sys.stderr,
+            flush=True,
         )
-    writer.close()
+    else:
+        # --- held-out accuracy after training -------------------------------------------
+        summary_path = os.path.join(workdir, "summary.json")
+        summary = _read_json(summary_path) if trained == start else None
+        if summary is None or summary.get("steps") != trained:  # else: still true, kept
+            after = evaluate(state.params)
+            summary = {
+                "algo": config.algo,
+                "steps": trained,  # what the model was trained for, whatever train.steps says
+                "heldout_size": len(heldout),
+                "heldout_accuracy_before": meta["heldout_accuracy_before"],
+                "heldout_accuracy_after": after["eval/heldout_accuracy"],
+                **_pass_at_k(before, "before"),
+                **_pass_at_k(after, "after"),
+            }
+            with open(summary_path, "w") as f:
+                json.dump(summary, f, indent=2)
+        print(
+            f"\nheld-out accuracy after {trained} steps: "
+            f"{summary['heldout_accuracy_before']:.3f} -> {summary['heldout_accuracy_after']:.3f} "
+            f"({summary['heldout_size']} problems)\n"
+            + workdir_layout(
+                workdir,
+                checkpoint_steps=checkpointer.all_steps(),
+                tensorboard=config.log.tensorboard,
+            ),
+            flush=True,
+        )
     checkpointer.close()
     pipeline.close()
     verifier.close()
     scope.close()
+    if stop["signal"]:
+        sys.exit(128 + stop["signal"])
+
+
+def _on_stop_signal(stop: dict, signum: int, frame) -> None:
+    """SIGTERM / SIGINT: finish the step, save, exit. The same signal again exits at once."""
+    del frame
+    stop["signal"] = signum
+    signal.signal(signum, signal.SIG_DFL)
+    name = signal.Signals(signum).name
+    print(
+        f"\n{name}: finishing this step, then saving a checkpoint and exiting "
+        f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once, unsaved).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def _fmt_eval(metrics: dict[str, float]) -> str:
@@ -353,18 +416,28 @@ def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:
 
 
 def _finish(
-    writer: MetricsWriter, step: int, device_metrics, host_metrics, *, allow_nonfinite: bool
+    writer: MetricsWriter,
+    watch: CollapseWatch,
+    checkpointer: ckpt_lib.Checkpointer,
+    step: int,
+    device_metrics,
+    host_metrics,
+    *,
+    config: ml_collections.ConfigDict,
 ) -> dict:
     """Pulls a step's device metrics, checks them, writes them; returns the row."""
     row = {**to_host(device_metrics), **host_metrics}
     bad = [k for k in ("loss/total", "optim/grad_norm") if not np.isfinite(row.get(k, 0.0))]
-    if bad and not allow_nonfinite:
-        raise FloatingPointError(
-            f"step {step}: non-finite {bad} ({ {k: row[k] for k in bad} }); the last checkpoint "
-            "is intact. Lower optim.lr, check the rewards, or set "
-            "--config.train.allow_nonfinite=True to continue anyway."
+    if bad and not config.train.allow_nonfinite:
+        checkpointer.wait()  # so the checkpoint named below is complete
+        raise Diverged(
+            f"step {step}: non-finite {bad} ({ {k: row[k] for k in bad} }). "
+            f"{checkpointer.last_intact()} Lower optim.lr (now {config.optim.lr:g}), check "
+            "the rewards, or set --config.train.allow_nonfinite=True to continue anyway."
         )
     writer.write(step, row)
+    if collapsed := watch(step, row):
+        writer.warn(collapsed)
     return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 

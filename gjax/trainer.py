@@ -55,17 +55,24 @@ def make_optimizer(
 
     The schedule (returned) counts RL steps, as `optim.warmup_steps` and `total_steps` do;
     one RL step makes `updates_per_step` optimizer updates (minibatches x num_iterations),
-    which all use that step's learning rate.
+    which all use that step's learning rate. Warmup over W steps gives step k (0-based) the
+    rate lr * (k + 1) / W: the first step already learns (at lr / W) and step W - 1 reaches lr,
+    so no step is spent at a rate of 0. Cosine then decays over the remaining steps, never to
+    0 within the run.
     """
     warmup = max(int(optim.warmup_steps), 0)
     if optim.schedule == "cosine":
-        schedule = optax.warmup_cosine_decay_schedule(
-            0.0, optim.lr, max(warmup, 1), max(total_steps, warmup + 1)
+        # One step longer than the run, so the last step's rate is not 0.
+        base = optax.warmup_cosine_decay_schedule(
+            0.0, optim.lr, max(warmup, 1), max(total_steps, warmup) + 1
         )
     elif warmup:
-        schedule = optax.linear_schedule(0.0, optim.lr, warmup)  # holds optim.lr afterwards
+        base = optax.linear_schedule(0.0, optim.lr, warmup)  # holds optim.lr afterwards
     else:
-        schedule = optax.constant_schedule(optim.lr)
+        base = optax.constant_schedule(optim.lr)
+
+    def schedule(step):  # the rate at the end of optax's ramp step: step 0 gets lr / W, not 0
+        return base(step + 1)
 
     def per_update(count):
         return schedule(count // updates_per_step)

@@ -1,13 +1,23 @@
 """Checkpoints: periodic saves, exact round trip, and no run lost to a damaged or foreign one."""
 
+import json
 import logging
 import os
+import pathlib
+import subprocess
+import sys
+import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gjax import integrity
 from gjax.checkpoint import Checkpointer, CheckpointError
+from gjax.health import Diverged
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def state(value: float) -> dict:
@@ -46,15 +56,149 @@ def test_round_trip_is_exact(tmp_path):
     assert int(got["step"]) == 4
 
 
-def test_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+def test_damaged_newest_checkpoint_falls_back_and_is_moved_aside(tmp_path, caplog):
     ckpt = saved(tmp_path, [2, 4], max_to_keep=5)
     damage(ckpt, 4)
-    with caplog.at_level(logging.ERROR, logger="gjax.checkpoint"):
-        step, got, meta = ckpt.restore(state(0.0))
+    assert ckpt.restore(state(0.0))[0] == 2
+    assert ckpt.all_steps() == [2, 4]  # a reader (export) leaves the directory as it is
+    with caplog.at_level(logging.WARNING, logger="gjax.checkpoint"):
+        step, got, meta = ckpt.restore(state(0.0), move_damaged=True)  # as train.py does
     assert step == 2 and meta["data"] == {"pos": 2}
     np.testing.assert_array_equal(got["params"]["w"], state(2.0)["params"]["w"])
     assert "checkpoint step 4" in caplog.text and "unreadable" in caplog.text
-    assert ckpt.all_steps() == [2, 4]  # nothing deleted: the damaged step is left to inspect
+    # Kept to inspect, but out of the way, and the log says where.
+    (aside,) = (tmp_path / "ckpt.damaged").iterdir()
+    assert aside.name.startswith("4-") and (aside / "state").is_dir()
+    assert f"aside to {aside}" in caplog.text
+    assert ckpt.all_steps() == [2]
+    # The resumed run reaches step 4 again and saves it (was: StepAlreadyExistsError).
+    ckpt.save(4, state(4.0), {"data": {"pos": 4}}, force=True)
+    ckpt.wait()
+    assert ckpt.restore(state(0.0))[0] == 4
+
+
+def noise(value: int) -> dict:
+    """A state whose data file is large enough to damage in its middle."""
+    w = jax.random.normal(jax.random.key(value), (256, 256))
+    return {"params": {"w": w}, "step": jnp.asarray(value, jnp.int32)}
+
+
+@pytest.mark.parametrize("how", ["bit_flips", "random_bytes"])
+def test_silent_corruption_is_detected_and_falls_back(tmp_path, caplog, how):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False, max_to_keep=5)
+    for s in (2, 4):
+        ckpt.save(s, noise(s), {"data": {"pos": s}}, force=True)
+    ckpt.wait()
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "ckpt" / "4") for f in fs]
+    data_file = max(files, key=os.path.getsize)  # the array data (~240 KiB)
+    data = bytearray(pathlib.Path(data_file).read_bytes())
+    rng = np.random.default_rng(0)
+    if how == "bit_flips":
+        for i in rng.integers(len(data) // 4, 3 * len(data) // 4, 100):
+            data[i] ^= 1 << int(rng.integers(8))
+    else:
+        data[len(data) // 2 : len(data) // 2 + 4096] = rng.bytes(4096)
+    pathlib.Path(data_file).write_bytes(bytes(data))
+    with caplog.at_level(logging.ERROR, logger="gjax.checkpoint"):
+        step, got, _ = Checkpointer(str(tmp_path / "ckpt"), max_to_keep=5).restore(noise(0))
+    assert step == 2  # was: step 4 restored with damaged values, NaN two steps later
+    np.testing.assert_array_equal(got["params"]["w"], noise(2)["params"]["w"])
+    assert "checkpoint step 4" in caplog.text and "damaged" in caplog.text
+
+
+def test_digest_sees_one_flipped_bit_anywhere_and_ignores_sharding():
+    x = jax.random.normal(jax.random.key(0), (8, 6))
+    base, _ = integrity.inspect({"x": x})
+    bits = np.asarray(x).view(np.uint32).copy()
+    for i, b in [(0, 0), (17, 31), (47, 13)]:  # first, middle, last element; low and sign bits
+        flipped = bits.copy()
+        flipped.flat[i] ^= np.uint32(1 << b)
+        assert integrity.inspect({"x": jnp.asarray(flipped.view(np.float32))})[0] != base
+    # Swapping two elements changes it too (the weights depend on the position).
+    swapped = np.asarray(x).copy()
+    swapped.flat[[3, 4]] = swapped.flat[[4, 3]]
+    assert integrity.inspect({"x": jnp.asarray(swapped)})[0] != base
+    mesh = jax.make_mesh((4, 2), ("a", "b"))
+    sharded = jax.device_put(
+        x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+    )
+    assert integrity.inspect({"x": sharded})[0] == base
+    # bf16 and integer leaves are covered too, and non-finite values are counted.
+    mixed = {"h": x.astype(jnp.bfloat16).at[0, 0].set(jnp.inf), "n": jnp.arange(5)}
+    assert integrity.inspect(mixed)[1] == {"['h']": 1}
+
+
+def test_nonfinite_state_is_never_saved_and_the_error_names_the_intact_step(tmp_path):
+    ckpt = saved(tmp_path, [2], max_to_keep=5)
+    bad = state(3.0)
+    bad["params"]["w"] = bad["params"]["w"].at[1, 1].set(jnp.nan)
+    with pytest.raises(Diverged) as e:
+        ckpt.save(3, bad, {"data": {"pos": 3}}, force=True)
+    msg = str(e.value)
+    assert "step 3: the train state holds 1 non-finite values of 13" in msg
+    assert f"last intact checkpoint is step 2 in {ckpt.directory}" in msg
+    ckpt.wait()
+    assert ckpt.all_steps() == [2]
+
+
+def test_nonfinite_checkpoint_from_an_older_version_is_skipped(tmp_path):
+    ckpt = saved(tmp_path, [2], max_to_keep=5)
+    bad = state(3.0)
+    bad["params"]["w"] = bad["params"]["w"] * jnp.inf
+    import orbax.checkpoint as ocp
+
+    args = ocp.args.Composite(state=ocp.args.StandardSave(bad), meta=ocp.args.JsonSave({}))
+    ckpt._mngr.save(3, args=args, force=True)  # as the old code did: no check, no digest
+    ckpt.wait()
+    assert ckpt.restore(state(0.0), move_damaged=True)[0] == 2
+    assert ckpt.all_steps() == [2]
+
+
+FAILING_SAVE = textwrap.dedent(
+    """
+    import json, resource, signal, sys, time
+    import jax, jax.numpy as jnp
+    from gjax.checkpoint import Checkpointer, CheckpointSaveError
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    ckpt = Checkpointer(sys.argv[1], async_save=True, save_interval_steps=1)
+    ckpt.save(1, {"w": jnp.zeros((100,))}, {"step": 1}, force=True)
+    ckpt.wait()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # the disk is "full"
+    big = {"w": jax.random.normal(jax.random.key(0), (400_000,))}  # 1.6 MB, incompressible
+    t0, out = time.time(), {}
+    try:
+        ckpt.save(2, big, {"step": 2}, force=True)
+        while time.time() - t0 < 60:  # the training loop: one check() per step
+            ckpt.check()
+            time.sleep(0.05)
+    except CheckpointSaveError as e:
+        out = {"error": str(e), "after_s": time.time() - t0}
+    out["steps"] = ckpt.all_steps()
+    print(json.dumps(out))
+    """
+)
+
+
+def test_failed_async_save_stops_the_run_at_once(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-c", FAILING_SAVE, str(tmp_path / "ckpt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    # Was: the error surfaced only at the next save (10 steps later, 5 tracebacks).
+    assert "error" in out, out
+    assert out["after_s"] < 30
+    assert "saving the checkpoint of step 2" in out["error"] and "File too large" in out["error"]
+    assert "last intact checkpoint is step 1" in out["error"]
+    assert out["steps"] == [1]
+    step, got, _ = Checkpointer(str(tmp_path / "ckpt")).restore({"w": jnp.ones((100,))})
+    assert step == 1 and float(got["w"].sum()) == 0.0
 
 
 def test_no_readable_checkpoint_names_each_step_and_what_to_do(tmp_path):

@@ -6,6 +6,7 @@ CI still runs them. Runs share a persistent compilation cache to keep the suite 
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -127,8 +128,11 @@ def test_embedded_default_learns(algo, env, tmp_path):
     assert mean(last, "reward/mean") > mean(first, "reward/mean")
 
 
-def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_path):
-    """Kill -9 after a checkpoint, resume, SIGTERM, resume: same metrics as one clean run."""
+def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path):
+    """Kill -9 after a checkpoint, resume, Ctrl-C, resume: same metrics as one clean run.
+
+    (Ctrl-C and SIGTERM share one handler: finish the step, save, exit 128 + signal.) Then the
+    finished workdir, rerun with a smaller train.steps, says so and keeps its summary."""
     # 10 steps: once the resumed run has saved step 4, it has steps left to be stopped in.
     args = ("--config.train.steps=10", "--config.checkpoint.every=2")
     clean, broken = tmp_path / "clean", tmp_path / "broken"
@@ -151,8 +155,8 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_pat
     proc.wait()
     assert not (broken / "summary.json").exists()
 
-    # 2) Resume, and SIGTERM it once it has saved step 4 (proof that it is the resumed process
-    #    that runs, signal handler installed): it saves where it stopped and exits 0.
+    # 2) Resume, and Ctrl-C it once it has saved step 4 (proof that it is the resumed process
+    #    that runs, signal handler installed): it saves where it stopped and exits 130.
     proc = subprocess.Popen(
         command("configs/grpo.py:tiny", broken, *args),
         env=env,
@@ -166,22 +170,71 @@ def test_resume_after_sigkill_and_sigterm_matches_uninterrupted_run(env, tmp_pat
     while time.time() < deadline and proc.poll() is None and not ckpt4.exists():
         time.sleep(0.1)
     assert proc.poll() is None, "the resumed run ended before it could be sent SIGTERM"
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out[-4000:]
+    assert proc.returncode == 130, out[-4000:]  # was: a KeyboardInterrupt traceback, no save
+    assert "Traceback" not in out and "KeyboardInterrupt" not in out, out[-4000:]
     saved = sorted(int(p.name) for p in (broken / "checkpoints").iterdir() if p.name.isdigit())
+    assert f"SIGINT: stopped at step {saved[-1]}, checkpoint at step {saved[-1]} saved" in out
     # It stopped early, with a checkpoint where it stopped (not only the periodic ones).
     assert not (broken / "summary.json").exists()
     assert 4 <= saved[-1] < 10 and saved[-1] == max(r["step"] for r in rows(broken)), saved
 
-    # 3) Resume to the end.
-    run("configs/grpo.py:tiny", broken, env, *args)
+    # 3) Resume to the end, with the progress bar a user sees.
+    proc = run("configs/grpo.py:tiny", broken, env, *args, "--config.log.progress=True")
     want, got = [stable(r) for r in rows(clean)], [stable(r) for r in rows(broken)]
     assert [r["step"] for r in got] == list(range(1, 11))
     assert got == want
-    assert json.loads((broken / "summary.json").read_text()) == json.loads(
-        (clean / "summary.json").read_text()
+    summary = json.loads((broken / "summary.json").read_text())
+    assert summary == json.loads((clean / "summary.json").read_text())
+    # The bar's fields are named (training accuracy is not the held-out one), and the run ends
+    # with the result and the workdir's layout on lines of their own.
+    assert "train_acc=" in proc.stderr and "not the held-out accuracy" in proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("held-out accuracy after 10 steps: ")
+    assert lines[1] == f"workdir {broken}:"
+    for part in ("metrics.jsonl", "checkpoints/", "summary.json"):  # (TensorBoard is off)
+        assert any(line.lstrip().startswith(part) for line in lines[2:]), part
+
+    # 4) The finished workdir with a smaller train.steps: nothing to do, and it says so; the
+    #    summary stays true (was: silently rewritten as "steps": 5).
+    proc = run("configs/grpo.py:tiny", broken, env, "--config.train.steps=5")
+    assert "already at step 10 >= train.steps=5: nothing to train" in proc.stdout
+    assert json.loads((broken / "summary.json").read_text()) == summary
+
+    # 5) The disk fills up: every file stops at 2 MiB (the state's data file is ~8 MiB), so
+    #    the save at step 12 fails. The run stops at once (was: trained on, crashed at the
+    #    next save, or hung at exit) with a clear error; step 10 stays intact.
+    def full_disk():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit get EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
+
+    t0 = time.time()
+    proc = subprocess.run(
+        command(
+            "configs/grpo.py:tiny",
+            broken,
+            "--config.train.steps=16",
+            *args[1:],
+            "--config.checkpoint.async_save=True",  # the default: the write fails in the background
+        ),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=full_disk,
     )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    err = " ".join(proc.stderr.split())  # the paragraph is wrapped for the terminal
+    assert err.endswith("fix the directory first."), proc.stderr[-3000:]
+    assert "gjax: saving the checkpoint of step 12" in err and "File too large" in err
+    assert "last intact checkpoint is step 10" in err
+    # It stopped as soon as the background write failed, at the next save at the latest.
+    assert max(r["step"] for r in rows(broken)) <= 14
+    assert time.time() - t0 < 300
+    assert not (broken / "checkpoints" / "12").exists()
+    assert (broken / "checkpoints" / "10" / "_CHECKPOINT_METADATA").exists()
 
 
 def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):

@@ -46,6 +46,9 @@ def test_schedule_counts_rl_steps_not_optimizer_updates():
     # rate applied by each update is the rate of its RL step, and that is what is reported.
     oc = optim(lr=1e-2)
     oc.warmup_steps = 2
+    # Betas that are powers of 2 keep Adam's bias correction exact in float32 (with 0.999,
+    # 1 - 0.999**2 loses ~3e-5 to cancellation), so each applied step is exactly the rate.
+    oc.b1 = oc.b2 = 0.5
     tx, schedule = make_optimizer(oc, 10, updates_per_step=4)
     params = {"w": jnp.zeros(())}
     opt_state = tx.init(params)
@@ -54,9 +57,24 @@ def test_schedule_counts_rl_steps_not_optimizer_updates():
         # Constant gradients: Adam's bias-corrected step is exactly -lr.
         updates, opt_state = tx.update({"w": jnp.ones(())}, opt_state, params)
         applied.append(-float(updates["w"]))
-    want = [0.0] * 4 + [5e-3] * 4 + [1e-2] * 4
+    # Warmup over 2 steps: step 0 learns at lr/2 (not 0), step 1 reaches lr.
+    want = [5e-3] * 4 + [1e-2] * 8
     np.testing.assert_allclose(applied, want, rtol=1e-5, atol=1e-12)
-    assert [float(schedule(s)) for s in range(3)] == pytest.approx([0.0, 5e-3, 1e-2])
+    assert [float(schedule(s)) for s in range(3)] == pytest.approx([5e-3, 1e-2, 1e-2])
+
+
+def test_warmup_and_cosine_never_spend_a_step_at_rate_zero():
+    oc = optim(lr=1e-2)
+    oc.warmup_steps, oc.schedule = 4, "cosine"
+    _, schedule = make_optimizer(oc, 10)
+    rates = [float(schedule(s)) for s in range(10)]
+    assert rates[:4] == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2])  # lr * (k + 1) / 4
+    # Then cos decay over the 7 steps after the peak: 1e-2 * (1 + cos(pi * j / 7)) / 2.
+    want = [1e-2 * (1 + np.cos(np.pi * j / 7)) / 2 for j in range(1, 7)]
+    assert rates[4:] == pytest.approx(want)
+    assert rates[-1] > 0
+    oc.warmup_steps = 0
+    assert float(make_optimizer(oc, 10)[1](0)) == pytest.approx(1e-2)
 
 
 def batch_for(params, P=4, G=4, seed=0):
@@ -160,8 +178,8 @@ def test_update_compiles_once_and_runs_sharded():
         batch = steps.put_batch({k: np.asarray(v) for k, v in host.items()})
         state, metrics = steps.update(state, batch, jax.random.key(i))
         assert np.isfinite(float(metrics["loss/total"]))
-        # The learning rate of this step's updates: linear warmup 0, lr/2, then lr.
-        assert float(metrics["optim/lr"]) == pytest.approx([0.0, 5e-3, 1e-2][i])
+        # The learning rate of this step's updates: linear warmup lr/2, then lr.
+        assert float(metrics["optim/lr"]) == pytest.approx([5e-3, 1e-2, 1e-2][i])
     assert int(state.step) == 3
     assert steps.update._cache_size() == 1, "the update recompiled after the first step"
     q = state.params["layers"]["attn"]["q"]["kernel"]
