@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from gjax import paths
 
 PROGRESS_KEYS = (
     ("reward/mean", "r"),
@@ -33,18 +35,23 @@ def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    rows.append(json.loads(line))
-    return rows
+    """Rows of a JSONL file (local or gs://); [] if there is none."""
+    p = paths.resolve(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard."""
+    """Appends one JSON object per step to `metrics.jsonl`, mirrors scalars to TensorBoard.
+
+    In a gs:// workdir (objects cannot be appended to) the whole file is uploaded at most
+    every `REMOTE_FLUSH_S` seconds and on `flush()`, which the loop calls before each
+    checkpoint, so every row a resume keeps is stored; TensorBoard's gs:// writer
+    (tensorboardX, through google-cloud-storage) uploads its events on its own flushes.
+    """
+
+    REMOTE_FLUSH_S = 30.0
 
     def __init__(
         self,
@@ -55,15 +62,19 @@ class MetricsWriter:
         progress: bool = True,
         start_step: int = 0,
     ):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        root = paths.resolve(workdir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / "metrics.jsonl"
+        self._remote = paths.is_url(workdir)
+        self._lines: list[str] = []  # gs://: the file's content, uploaded whole
+        self._uploaded_at = time.monotonic()
         self._truncate_after(start_step)
-        self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        self._file = None if self._remote else open(self.path, "a")  # noqa: SIM115 - for the run
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+            self._tb = SummaryWriter(str(root / "tensorboard"))
         self._bar = None
         if progress:
             from tqdm import tqdm
@@ -75,15 +86,21 @@ class MetricsWriter:
     def _truncate_after(self, step: int) -> None:
         """On resume, drop rows the restored checkpoint does not cover (they will be redone)."""
         rows = [r for r in read_jsonl(self.path) if r.get("step", 0) <= step]
-        with open(self.path, "w") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        self._lines = [json.dumps(r) for r in rows]
+        self.path.write_text("".join(line + "\n" for line in self._lines))
+        if not self._remote:
+            self._lines = []
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
         row = {"step": int(step)}
         row.update({k: (v if math.isfinite(v) else None) for k, v in sorted(metrics.items())})
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        if self._remote:
+            self._lines.append(json.dumps(row))
+            if time.monotonic() - self._uploaded_at >= self.REMOTE_FLUSH_S:
+                self.flush()
+        else:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(v):
@@ -93,8 +110,18 @@ class MetricsWriter:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(step - self._bar.n)
 
+    def flush(self) -> None:
+        """Makes every row written so far durable (a gs:// workdir: one upload)."""
+        if self._remote:
+            self.path.write_text("".join(line + "\n" for line in self._lines))
+            self._uploaded_at = time.monotonic()
+        else:
+            self._file.flush()
+
     def close(self) -> None:
-        self._file.close()
+        self.flush()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:

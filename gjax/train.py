@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, sharding
+from gjax import cli, model_record, paths, sharding
 from gjax.config import ConfigError, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
@@ -151,19 +151,16 @@ def main(argv) -> None:
     if _DISTRIBUTED.value:
         jax.distributed.initialize()
     config = _CONFIG.value
-    workdir = _WORKDIR.value or os.path.join("workdirs", config.algo)
-    if "://" not in workdir:
-        workdir = os.path.abspath(workdir)  # orbax needs absolute paths
+    # Local (relative or absolute) or gs://; every file below is written through epath.
+    workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
 
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())
     obj_cfg = common.to_objective_config(config.objective)
     try:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-    except OSError as e:
-        raise ConfigError(f"--workdir {workdir!r} is not writable: {e}") from e
+        paths.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+    except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
+        raise ConfigError(f"--workdir {workdir!r} is not writable: {type(e).__name__}: {e}") from e
 
     # --- mesh ---------------------------------------------------------------------------
     mesh = sharding.make_mesh(mesh_shape)
@@ -184,6 +181,7 @@ def main(argv) -> None:
         remat=config.model.remat,
     )
     tok = hf_io.load_tokenizer(model_path)
+    model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
     S, T = config.data.max_prompt_len, config.rollout.max_new_tokens
     if cfg.max_position_embeddings < S + T:
         raise ConfigError(
@@ -326,6 +324,7 @@ def main(argv) -> None:
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
             pending = None
         if save_now:
+            writer.flush()  # the metrics a resume keeps are durable before their checkpoint
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
         if stop["signal"]:
@@ -342,8 +341,7 @@ def main(argv) -> None:
             "heldout_accuracy_before": meta["heldout_accuracy_before"],
             "heldout_accuracy_after": after,
         }
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
+        paths.write_text(os.path.join(workdir, "summary.json"), json.dumps(summary, indent=2))
         print(
             f"held-out accuracy: before {summary['heldout_accuracy_before']:.3f} -> "
             f"after {after:.3f} ({len(heldout)} problems); summary: "

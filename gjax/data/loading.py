@@ -94,17 +94,34 @@ def _hub_error(source: str, err: Exception) -> DataError:
 def _looks_like_path(source: str) -> bool:
     return (
         os.path.exists(source)
+        or "://" in source
         or source.startswith(("/", "./", "../", "~"))
         or os.path.splitext(source)[1] in _FORMATS
         or any(c in source for c in "*?[")
     )
 
 
+def _remote_files(source: str) -> list[str]:
+    """Data files at a URL (gs://...): the file, a glob's matches, or a directory's files."""
+    from etils import epath
+
+    if any(c in source for c in "*?["):
+        scheme, rest = source.split("://", 1)
+        bucket, _, pattern = rest.partition("/")
+        found = epath.Path(f"{scheme}://{bucket}").glob(pattern)
+    else:
+        p = epath.Path(source)
+        found = p.rglob("*") if p.is_dir() else [p] if p.exists() else []
+    return sorted(str(f) for f in found if os.path.splitext(f.name)[1] in _FORMATS)
+
+
 def _load_local(source: str, split: str):
     import datasets
 
     path = os.path.expanduser(source)
-    if os.path.isdir(path):
+    if "://" in source:  # gs://: listed through epath, read by datasets through fsspec/gcsfs
+        files = _remote_files(source)
+    elif os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
             ds = datasets.load_from_disk(path)
             if isinstance(ds, datasets.DatasetDict):
@@ -132,6 +149,8 @@ def _load_local(source: str, split: str):
         )
     kind = kinds.pop()
     if kind == "arrow":
+        if "://" in source:
+            raise DataError(f"{source!r}: .arrow files are read locally only; use .parquet/.jsonl")
         return datasets.concatenate_datasets([datasets.Dataset.from_file(f) for f in files])
     try:
         return datasets.load_dataset(kind, data_files=files, split="train")
