@@ -760,7 +760,11 @@ def _upload_dir(local: str, url: str) -> None:
     dest = _remote_path(url)
     dest.mkdir(parents=True, exist_ok=True)
     names = set(os.listdir(local))
-    for child in dest.iterdir():  # weights of an earlier export that this one replaces
+    try:  # GCS has no directories: a prefix with no objects yet cannot be listed
+        earlier = list(dest.iterdir())
+    except FileNotFoundError:
+        earlier = []
+    for child in earlier:  # weights of an earlier export that this one replaces
         if (child.name == INDEX_FILE or _WEIGHT_FILE.match(child.name)) and child.name not in names:
             child.unlink()
     for name in sorted(names):
