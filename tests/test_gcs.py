@@ -28,32 +28,10 @@ from gjax import model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer  # noqa: E402
 from gjax.data.loading import load_rows  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
-from tests import gcs_emulator  # noqa: E402
 from tests.test_export import assert_logits_match  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "gs://bucket/run"
-
-
-@pytest.fixture(scope="module")
-def gcs(tmp_path_factory):
-    """The emulator, this process pointed at it; yields (gcsfs filesystem, env for children)."""
-    root = tmp_path_factory.mktemp("gcs")
-    with gcs_emulator.serve(str(root)) as url:
-        env = gcs_emulator.environment(url)
-        env["GJAX_CACHE"] = str(root / "gjax_cache")
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            fs = gcsfs.GCSFileSystem()
-            fs.mkdir("bucket")
-            yield fs, env
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _child_env(gcs_env, tmp_path):
