@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from configs import grpo  # noqa: E402
-from gjax import export, model_record  # noqa: E402
-from gjax.checkpoint import Checkpointer  # noqa: E402
+from gjax import cli, export, model_record  # noqa: E402
+from gjax.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.models import transformer as T  # noqa: E402
 from gjax.trainer import TrainState, make_optimizer  # noqa: E402
@@ -167,10 +167,10 @@ def test_step_dtype_shards_and_errors(tmp_path, monkeypatch):
     np.testing.assert_array_equal(got, embed.astype(ml_dtypes.bfloat16))
     assert not np.array_equal(embed, np.asarray(saved[2]["embed"]["embedding"]))
 
-    # User errors: one paragraph, exit 2, nothing called damaged.
-    proc = run_export(tmp_path, "--workdir=wd", "--out=x", "--step=7")
-    assert proc.returncode == 2
-    assert " ".join(proc.stderr.split()) == (
+    # User errors (the CLI prints them as one paragraph, exit 2); nothing is called damaged.
+    with pytest.raises(CheckpointError) as err:
+        export.export("wd", "x", step=7)
+    assert " ".join(cli.format_user_error(err.value).split()) == (
         f"gjax: no checkpoint for step 7 in {tmp_path}/wd/checkpoints; it has steps [1, 2]"
     )
     with pytest.raises(model_record.RecordError, match="not a gjax training run"):
