@@ -139,7 +139,7 @@ class Checkpointer:
 
         The optimizer state (twice the params' size for Adam) is never read. Leaves of
         `abstract_params` are `jax.ShapeDtypeStruct`s; they land on their `sharding` (default:
-        the first device).
+        host memory, i.e. the CPU device, also on an accelerator machine).
         """
         steps = self.all_steps()
         if not steps:
@@ -149,7 +149,7 @@ class Checkpointer:
                 f"no checkpoint for step {step} in {self.directory}; it has steps {steps}"
             )
         step = steps[-1] if step is None else step
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         restore_args = jax.tree.map(
             lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=x.sharding or device),
             abstract_params,
