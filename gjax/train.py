@@ -160,7 +160,10 @@ def main(argv) -> None:
     try:
         paths.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
     except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
-        raise ConfigError(f"--workdir {workdir!r} is not writable: {type(e).__name__}: {e}") from e
+        hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
+        raise ConfigError(
+            f"--workdir {workdir!r} is not writable{hint}: {type(e).__name__}: {e}"
+        ) from e
 
     # --- mesh ---------------------------------------------------------------------------
     mesh = sharding.make_mesh(mesh_shape)
