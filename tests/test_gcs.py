@@ -155,3 +155,26 @@ def test_data_files_from_gcs(gcs, tmp_path):
         got = load_rows(source).to_list()
         want = rows[:3] if source.endswith("part0.jsonl") else rows
         assert got == want, source
+
+
+def test_metrics_in_a_gcs_workdir(gcs):
+    """Rows reach the bucket on flush (the loop flushes before each checkpoint) and on close;
+    a resume drops the rows past its checkpoint. (TensorBoard's gs:// events are checked in
+    the training run above: tensorboardX re-uploads them at interpreter exit, after this
+    process's emulator is gone.)"""
+    from gjax.metrics import MetricsWriter, read_jsonl
+
+    wd = "gs://bucket/metrics_run"
+    w = MetricsWriter(wd, total_steps=3, tensorboard=False, progress=False)
+    w.write(1, {"loss/total": 0.5})
+    w.write(2, {"loss/total": float("nan")})
+    assert read_jsonl(f"{wd}/metrics.jsonl") == []  # uploads are batched ...
+    w.flush()  # ... until a flush
+    assert [r["step"] for r in read_jsonl(f"{wd}/metrics.jsonl")] == [1, 2]
+    w.write(3, {"loss/total": 0.25})
+    w.close()
+    rows = read_jsonl(f"{wd}/metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[1]["loss/total"] is None
+    w = MetricsWriter(wd, total_steps=3, tensorboard=False, progress=False, start_step=2)
+    w.close()
+    assert [r["step"] for r in read_jsonl(f"{wd}/metrics.jsonl")] == [1, 2]
