@@ -29,7 +29,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from gjax import integrity
+from gjax import integrity, paths
 from gjax.cli import UserError
 from gjax.health import Diverged
 
@@ -59,13 +59,14 @@ class Checkpointer:
 
     def __init__(
         self,
-        directory: str,
+        directory: str | epath.Path,
         *,
         max_to_keep: int = 3,
         save_interval_steps: int = 50,
         async_save: bool = True,
     ):
-        self.directory = epath.Path(directory)
+        # Local paths absolute (orbax refuses relative ones), gs:// as given.
+        self.directory = paths.resolve(directory)
         self.save_interval_steps = save_interval_steps
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
@@ -244,6 +245,40 @@ class Checkpointer:
     def close(self) -> None:
         self.wait()
         self._mngr.close()
+
+    def restore_params(self, abstract_params: Any, *, step: int | None = None) -> tuple[int, Any]:
+        """Only the policy params of the newest checkpoint (or `step`): what an export needs.
+
+        The optimizer state (twice the params' size for Adam) is never read. Leaves of
+        `abstract_params` are `jax.ShapeDtypeStruct`s; they land on their `sharding` (default:
+        host memory, i.e. the CPU device, also on an accelerator machine).
+        """
+        steps = self.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}: the run has saved none yet")
+        if step is not None and step not in steps:
+            raise CheckpointError(
+                f"no checkpoint for step {step} in {self.directory}; it has steps {steps}"
+            )
+        step = steps[-1] if step is None else step
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
+        restore_args = jax.tree.map(
+            lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=x.sharding or device),
+            abstract_params,
+        )
+        args = ocp.args.PyTreeRestore(
+            item={"params": abstract_params},
+            restore_args={"params": restore_args},
+            partial_restore=True,
+        )
+        try:
+            state = self._mngr.restore(step, args=ocp.args.Composite(state=args)).state
+        except Exception as e:
+            raise CheckpointError(
+                f"the checkpoint of step {step} in {self.directory} could not be read "
+                f"({type(e).__name__}: {e}); the run has steps {steps}: pick another with --step"
+            ) from e
+        return step, state["params"]
 
 
 def _verify(state: Any, saved_digest: Mapping[str, int] | None) -> str | None:

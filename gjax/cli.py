@@ -43,7 +43,9 @@ class UserError(Exception):
 def format_user_error(err: BaseException) -> str:
     """The one-paragraph form of a user error: `gjax: <message>`, wrapped for a terminal."""
     lines = str(err).strip().splitlines() or [type(err).__name__]
-    head = textwrap.fill(lines[0], width=100, subsequent_indent="  ")
+    head = textwrap.fill(
+        lines[0], width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
+    )
     return "\n".join([f"gjax: {head}", *lines[1:]])
 
 

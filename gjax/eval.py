@@ -419,11 +419,12 @@ def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
 
 
 def run_model_source(workdir: str) -> tuple[str, dict[str, Any]]:
-    """(model dir, run config) of a training workdir: the base model named by the run's
-    `config.json` (`model.path`), whose architecture and tokenizer the checkpoint shares.
-    The one place eval learns a run's model (export.py reads it the same way)."""
+    """(model dir, run config) of a training workdir: the policy recorded with the run
+    (`WORKDIR/model`, see gjax.model_record), or for a run from before that record the base
+    model named by the run's `config.json`, whose architecture and tokenizer it shares."""
     from etils import epath
 
+    from gjax import model_record
     from gjax.embedded import resolve_model_path
 
     path = epath.Path(workdir) / "config.json"
@@ -432,6 +433,9 @@ def run_model_source(workdir: str) -> tuple[str, dict[str, Any]]:
             f"{path} not found: --checkpoint must be a gjax --workdir (or its checkpoints)"
         )
     run = json.loads(path.read_text())
+    record = epath.Path(workdir) / model_record.MODEL_DIR
+    if (record / "config.json").exists():
+        return str(record), run
     return resolve_model_path(run["model"]["path"]), run
 
 

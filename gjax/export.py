@@ -1,35 +1,41 @@
-"""Export a gjax training checkpoint (local or gs://) to Hugging Face format.
+"""Export a gjax training run (local or gs://) to Hugging Face format.
 
-    python -m gjax.export --workdir=gs://BUCKET/runs/a_grae --out=/tmp/a_grae_hf [--step=N]
+    python -m gjax.export --workdir=workdirs/a_grae --out=hf_out [--step=N]
                           [--dtype=bfloat16] [--max_shard_size=5GB]
 
-Reads the run's `config.json` for the base model (its architecture and tokenizer), restores
-the policy parameters of the newest (or given) checkpoint, and writes safetensors shards +
-index, `config.json`, `generation_config.json` and the tokenizer, loadable by
-`transformers.AutoModelForCausalLM.from_pretrained(out)`. `--out` may be a gs:// path.
+Needs only the workdir. Training records its policy's architecture and tokenizer in
+`WORKDIR/model/` when it starts (HF `config.json`, `generation_config.json`, tokenizer files:
+an HF checkpoint without weights); the export restores just the policy params of the newest
+checkpoint (or `--step`), never the optimizer state nor the base model's weights, and writes
+safetensors shards (+ `model.safetensors.index.json` when there are several), `config.json`,
+`generation_config.json` and the tokenizer, loadable by
+`transformers.AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer`. `--workdir` and
+`--out` may be relative, absolute or gs:// paths. A workdir written before `model/` was
+recorded falls back to the base model named in its `config.json` (its config and tokenizer
+only).
 """
 
 from __future__ import annotations
 
-import json
-import os
+import logging
 
 import jax
-import jax.numpy as jnp
-import ml_collections
+import numpy as np
 from absl import flags
-from etils import epath
 
-from gjax import cli
+from gjax import cli, model_record, paths
 from gjax.checkpoint import Checkpointer
-from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
-from gjax.trainer import TrainState, make_optimizer
+from gjax.models.config import dtype_from_name
 
-_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir.")
+_WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (local or gs://).")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
-_DTYPE = flags.DEFINE_string("dtype", None, "Write tensors in this dtype (e.g. bfloat16).")
+_DTYPE = flags.DEFINE_string(
+    "dtype",
+    None,
+    "Write tensors in this dtype: float32, bfloat16 or float16 (default: as trained).",
+)
 _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Bytes per safetensors file.")
 
 
@@ -41,29 +47,36 @@ def export(
     dtype: str | None = None,
     max_shard_size: str = "5GB",
 ) -> int:
-    config_path = epath.Path(workdir) / "config.json"
-    if not config_path.exists():
-        raise FileNotFoundError(f"{config_path} not found: is {workdir!r} a gjax --workdir?")
-    run_config = json.loads(config_path.read_text())
-    base = resolve_model_path(run_config["model"]["path"])
-    cfg, params = hf_io.load_pretrained(base, param_dtype=run_config["model"]["param_dtype"])
-    tx, _ = make_optimizer(ml_collections.ConfigDict(run_config["optim"]), 1)
-    abstract = TrainState(
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-        params=params,
-        opt_state=jax.eval_shape(tx.init, params),
+    """Writes the run's checkpoint `step` (default: newest) to `out`; returns the step."""
+    try:
+        if dtype is not None:
+            dtype_from_name(dtype)
+        hf_io.parse_size(max_shard_size)
+    except ValueError as e:
+        raise model_record.RecordError(str(e)) from None
+    cfg, source = model_record.load(workdir)
+    abstract = jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
+        hf_io.param_shapes(cfg),
+        is_leaf=lambda x: isinstance(x, tuple),
     )
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
-    step, state, _ = ckpt.restore(abstract, step=step)
+    ckpt = Checkpointer(paths.resolve(workdir) / "checkpoints", async_save=False)
+    try:
+        step, params = ckpt.restore_params(abstract, step=step)
+    finally:
+        ckpt.close()
+    out_path = str(paths.resolve(out))
     hf_io.save_pretrained(
-        state.params, cfg, out, tokenizer=base, max_shard_size=max_shard_size, dtype=dtype
+        params, cfg, out_path, tokenizer=source, max_shard_size=max_shard_size, dtype=dtype
     )
-    ckpt.close()
     return step
 
 
 def main(argv):
     del argv
+    if not flags.FLAGS["verbosity"].present:
+        # orbax logs each restore step by step (INFO, through absl); --verbosity=0 shows it.
+        logging.getLogger("absl").setLevel(logging.WARNING)
     step = export(
         _WORKDIR.value,
         _OUT.value,
@@ -71,7 +84,7 @@ def main(argv):
         dtype=_DTYPE.value,
         max_shard_size=_SHARD.value,
     )
-    print(f"exported step {step} of {_WORKDIR.value} to {_OUT.value}")
+    print(f"exported step {step} of {_WORKDIR.value} to {paths.resolve(_OUT.value)}")
     jax.effects_barrier()
 
 

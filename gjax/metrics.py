@@ -15,12 +15,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+
+from gjax import paths
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +52,11 @@ def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:
-    rows = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    rows.append(json.loads(line))
-    return rows
+    """Rows of a JSONL file (local or gs://); [] if there is none."""
+    p = paths.resolve(path)
+    if not p.exists():
+        return []
+    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
 
 
 class MetricsWriter:
@@ -65,7 +64,14 @@ class MetricsWriter:
 
     `history` (the rows a resumed checkpoint holds, steps 1..start_step) rebuilds rows that
     `metrics.jsonl` lacks (a deleted or truncated file).
+
+    In a gs:// workdir (objects cannot be appended to) the whole file is uploaded at most
+    every `REMOTE_FLUSH_S` seconds and on `flush()`, which the loop calls before each
+    checkpoint, so every row a resume keeps is stored; TensorBoard's gs:// writer
+    (tensorboardX, through google-cloud-storage) uploads its events on its own flushes.
     """
+
+    REMOTE_FLUSH_S = 30.0
 
     def __init__(
         self,
@@ -77,10 +83,14 @@ class MetricsWriter:
         start_step: int = 0,
         history: list[Mapping[str, Any]] = (),
     ):
-        os.makedirs(workdir, exist_ok=True)
-        self.path = os.path.join(workdir, "metrics.jsonl")
+        root = paths.resolve(workdir)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / "metrics.jsonl"
+        self._remote = paths.is_url(workdir)
+        self._lines: list[str] = []  # gs://: the file's content, uploaded whole
+        self._uploaded_at = time.monotonic()
         self._truncate_after(start_step, history)
-        self._file = open(self.path, "a")  # noqa: SIM115 - kept open for the run
+        self._file = None if self._remote else open(self.path, "a")  # noqa: SIM115 - for the run
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
@@ -88,8 +98,7 @@ class MetricsWriter:
             # purge_step: TensorBoard drops this directory's earlier events at steps >= it
             # (the steps a killed run wrote past its checkpoint; they are redone).
             self._tb = SummaryWriter(
-                os.path.join(workdir, "tensorboard"),
-                purge_step=start_step + 1 if start_step else None,
+                str(root / "tensorboard"), purge_step=start_step + 1 if start_step else None
             )
         self._progress, self._total = progress, total_steps
         self._bar = None
@@ -112,13 +121,21 @@ class MetricsWriter:
                 len(lost),
                 step,
             )
-        with open(self.path, "w") as f:
-            for s in sorted({**lost, **kept}):
-                f.write(json.dumps({**lost, **kept}[s]) + "\n")
+        rows = {**lost, **kept}
+        self._lines = [json.dumps(rows[s]) for s in sorted(rows)]
+        self.path.write_text("".join(line + "\n" for line in self._lines))
+        if not self._remote:
+            self._lines = []
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
-        self._file.write(json.dumps(_row(step, metrics)) + "\n")
-        self._file.flush()
+        line = json.dumps(_row(step, metrics))
+        if self._remote:
+            self._lines.append(line)
+            if time.monotonic() - self._uploaded_at >= self.REMOTE_FLUSH_S:
+                self.flush()
+        else:
+            self._file.write(line + "\n")
+            self._file.flush()
         if self._tb is not None:
             for k, v in metrics.items():
                 if math.isfinite(v):
@@ -151,9 +168,19 @@ class MetricsWriter:
         else:
             log.warning(message)
 
+    def flush(self) -> None:
+        """Makes every row written so far durable (a gs:// workdir: one upload)."""
+        if self._remote:
+            self.path.write_text("".join(line + "\n" for line in self._lines))
+            self._uploaded_at = time.monotonic()
+        else:
+            self._file.flush()
+
     def close(self) -> None:
         """Closes the sinks; the bar ends its line, so what is printed next has its own."""
-        self._file.close()
+        self.flush()
+        if self._file is not None:
+            self._file.close()
         if self._tb is not None:
             self._tb.close()
         if self._bar is not None:

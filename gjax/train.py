@@ -32,7 +32,7 @@ from ml_collections import config_flags
 
 from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, sharding
+from gjax import cli, model_record, paths, sharding
 from gjax import eval as eval_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
@@ -127,9 +127,8 @@ def main(argv) -> None:
     if _DISTRIBUTED.value:
         jax.distributed.initialize()
     config = _CONFIG.value
-    workdir = _WORKDIR.value or os.path.join("workdirs", config.algo)
-    if "://" not in workdir:
-        workdir = os.path.abspath(workdir)  # orbax needs absolute paths
+    # Local (relative or absolute) or gs://; every file below is written through epath.
+    workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
 
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())
@@ -138,11 +137,12 @@ def main(argv) -> None:
     obj_cfg = common.to_objective_config(config.objective)
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     try:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
-    except OSError as e:
-        raise ConfigError(f"--workdir {workdir!r} is not writable: {e}") from e
+        paths.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+    except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
+        hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
+        raise ConfigError(
+            f"--workdir {workdir!r} is not writable{hint}: {type(e).__name__}: {e}"
+        ) from e
 
     # --- mesh ---------------------------------------------------------------------------
     mesh = sharding.make_mesh(mesh_shape)
@@ -162,6 +162,7 @@ def main(argv) -> None:
         remat=config.model.remat,
     )
     tok = hf_io.load_tokenizer(model_path)
+    model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
     T = config.rollout.max_new_tokens
     # A frozen copy of the initial policy, kept only when the objective has a KL term.
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
@@ -328,6 +329,7 @@ def main(argv) -> None:
             history.append(_finish(writer, watch, checkpointer, *pending, config=config))
             pending = None
         if save_now:
+            writer.flush()  # the metrics a resume keeps are durable before their checkpoint
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
         if stop["signal"]:
@@ -359,8 +361,7 @@ def main(argv) -> None:
                 **_pass_at_k(before, "before"),
                 **_pass_at_k(after, "after"),
             }
-            with open(summary_path, "w") as f:
-                json.dump(summary, f, indent=2)
+            paths.write_text(summary_path, json.dumps(summary, indent=2))
         print(
             f"\nheld-out accuracy after {trained} steps: "
             f"{summary['heldout_accuracy_before']:.3f} -> {summary['heldout_accuracy_after']:.3f} "
@@ -396,8 +397,7 @@ def _on_stop_signal(stop: dict, signum: int, frame) -> None:
 
 def _read_json(path: str) -> dict | None:
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(paths.resolve(path).read_text())
     except (OSError, ValueError):
         return None
 

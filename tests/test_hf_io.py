@@ -20,7 +20,6 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
-from etils import epath
 
 from gjax import sharding
 from gjax.models import hf_io
@@ -396,16 +395,6 @@ def test_missing_path_and_offline_hub_id(tmp_path, monkeypatch):
         hf_io.load_pretrained("gjax-test-org/no-such-model")
 
 
-def _fake_bucket(root):
-    """Maps gs://bucket/... onto a local dir, through the same epath API gjax uses."""
-
-    def remote_path(url):
-        assert url.startswith("gs://bucket/")
-        return epath.Path(os.path.join(root, url[len("gs://bucket/") :]))
-
-    return remote_path
-
-
 def _tiny_tokenizer(directory):
     """A byte-level BPE tokenizer (the Qwen2/Llama-3 kind), trained on a few sentences."""
     from tokenizers import ByteLevelBPETokenizer
@@ -422,21 +411,20 @@ def _tiny_tokenizer(directory):
     return fast
 
 
-def test_tokenizer_and_gcs_round_trip(hf_models, tmp_path, monkeypatch):
-    """Export to gs:// with tokenizer files, load weights and tokenizer back from gs://."""
+def test_tokenizer_and_gcs_round_trip(hf_models, gcs, tmp_path, monkeypatch):
+    """Export to gs:// (a GCS emulator) with tokenizer files, load weights and tokenizer back."""
+    fs, _ = gcs
     model, single, _ = hf_models["qwen2_tied"]
     tok_dir = str(tmp_path / "tok")
     fast = _tiny_tokenizer(tok_dir)
     tok = hf_io.load_tokenizer(tok_dir)
     assert tok("the answer is four")["input_ids"] == fast("the answer is four")["input_ids"]
 
-    bucket = tmp_path / "bucket"
-    monkeypatch.setattr(hf_io, "_remote_path", _fake_bucket(str(bucket)))
     monkeypatch.setenv("GJAX_CACHE", str(tmp_path / "cache"))
     cfg, params = hf_io.load_pretrained(single)
     hf_io.save_pretrained(params, cfg, "gs://bucket/run/step_1", tokenizer=tok_dir)
-    uploaded = sorted(os.listdir(bucket / "run" / "step_1"))
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(uploaded)
+    uploaded = {p.rsplit("/", 1)[1] for p in fs.ls("bucket/run/step_1", refresh=True)}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= uploaded
 
     cfg2, params2 = hf_io.load_pretrained("gs://bucket/run/step_1")
     assert cfg2 == cfg

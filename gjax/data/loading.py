@@ -100,6 +100,7 @@ def _hub_error(source: str, err: Exception) -> DataError:
 def _looks_like_path(source: str) -> bool:
     return (
         os.path.exists(source)
+        or "://" in source
         or source.startswith(("/", "./", "../", "~"))
         or os.path.splitext(source)[1] in _FORMATS
         or any(c in source for c in "*?[")
@@ -158,11 +159,52 @@ def _is_utf8(path: str) -> bool:
     return True
 
 
+def _remote_files(source: str) -> list[str]:
+    """Local copies of the data files at a URL (gs://...): the file, a glob's matches, or a
+    directory's files."""
+    from etils import epath
+
+    if any(c in source for c in "*?["):
+        scheme, rest = source.split("://", 1)
+        bucket, _, pattern = rest.partition("/")
+        found = epath.Path(f"{scheme}://{bucket}").glob(pattern)
+    else:
+        p = epath.Path(source)
+        found, dirs = ([], [p]) if p.is_dir() else ([p] if p.exists() else [], [])
+        while dirs:  # a directory's files, subdirectories included
+            for child in dirs.pop().iterdir():
+                (dirs if child.is_dir() else found).append(child)
+    urls = sorted(str(f) for f in found if os.path.splitext(f.name)[1] in _FORMATS)
+    return [_cached_copy(url) for url in urls]
+
+
+def _cached_copy(url: str) -> str:
+    """A local copy of a remote data file under the gjax cache, refreshed when its size
+    changes (datasets then reads it as any local file, also with HF_DATASETS_OFFLINE=1)."""
+    import shutil
+
+    from etils import epath
+
+    from gjax.models.hf_io import cache_dir
+
+    scheme, rest = url.split("://", 1)
+    target = os.path.join(cache_dir(), "remote", scheme, rest)
+    src = epath.Path(url)
+    if not (os.path.exists(target) and os.path.getsize(target) == src.stat().length):
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        with src.open("rb") as fin, open(target + ".partial", "wb") as fout:
+            shutil.copyfileobj(fin, fout, length=16 << 20)
+        os.replace(target + ".partial", target)
+    return target
+
+
 def _load_local(source: str, split: str, *, strict: bool = False, stats: dict | None = None):
     import datasets
 
     path = os.path.expanduser(source)
-    if os.path.isdir(path):
+    if "://" in source:  # gs://: listed and copied to the local cache through epath/gcsfs
+        files = _remote_files(source)
+    elif os.path.isdir(path):
         if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
             ds = datasets.load_from_disk(path)
             if isinstance(ds, datasets.DatasetDict):

@@ -535,7 +535,7 @@ def _read_hf(ckpt: Checkpoint, e: _Entry, index: tuple, dtype) -> np.ndarray:
 # Saving
 
 
-def _parse_size(size: int | str) -> int:
+def parse_size(size: int | str) -> int:
     if isinstance(size, int):
         return size
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())
@@ -616,7 +616,7 @@ def save_pretrained(
     path = os.fspath(path)
     _check_params(params, cfg)
     entries = _hf_entries(cfg)
-    limit = _parse_size(max_shard_size)
+    limit = parse_size(max_shard_size)
     leaf_dtype = {
         _path_tuple(p): np.dtype(x.dtype)
         for p, x in jax.tree_util.tree_flatten_with_path(params)[0]
@@ -663,20 +663,58 @@ def save_pretrained(
         return
 
     saved_dtype = np.dtype(dtype).name if dtype else cfg.param_dtype
+    _write_model_files(local, cfg, saved_dtype, tokenizer, generation_config)
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        _write_json(os.path.join(local, INDEX_FILE), index)
+    if remote:
+        _upload_dir(local, path)
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def save_model_files(
+    cfg: ModelConfig,
+    path: str | os.PathLike,
+    *,
+    tokenizer=None,
+    generation_config: dict[str, Any] | None = None,
+) -> None:
+    """Writes everything of an HF checkpoint but its weights (local or gs://): `config.json`
+    (for `cfg`), `generation_config.json` and the tokenizer (as in `save_pretrained`).
+
+    Training records its policy's architecture and tokenizer with the run this way
+    (`WORKDIR/model/`), so an export needs only the workdir, never the base model.
+    """
+    path = os.fspath(path)
+    if jax.process_index() != 0:
+        return
+    remote = _is_url(path)
+    local = tempfile.mkdtemp(prefix="gjax_model_") if remote else path
+    os.makedirs(local, exist_ok=True)
+    _write_model_files(local, cfg, cfg.param_dtype, tokenizer, generation_config)
+    if remote:
+        _upload_dir(local, path)
+        shutil.rmtree(local, ignore_errors=True)
+
+
+def source_generation_config(path: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint dir's `generation_config.json` (its sampling defaults), or {}."""
+    file = os.path.join(resolve_dir(path), "generation_config.json")
+    if not os.path.exists(file):
+        return {}
+    with open(file) as f:
+        return json.load(f)
+
+
+def _write_model_files(local, cfg, saved_dtype, tokenizer, generation_config) -> None:
     hf_config = cfg.to_hf()
     hf_config["dtype"] = saved_dtype
     hf_config.pop("torch_dtype", None)
     _write_json(os.path.join(local, "config.json"), hf_config)
     gen = {**_generation_config(cfg), **(generation_config or {})}
     _write_json(os.path.join(local, "generation_config.json"), gen)
-    if n > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        _write_json(os.path.join(local, INDEX_FILE), index)
     if tokenizer is not None:
         _save_tokenizer(tokenizer, local)
-    if remote:
-        _upload_dir(local, path)
-        shutil.rmtree(local, ignore_errors=True)
 
 
 _WEIGHT_FILE = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
@@ -726,7 +764,11 @@ def _upload_dir(local: str, url: str) -> None:
     dest = _remote_path(url)
     dest.mkdir(parents=True, exist_ok=True)
     names = set(os.listdir(local))
-    for child in dest.iterdir():  # weights of an earlier export that this one replaces
+    try:  # GCS has no directories: a prefix with no objects yet cannot be listed
+        earlier = list(dest.iterdir())
+    except FileNotFoundError:
+        earlier = []
+    for child in earlier:  # weights of an earlier export that this one replaces
         if (child.name == INDEX_FILE or _WEIGHT_FILE.match(child.name)) and child.name not in names:
             child.unlink()
     for name in sorted(names):
@@ -780,5 +822,7 @@ __all__ = [
     "load_tokenizer",
     "param_shapes",
     "resolve_dir",
+    "save_model_files",
     "save_pretrained",
+    "source_generation_config",
 ]
