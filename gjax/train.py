@@ -27,7 +27,7 @@ from ml_collections import config_flags
 
 from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, sharding
+from gjax import cli, multihost, sharding
 from gjax.config import ConfigError, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
@@ -49,8 +49,16 @@ _WORKDIR = flags.DEFINE_string(
     "Output dir (local or gs://); resumes if it has checkpoints. Default: workdirs/<algo>.",
 )
 _DISTRIBUTED = flags.DEFINE_bool(
-    "jax_distributed", False, "Call jax.distributed.initialize() (multi-host TPU VMs)."
+    "jax_distributed",
+    False,
+    "Multi-process run: jax.distributed.initialize() (auto-detected on TPU VMs; elsewhere "
+    "give the three flags below or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID).",
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (implies --jax_distributed)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 log = logging.getLogger("gjax")
 
@@ -81,9 +89,24 @@ def make_backend(config, cfg) -> RolloutBackend:
 
 
 def evaluate(
-    backend, params, tok, data, verifier, *, max_new_tokens, eos, pad_id, temperature, batch=128
+    backend,
+    params,
+    tok,
+    data,
+    verifier,
+    *,
+    steps,
+    max_new_tokens,
+    eos,
+    pad_id,
+    temperature,
+    batch=128,
 ) -> float:
-    """pass@1 on held-out prompts (greedy at temperature 0), scored by the verifier."""
+    """pass@1 on held-out prompts (greedy at temperature 0), scored by the verifier.
+
+    Each process samples, decodes and scores its block of every batch (`steps.layout`); the
+    correct/total counts are summed over processes.
+    """
     sampling = SamplingParams(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
@@ -92,23 +115,29 @@ def evaluate(
     )
     batch = min(batch, len(data))
     it = PromptIterator(
-        data, global_batch_size=batch, shuffle=False, num_epochs=1, process_index=0, process_count=1
+        data,
+        global_batch_size=batch,
+        shuffle=False,
+        num_epochs=1,
+        process_index=steps.layout.block,
+        process_count=steps.layout.count,
     )
     correct, total = 0.0, 0
     for prompts in it:
         out = backend.generate(
             params,
-            prompts.prompt_ids_PxS,
-            prompts.prompt_mask_PxS,
+            steps.put_rows(prompts.prompt_ids_PxS),
+            steps.put_rows(prompts.prompt_mask_PxS),
             jax.random.key(0),
             num_samples=1,
             sampling=sampling,
         )
-        ids, lengths = np.asarray(out.tokens_BxN), np.asarray(out.lengths_B)
+        ids, lengths = steps.local_rows(out.tokens_BxN), steps.local_rows(out.lengths_B)
         texts = tok.batch_decode([r[:n] for r, n in zip(ids, lengths)], skip_special_tokens=True)
         correct += float(verifier.score(texts, prompts.answers).sum())
         total += len(texts)
-    return correct / max(total, 1)
+    correct, total = multihost.allgather(np.asarray([correct, total], np.float64)).sum(0)
+    return float(correct / max(total, 1))
 
 
 def build_rewards(config, verifier) -> RewardPipeline:
@@ -148,8 +177,10 @@ def main(argv) -> None:
     if not flags.FLAGS["verbosity"].present:
         # orbax logs every save step by step (INFO, through absl); --verbosity=0 shows it.
         logging.getLogger("absl").setLevel(logging.WARNING)
-    if _DISTRIBUTED.value:
-        jax.distributed.initialize()
+    if _DISTRIBUTED.value or _COORDINATOR.value:
+        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if not multihost.is_primary():  # process 0 logs; the others only warn
+        logging.getLogger().setLevel(logging.WARNING)
     config = _CONFIG.value
     workdir = _WORKDIR.value or os.path.join("workdirs", config.algo)
     if "://" not in workdir:
@@ -159,9 +190,10 @@ def main(argv) -> None:
     mesh_shape = validate(config, jax.device_count())
     obj_cfg = common.to_objective_config(config.objective)
     try:
-        os.makedirs(workdir, exist_ok=True)
-        with open(os.path.join(workdir, "config.json"), "w") as f:
-            f.write(config.to_json_best_effort(indent=2))
+        if multihost.is_primary():
+            os.makedirs(workdir, exist_ok=True)
+            with open(os.path.join(workdir, "config.json"), "w") as f:
+                f.write(config.to_json_best_effort(indent=2))
     except OSError as e:
         raise ConfigError(f"--workdir {workdir!r} is not writable: {e}") from e
 
@@ -237,11 +269,13 @@ def main(argv) -> None:
         _, state, meta = checkpointer.restore(state, fingerprint=fingerprint(config))
         log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
-    data_iter = PromptIterator(
+    data_iter = PromptIterator(  # this process's block of every global batch
         train_data,
         global_batch_size=P,
         seed=config.data.shuffle_seed,
         shuffle=config.data.shuffle,
+        process_index=steps.layout.block,
+        process_count=steps.layout.count,
         state=meta["data"],
     )
     backend = make_backend(config, cfg)
@@ -253,6 +287,7 @@ def main(argv) -> None:
         eos=rollout.eos,
         pad_id=rollout.pad_id,
         temperature=config.rollout.eval_temperature,
+        steps=steps,
     )
 
     # --- held-out accuracy before training ----------------------------------------------
@@ -265,17 +300,20 @@ def main(argv) -> None:
     # --- the RL loop --------------------------------------------------------------------
     stop = {"signal": None}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(signal=signum))
-    writer = MetricsWriter(
-        workdir,
-        total_steps=config.train.steps,
-        start_step=start,
-        tensorboard=config.log.tensorboard,
-        progress=config.log.progress,
-    )
+    writer = None  # process 0 writes metrics; every process computes the same rows
+    if multihost.is_primary():
+        writer = MetricsWriter(
+            workdir,
+            total_steps=config.train.steps,
+            start_step=start,
+            tensorboard=config.log.tensorboard,
+            progress=config.log.progress,
+        )
     base_key = jax.random.key(config.seed)
     s = config.sampling
     min_valid = 1.0 if s.dynamic else s.min_valid_fraction
     pending = None  # (step, device metrics, host metrics): written one step late
+    stopping = False
     history = meta["history"]
     for step in range(start, config.train.steps):
         t0 = time.perf_counter()
@@ -296,14 +334,18 @@ def main(argv) -> None:
             candidates = res.groups if carried is None else Groups.concat([carried, res.groups])
             batch_groups, carried = select_groups(
                 candidates,
-                P,
+                data_iter.local_batch_size,  # this process's slots of the P
                 min_valid_fraction=min_valid,
                 drop_zero_variance=s.dynamic,
                 final_round=round_ == s.max_rollouts_per_step - 1,
+                allgather=multihost.allgather,
             )
             if batch_groups is not None:
                 break
         host_metrics["sampling/rollouts"] = round_ + 1
+        # Host exchanges before the update is dispatched (after it, they would wait for it).
+        num_tokens = multihost.allgather(batch_groups.completion_mask_PxGxN.sum()).sum()
+        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
         t_learn = time.perf_counter()
         batch = steps.put_batch(rollout.model_inputs(batch_groups))
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
@@ -311,13 +353,11 @@ def main(argv) -> None:
             history.append(_finish(writer, *pending, allow_nonfinite=config.train.allow_nonfinite))
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
         host_metrics["time/step_s"] = time.perf_counter() - t0
-        host_metrics["throughput/tokens_per_s"] = float(
-            batch_groups.completion_mask_PxGxN.sum() / host_metrics["time/step_s"]
-        )
+        host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
         pending = (step + 1, metrics, host_metrics)
         eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
         last = step + 1 == config.train.steps
-        save_now = checkpointer.should_save(step + 1) or bool(stop["signal"]) or last
+        save_now = checkpointer.should_save(step + 1) or stopping or last
         if save_now or eval_now:
             if eval_now:
                 host_metrics["eval/heldout_accuracy"] = evaluate(
@@ -328,13 +368,14 @@ def main(argv) -> None:
         if save_now:
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
-        if stop["signal"]:
+        if stopping:
             log.warning("signal %s: checkpoint at step %d saved; exiting", stop["signal"], step + 1)
             break
     checkpointer.wait()
-    if not stop["signal"]:
+    if not stopping:
         # --- held-out accuracy after training -------------------------------------------
         after = evaluate(backend, state.params, tok, heldout, verifier, **eval_kw)
+    if not stopping and multihost.is_primary():
         summary = {
             "algo": config.algo,
             "steps": config.train.steps,
@@ -349,7 +390,8 @@ def main(argv) -> None:
             f"after {after:.3f} ({len(heldout)} problems); summary: "
             f"{os.path.join(workdir, 'summary.json')}"
         )
-    writer.close()
+    if writer is not None:
+        writer.close()
     checkpointer.close()
     pipeline.close()
     verifier.close()
@@ -357,7 +399,7 @@ def main(argv) -> None:
 
 
 def _finish(
-    writer: MetricsWriter, step: int, device_metrics, host_metrics, *, allow_nonfinite: bool
+    writer: MetricsWriter | None, step: int, device_metrics, host_metrics, *, allow_nonfinite: bool
 ) -> dict:
     """Pulls a step's device metrics, checks them, writes them; returns the row."""
     row = {**to_host(device_metrics), **host_metrics}
@@ -368,7 +410,8 @@ def _finish(
             "is intact. Lower optim.lr, check the rewards, or set "
             "--config.train.allow_nonfinite=True to continue anyway."
         )
-    writer.write(step, row)
+    if writer is not None:
+        writer.write(step, row)
     return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 
