@@ -36,7 +36,7 @@ def initialize(
 
     On TPU VMs (and SLURM / Open MPI / Kubernetes) JAX finds all three by itself. Elsewhere
     give them as flags or as `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`.
-    On CPU the cross-process collectives go through gloo.
+    CPU collectives across processes go through gloo.
     """
     env = os.environ
     coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
@@ -57,9 +57,8 @@ def initialize(
         raise DistributedError(
             f"--process_id={process_id} must be in [0, --num_processes={num_processes})"
         )
-    platforms = env.get("JAX_PLATFORMS", "")
-    if platforms.split(",")[0] == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # Cross-process collectives of the CPU backend (harmless where an accelerator runs them).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
