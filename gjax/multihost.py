@@ -109,6 +109,15 @@ class RowLayout:
         self.block = blocks[jax.process_index()]
         self.process_at = [p for p, _ in sorted(blocks.items(), key=lambda kv: kv[1])]
 
+    def check_rows(self, n: int, field: str) -> None:
+        """Fails fast unless `n` rows split over the devices, each device's from one process."""
+        if self.count > 1 and n % self.rows:
+            raise DistributedError(
+                f"{field}={n} must be a multiple of the data-parallel size {self.rows} "
+                f"(mesh.data*mesh.fsdp) in a run of {self.count} processes, so that each "
+                "device's rows come from one process"
+            )
+
 
 def _batch_axes(sharding: NamedSharding) -> tuple[str, ...]:
     first = sharding.spec[0] if len(sharding.spec) else None

@@ -258,6 +258,7 @@ def main(argv) -> None:
         train_cfg=config.train,
         schedule=schedule,
     )
+    steps.layout.check_rows(P, "config.rollout.prompts_per_step")
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         max_to_keep=config.checkpoint.keep,

@@ -99,6 +99,10 @@ def test_one_process_helpers_are_identities():
     assert multihost.put_rows(x[:1], layout).sharding.is_fully_replicated  # too few rows
     assert multihost.combine_metrics({"a_s": 1.0}) == {"a_s": 1.0}
     assert not multihost.any_process(False)
+    layout.check_rows(3, "config.rollout.prompts_per_step")  # one process: any row count
+    layout.count = 2  # as if half the devices were another process's
+    with pytest.raises(multihost.DistributedError, match="prompts_per_step=3 must be a multiple"):
+        layout.check_rows(3, "config.rollout.prompts_per_step")
 
 
 def test_incomplete_distributed_flags_are_a_user_error(monkeypatch):
