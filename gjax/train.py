@@ -344,9 +344,8 @@ def main(argv) -> None:
             if batch_groups is not None:
                 break
         host_metrics["sampling/rollouts"] = round_ + 1
-        # Host exchanges before the update is dispatched (after it, they would wait for it).
+        # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(batch_groups.completion_mask_PxGxN.sum()).sum()
-        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
         t_learn = time.perf_counter()
         batch = steps.put_batch(rollout.model_inputs(batch_groups))
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
@@ -358,6 +357,7 @@ def main(argv) -> None:
         pending = (step + 1, metrics, host_metrics)
         eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
         last = step + 1 == config.train.steps
+        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
         save_now = checkpointer.should_save(step + 1) or stopping or last
         if save_now or eval_now:
             if eval_now:
