@@ -21,6 +21,13 @@ give `vs_one_process` (one-process time / two-process time at the same device co
 
 Prints one JSON line per point; the LAST line is a JSON summary (settings, cores, parameter
 count, and per mesh the step times and efficiencies by device count).
+
+Measured once (`--warmup 1 --steps 2 --new-tokens 16`, 20.5M params, a 2-core CPU shared
+with other jobs at load average 11-16, so noisy): step time on 1/2/4/8 devices, data
+17.8/11.3/8.4/8.3 s, fsdp 3.6/5.0/5.9/9.4 s. The two 1-device points run the same program,
+so their 5x gap is the machine's contention, not gjax. 8 devices as 2 processes x 4: 7.9 s
+(data) and 7.2 s (fsdp), 1.05x and 1.30x the one-process time. Fake CPU devices share the
+host's cores, so these figures say little about scaling on accelerators.
 """
 
 from __future__ import annotations
