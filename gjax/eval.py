@@ -40,7 +40,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -188,6 +188,17 @@ def stop_token_ids(cfg, tokenizer) -> tuple[tuple[int, ...], int]:
     return eos, pad
 
 
+class Transfer(Protocol):
+    """Whole batches between the host and the devices when several processes share a mesh:
+    `put_full` takes the batch every process holds in full and returns the global array,
+    `pull_full` returns a global row-sharded array in full on every process
+    (`gjax.trainer.Steps` implements it over `gjax.multihost`)."""
+
+    def put_full(self, x: np.ndarray) -> jax.Array: ...
+
+    def pull_full(self, x: jax.Array) -> np.ndarray: ...
+
+
 def sample_and_score(
     backend: RolloutBackend,
     params,
@@ -202,6 +213,7 @@ def sample_and_score(
     batch_shape: tuple[int, int] | None = None,
     width: int | None = None,
     progress: bool | str = False,
+    transfer: Transfer | None = None,
 ) -> Samples:
     """Draws `num_samples` completions for every problem of `data` and scores them.
 
@@ -211,7 +223,11 @@ def sample_and_score(
     n > G. `batch_shape=(P, G)` and `width` (padded prompt length; default: the longest
     prompt, rounded up to 8) fix the shape instead, e.g. to the training rollout's so that
     its compiled program is reused. `progress`: a tqdm bar (its description, if a string).
+    `transfer` moves whole batches between host and devices in a multi-process run (every
+    process samples every batch; see `Transfer`); by default numpy arrays go in as they are.
     """
+    put = transfer.put_full if transfer is not None else (lambda x: x)
+    pull = transfer.pull_full if transfer is not None else np.asarray
     n_problems, n = len(data), num_samples
     devices = jax.device_count()
     if batch_shape is not None:
@@ -246,8 +262,10 @@ def sample_and_score(
         ids_PxS, mask_PxS = left_pad([data.prompt_ids[r] for r in padded], width, data.pad_id)
         for call in range(calls_per_problem):
             key = jax.random.fold_in(jax.random.fold_in(rng, start), call)
-            out = backend.generate(params, ids_PxS, mask_PxS, key, num_samples=g, sampling=sampling)
-            tokens_BxN, lengths_B = np.asarray(out.tokens_BxN), np.asarray(out.lengths_B)
+            out = backend.generate(
+                params, put(ids_PxS), put(mask_PxS), key, num_samples=g, sampling=sampling
+            )
+            tokens_BxN, lengths_B = pull(out.tokens_BxN), pull(out.lengths_B)
             decoded = tokenizer.batch_decode(
                 [t[:m] for t, m in zip(tokens_BxN[: len(rows) * g], lengths_B)],
                 skip_special_tokens=True,
@@ -325,6 +343,7 @@ def heldout_metrics(
     rollout_sampling: SamplingParams | None = None,
     rollout_shape: tuple[int, int] | None = None,
     progress: bool = False,
+    transfer: Transfer | None = None,
 ) -> dict[str, float]:
     """Training's held-out figures: ``eval/heldout_accuracy`` (one completion per problem at
     `greedy_temperature`, 0 = greedy) and, when ``settings.num_samples`` > 0,
@@ -352,6 +371,7 @@ def heldout_metrics(
         rng=rng,
         max_rows=settings.max_rows,
         progress="eval greedy" if progress else False,
+        transfer=transfer,
     )
     out = {"eval/heldout_accuracy": float(s.correct_PxN.mean())}
     if settings.num_samples:
@@ -372,6 +392,7 @@ def heldout_metrics(
             batch_shape=rollout_shape if shared else None,
             width=data.max_prompt_length if shared else None,
             progress=f"eval pass@{settings.ks[-1]}" if progress else False,
+            transfer=transfer,
         )
         for k, v in summarize(s, settings.ks).items():
             if k.startswith("pass@"):

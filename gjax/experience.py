@@ -10,6 +10,7 @@ nothing recompiles.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -65,6 +66,7 @@ def select_groups(
     min_valid_fraction: float,
     drop_zero_variance: bool,
     final_round: bool,
+    allgather: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[Groups | None, Groups]:
     """Picks `num_prompts` groups for one update, or carries the informative ones over.
 
@@ -73,16 +75,26 @@ def select_groups(
     final allowed round. Slots not filled by informative groups take zero-variance groups,
     which are invalidated when `drop_zero_variance` (DAPO drops them; GPG keeps them in B for
     alpha = B/(B-M), GPG eq. (8)). Returns (batch or None, groups to carry to the next round).
+
+    Multi-host (`allgather`: this process's counts -> every process's, e.g.
+    `gjax.multihost.allgather`): each process fills its own `num_prompts` slots from the
+    groups it sampled (group data never crosses hosts), and the readiness decision is taken
+    on the global share, sum over processes of min(informative, num_prompts) over all slots,
+    so every process takes the same branch and runs the same number of rollout rounds.
+    With one process this is the single-host rule exactly.
     """
     informative = ~zero_variance_PxG(candidates.rewards_PxG, candidates.valid_PxG)
     good = np.flatnonzero(informative)
     rest = np.flatnonzero(~informative)
-    share = min(len(good), num_prompts) / num_prompts
+    counts = np.asarray([[len(good), candidates.num_prompts]])
+    if allgather is not None:
+        counts = np.asarray(allgather(counts[0])).reshape(-1, 2)
+    share = np.minimum(counts[:, 0], num_prompts).sum() / (num_prompts * len(counts))
     if share < min_valid_fraction and not final_round:
         return None, candidates.take(good)
-    order = np.concatenate([good, rest])[:num_prompts]
-    if len(order) < num_prompts:
+    if (counts[:, 1] < num_prompts).any():
         return None, candidates.take(good)
+    order = np.concatenate([good, rest])[:num_prompts]
     batch = candidates.take(order)
     if drop_zero_variance:
         filler = ~informative[order]

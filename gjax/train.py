@@ -32,7 +32,7 @@ from ml_collections import config_flags
 
 from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, model_record, paths, sharding
+from gjax import cli, model_record, multihost, paths, sharding
 from gjax import eval as eval_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
@@ -56,8 +56,16 @@ _WORKDIR = flags.DEFINE_string(
     "Output dir (local or gs://); resumes if it has checkpoints. Default: workdirs/<algo>.",
 )
 _DISTRIBUTED = flags.DEFINE_bool(
-    "jax_distributed", False, "Call jax.distributed.initialize() (multi-host TPU VMs)."
+    "jax_distributed",
+    False,
+    "Multi-process run: jax.distributed.initialize() (auto-detected on TPU VMs; elsewhere "
+    "give the three flags below or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID).",
 )
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None, "host:port of process 0 (implies --jax_distributed)."
+)
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
 
 log = logging.getLogger("gjax")
 
@@ -124,8 +132,10 @@ def build_rewards(config, verifier) -> RewardPipeline:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if _DISTRIBUTED.value:
-        jax.distributed.initialize()
+    if _DISTRIBUTED.value or _COORDINATOR.value:
+        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if not multihost.is_primary():  # process 0 logs; the others only warn
+        logging.getLogger().setLevel(logging.WARNING)
     config = _CONFIG.value
     # Local (relative or absolute) or gs://; every file below is written through epath.
     workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
@@ -137,7 +147,10 @@ def main(argv) -> None:
     obj_cfg = common.to_objective_config(config.objective)
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     try:
-        paths.write_text(os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2))
+        if multihost.is_primary():
+            paths.write_text(
+                os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2)
+            )
     except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
         hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
         raise ConfigError(
@@ -162,7 +175,8 @@ def main(argv) -> None:
         remat=config.model.remat,
     )
     tok = hf_io.load_tokenizer(model_path)
-    model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
+    if multihost.is_primary():
+        model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
     T = config.rollout.max_new_tokens
     # A frozen copy of the initial policy, kept only when the objective has a KL term.
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
@@ -200,6 +214,7 @@ def main(argv) -> None:
         train_cfg=config.train,
         schedule=schedule,
     )
+    steps.layout.check_rows(P, "config.rollout.prompts_per_step")
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         max_to_keep=config.checkpoint.keep,
@@ -209,22 +224,24 @@ def main(argv) -> None:
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
-            state, fingerprint=fingerprint(config), move_damaged=True
+            state, fingerprint=fingerprint(config), move_damaged=multihost.is_primary()
         )
         log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
-    if start >= config.train.steps:
+    if start >= config.train.steps and multihost.is_primary():
         print(
             f"{workdir} is already at step {start} >= train.steps={config.train.steps}: nothing "
             "to train (raise --config.train.steps to train further).",
             flush=True,
         )
-    data_iter = PromptIterator(
+    data_iter = PromptIterator(  # this process's block of every global batch
         train_data,
         global_batch_size=P,
         seed=config.data.shuffle_seed,
         shuffle=config.data.shuffle,
         state=meta["data"],
+        process_index=steps.layout.block,
+        process_count=steps.layout.count,
     )
     backend = make_backend(config, cfg)
     rollout = Rollout(
@@ -247,7 +264,8 @@ def main(argv) -> None:
             seed=config.seed,
             rollout_sampling=rollout.sampling,
             rollout_shape=(P, config.rollout.num_samples - config.anchors.per_group),
-            progress=config.log.progress,
+            progress=config.log.progress and multihost.is_primary(),
+            transfer=steps,
         )
 
     # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
@@ -265,23 +283,26 @@ def main(argv) -> None:
     log.info("held-out before: %s", _fmt_eval(before))
 
     # --- the RL loop --------------------------------------------------------------------
-    writer = MetricsWriter(
-        workdir,
-        total_steps=config.train.steps,
-        start_step=start,
-        tensorboard=config.log.tensorboard,
-        progress=config.log.progress,
-        history=meta["history"],
-    )
+    writer = None  # process 0 writes metrics; every process computes the same rows
+    if multihost.is_primary():
+        writer = MetricsWriter(
+            workdir,
+            total_steps=config.train.steps,
+            start_step=start,
+            tensorboard=config.log.tensorboard,
+            progress=config.log.progress,
+            history=meta["history"],
+        )
     watch = CollapseWatch(cfg.vocab_size)
     base_key = jax.random.key(config.seed)
     s = config.sampling
     min_valid = 1.0 if s.dynamic else s.min_valid_fraction
     pending = None  # (step, device metrics, host metrics): written one step late
     history = meta["history"]
+    stopping = False  # agreed by every process: a signal may reach only one host
     for step in range(start, config.train.steps):
-        if stop["signal"]:  # arrived before this run trained a step: nothing new to save
-            break
+        if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
+            break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         key = jax.random.fold_in(base_key, step)
@@ -301,56 +322,62 @@ def main(argv) -> None:
             candidates = res.groups if carried is None else Groups.concat([carried, res.groups])
             batch_groups, carried = select_groups(
                 candidates,
-                P,
+                data_iter.local_batch_size,  # this process's slots of the P
                 min_valid_fraction=min_valid,
                 drop_zero_variance=s.dynamic,
                 final_round=round_ == s.max_rollouts_per_step - 1,
+                allgather=multihost.allgather,
             )
             if batch_groups is not None:
                 break
         host_metrics["sampling/rollouts"] = round_ + 1
         t_learn = time.perf_counter()
+        # Before the update is dispatched (a host exchange after it would wait for it).
+        num_tokens = multihost.allgather(batch_groups.completion_mask_PxGxN.sum()).sum()
         batch = steps.put_batch(rollout.model_inputs(batch_groups))
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
         if pending is not None:
             history.append(_finish(writer, watch, checkpointer, *pending, config=config))
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
         host_metrics["time/step_s"] = time.perf_counter() - t0
-        host_metrics["throughput/tokens_per_s"] = float(
-            batch_groups.completion_mask_PxGxN.sum() / host_metrics["time/step_s"]
-        )
+        host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
         pending = (step + 1, metrics, host_metrics)
         eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
         last = step + 1 == config.train.steps
-        save_now = checkpointer.should_save(step + 1) or bool(stop["signal"]) or last
+        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
+        save_now = checkpointer.should_save(step + 1) or stopping or last
         if save_now or eval_now:
             if eval_now:
                 host_metrics.update(evaluate(state.params))
             history.append(_finish(writer, watch, checkpointer, *pending, config=config))
             pending = None
         if save_now:
-            writer.flush()  # the metrics a resume keeps are durable before their checkpoint
+            if writer is not None:  # the metrics a resume keeps are durable before their checkpoint
+                writer.flush()
             meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
-        if stop["signal"]:
+        if stopping:
             break
     checkpointer.wait()
-    writer.close()  # ends the progress bar's line: what follows is printed on lines of its own
+    if writer is not None:  # ends the progress bar's line: what follows has lines of its own
+        writer.close()
     trained = int(state.step)
-    if stop["signal"]:
-        name = signal.Signals(stop["signal"]).name
+    signum = stop["signal"] or signal.SIGTERM  # a host that saw none stops with the others
+    if stopping:
+        name = signal.Signals(signum).name
         saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
         print(
             f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
-            f"exit status {128 + stop['signal']}. Rerun the same command to resume.",
+            f"exit status {128 + signum}. Rerun the same command to resume.",
             file=sys.stderr,
             flush=True,
         )
     else:
-        # --- held-out accuracy after training -------------------------------------------
+        # --- held-out accuracy after training (every process samples; process 0 writes) --
         summary_path = os.path.join(workdir, "summary.json")
         summary = _read_json(summary_path) if trained == start else None
-        if summary is None or summary.get("steps") != trained:  # else: still true, kept
+        stale = summary is None or summary.get("steps") != trained  # else: still true, kept
+        if multihost.any_process(stale):  # every process evaluates, or none
             after = evaluate(state.params)
             summary = {
                 "algo": config.algo,
@@ -361,7 +388,9 @@ def main(argv) -> None:
                 **_pass_at_k(before, "before"),
                 **_pass_at_k(after, "after"),
             }
-            paths.write_text(summary_path, json.dumps(summary, indent=2))
+            if multihost.is_primary():
+                paths.write_text(summary_path, json.dumps(summary, indent=2))
+    if not stopping and multihost.is_primary():
         print(
             f"\nheld-out accuracy after {trained} steps: "
             f"{summary['heldout_accuracy_before']:.3f} -> {summary['heldout_accuracy_after']:.3f} "
@@ -377,8 +406,8 @@ def main(argv) -> None:
     pipeline.close()
     verifier.close()
     scope.close()
-    if stop["signal"]:
-        sys.exit(128 + stop["signal"])
+    if stopping:
+        sys.exit(128 + signum)
 
 
 def _on_stop_signal(stop: dict, signum: int, frame) -> None:
@@ -416,7 +445,7 @@ def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:
 
 
 def _finish(
-    writer: MetricsWriter,
+    writer: MetricsWriter | None,
     watch: CollapseWatch,
     checkpointer: ckpt_lib.Checkpointer,
     step: int,
@@ -435,9 +464,10 @@ def _finish(
             f"{checkpointer.last_intact()} Lower optim.lr (now {config.optim.lr:g}), check "
             "the rewards, or set --config.train.allow_nonfinite=True to continue anyway."
         )
-    writer.write(step, row)
-    if collapsed := watch(step, row):
-        writer.warn(collapsed)
+    if writer is not None:
+        writer.write(step, row)
+        if collapsed := watch(step, row):
+            writer.warn(collapsed)
     return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 

@@ -29,8 +29,8 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from gjax import multihost, sharding
 from gjax import objective as obj
-from gjax import sharding
 from gjax.experience import Groups, append_anchors, to_model_inputs
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
@@ -244,20 +244,58 @@ def update(
 
 @dataclasses.dataclass
 class Steps:
-    """The jitted device functions of a run (compiled once each)."""
+    """The jitted device functions of a run (compiled once each), and the batch layout.
+
+    `layout` says which block of a batch's rows this process holds (`gjax.multihost`); with
+    one process it holds them all and the host <-> device helpers below are plain transfers.
+    """
 
     logps: Callable
     update: Callable
     batch_sharding: NamedSharding
     replicated: NamedSharding
+    layout: multihost.RowLayout
 
     def put_batch(self, arrays: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Host arrays -> device: B-leading arrays sharded over the batch axes."""
+        """This process's host arrays -> the global batch on the devices.
+
+        Per-sequence arrays (`*_BxS`, `*_BxT`: this process's rows) are assembled from every
+        process's block and sharded over the batch axes; group-level arrays (`*_PxG`) are
+        all-gathered and replicated, so advantages and every normalizer inside `update` are
+        computed over the whole batch (GPG's alpha, A-GRAE's omega, token/sequence counts).
+        """
         out = {}
         for k, v in arrays.items():
-            per_row = k.endswith(("_BxS", "_BxT"))
-            out[k] = jax.device_put(v, self.batch_sharding if per_row else self.replicated)
+            if k.endswith(("_BxS", "_BxT")):
+                out[k] = self.put_rows(v)
+            elif k.endswith("_PxG"):
+                out[k] = multihost.put_global(self.gather_rows(v), self.replicated.mesh)
+            else:
+                out[k] = multihost.put_global(v, self.replicated.mesh)
         return out
+
+    def put_rows(self, x: np.ndarray) -> jax.Array:
+        """This process's rows -> the global array sharded over the batch axes."""
+        return multihost.put_rows(x, self.layout)
+
+    def local_rows(self, x: jax.Array) -> np.ndarray:
+        """A global row-sharded array -> this process's rows on the host."""
+        return multihost.local_rows(x, self.layout)
+
+    def gather_rows(self, x: np.ndarray) -> np.ndarray:
+        """This process's rows of a host array -> every process's, in batch order."""
+        return multihost.gather_rows(x, self.layout)
+
+    def put_full(self, x: np.ndarray) -> jax.Array:
+        """A whole batch every process holds (held-out prompts) -> the global array."""
+        if self.layout.count == 1:
+            return x
+        per = x.shape[0] // self.layout.count
+        return self.put_rows(x[self.layout.block * per : (self.layout.block + 1) * per])
+
+    def pull_full(self, x: jax.Array) -> np.ndarray:
+        """A global row-sharded array -> all of its rows on every process's host."""
+        return self.gather_rows(self.local_rows(x))
 
 
 def build_steps(
@@ -290,7 +328,13 @@ def build_steps(
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
-    return Steps(logps=logps, update=upd, batch_sharding=batch_sharding, replicated=replicated)
+    return Steps(
+        logps=logps,
+        update=upd,
+        batch_sharding=batch_sharding,
+        replicated=replicated,
+        layout=multihost.RowLayout(batch_sharding),
+    )
 
 
 # ------------------------------------------------------------------------------- host rollout
@@ -319,6 +363,10 @@ class Rollout:
     2. completions are decoded and submitted to the reward pipeline (background thread);
     3. meanwhile the device computes old (and reference) log-probs of the mixed groups;
     4. rewards/scores are collected and written into the groups.
+
+    With several processes each runs all four on its own block of prompts (the sampler and
+    log-prob passes are one global program over everyone's rows; decoding and rewards stay
+    on the host that owns the rows); only the metrics are computed over all rows.
     """
 
     def __init__(
@@ -374,14 +422,14 @@ class Rollout:
         g_on = self.G - self.A
         out = self.backend.generate(
             params,
-            prompts.prompt_ids_PxS,
-            prompts.prompt_mask_PxS,
+            self.steps.put_rows(np.asarray(prompts.prompt_ids_PxS)),
+            self.steps.put_rows(np.asarray(prompts.prompt_mask_PxS)),
             rng,
             num_samples=g_on,
             sampling=self.sampling,
         )
-        tokens = np.asarray(out.tokens_BxN).reshape(P, g_on, self.T)
-        mask = np.asarray(out.mask_BxN).astype(bool).reshape(P, g_on, self.T)
+        tokens = self.steps.local_rows(out.tokens_BxN).reshape(P, g_on, self.T)
+        mask = self.steps.local_rows(out.mask_BxN).astype(bool).reshape(P, g_on, self.T)
         t_sample = time.perf_counter() - t0
         truncated = ~np.any(mask & np.isin(tokens, self.eos), axis=2)
         groups = Groups(
@@ -417,7 +465,7 @@ class Rollout:
         # own log-probs are the behaviour policy's, log_softmax(logits / T) of the same params
         # (see gjax.rollout.sampler), so on-policy rows need no second forward; anchors have
         # none and are teacher-forced (DaGRPO), as is everything when `recompute_old_logps`.
-        on_logps = np.asarray(out.logps_BxN).reshape(P, g_on, self.T)
+        on_logps = self.steps.local_rows(out.logps_BxN).reshape(P, g_on, self.T)
         need_old = self.A > 0 or self.recompute_old
         inputs = None
         if need_old or ref_params is not None:
@@ -441,24 +489,41 @@ class Rollout:
         if old is None:
             groups.old_logps_PxGxN = on_logps
         else:
-            groups.old_logps_PxGxN = np.array(old).reshape(P, G, T)  # writable copy
+            groups.old_logps_PxGxN = np.array(self.steps.local_rows(old)).reshape(P, G, T)
             if not self.recompute_old:
                 groups.old_logps_PxGxN[:, :g_on] = on_logps
         if ref is not None:
-            groups.ref_logps_PxGxN = np.asarray(ref).reshape(P, G, T)
-        on = ~groups.is_anchor_PxG
+            groups.ref_logps_PxGxN = np.asarray(self.steps.local_rows(ref)).reshape(P, G, T)
+        # Metrics over every process's rows (one small all-gather; the identity on one host).
+        per_sample = np.stack(
+            [
+                groups.rewards_PxG,
+                accuracy,
+                lengths.reshape(P, G),
+                groups.truncated_PxG,
+                groups.is_anchor_PxG,
+                groups.scores_PxG,
+            ],
+            axis=-1,
+        ).astype(np.float32)
+        rewards_all, acc_all, len_all, trunc_all, anchor_all, scores_all = np.moveaxis(
+            self.steps.gather_rows(per_sample), -1, 0
+        )
+        on = anchor_all == 0
         metrics = {
-            "reward/mean": float(groups.rewards_PxG[on].mean()),
-            "reward/std": float(groups.rewards_PxG[on].std()),
-            "reward/accuracy": float(accuracy[on].mean()),
-            "reward/all_solved_frac": float(np.all(accuracy >= 1, axis=1).mean()),
-            "reward/all_unsolved_frac": float(np.all(accuracy <= 0, axis=1).mean()),
-            "response/length_mean": float(lengths.reshape(P, G)[on].mean()),
-            "response/length_max": float(lengths.reshape(P, G)[on].max()),
-            "response/clipped_frac": float(groups.truncated_PxG[on].mean()),
+            "reward/mean": float(rewards_all[on].mean()),
+            "reward/std": float(rewards_all[on].std()),
+            "reward/accuracy": float(acc_all[on].mean()),
+            "reward/all_solved_frac": float(np.all(acc_all >= 1, axis=1).mean()),
+            "reward/all_unsolved_frac": float(np.all(acc_all <= 0, axis=1).mean()),
+            "response/length_mean": float(len_all[on].mean()),
+            "response/length_max": float(len_all[on].max()),
+            "response/clipped_frac": float(trunc_all[on].mean()),
             "time/sample_s": t_sample,
             # Per-batch figures only: process-lifetime counters would restart on a resume.
-            **{k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"},
+            **multihost.combine_metrics(
+                {k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"}
+            ),
         }
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)
