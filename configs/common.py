@@ -134,7 +134,12 @@ def base() -> ml_collections.ConfigDict:
     c.data.heldout_size = 500
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.backend = "local"  # local (gjax sampler); jetstream arrives with its issue
+    c.rollout.backend = "local"  # local (gjax sampler) | jetstream (in-process) | jetstream_grpc
+    c.rollout.decode_slots = 64  # jetstream*: concurrent decode slots (continuous batching)
+    c.rollout.server_address = "127.0.0.1:9000"  # jetstream_grpc: `python -m gjax.serve` binds it
+    c.rollout.request_timeout_s = 600.0  # jetstream*: deadline of one attempt at a batch
+    c.rollout.max_retries = 3  # jetstream*: retries (backoff) before a request is dropped
+    c.rollout.push_dir = ""  # jetstream_grpc: pushed weights, local or gs:// ("": WORKDIR/push)
     c.rollout.prompts_per_step = 128  # P: prompts per rollout batch (global)
     c.rollout.num_samples = 8  # G
     c.rollout.max_new_tokens = 2048

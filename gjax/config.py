@@ -118,6 +118,14 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"into minibatches*microbatches={per_update} pieces of a size divisible by the "
         f"data-parallel size {data_parallel} (mesh.data*mesh.fsdp)",
     )
+    _require(
+        r.backend in ("local", "jetstream", "jetstream_grpc"),
+        "rollout.backend",
+        f"must be one of local|jetstream|jetstream_grpc, got {r.backend!r}",
+    )
+    _require(r.decode_slots >= 1, "rollout.decode_slots", "must be >= 1")
+    _require(r.max_retries >= 0, "rollout.max_retries", "must be >= 0")
+    _require(r.request_timeout_s > 0, "rollout.request_timeout_s", "must be > 0")
     _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _require(
         config.objective.temperature == r.temperature,

@@ -71,12 +71,20 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     }
 
 
-def make_backend(config, cfg) -> RolloutBackend:
+def make_backend(
+    config, cfg, params=None, *, mesh=None, workdir=None, tokenizer=None
+) -> RolloutBackend:
     if config.rollout.backend == "local":
         return LocalSampler(cfg)
-    raise ConfigError(
-        f"config.rollout.backend={config.rollout.backend!r} is not available in this version; "
-        "use 'local' (the jit sampler)"
+    try:
+        from gjax.rollout import jetstream_backend
+    except ImportError as e:
+        raise ConfigError(
+            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); "
+            "install it with `pip install -e '.[jetstream]'` or use 'local'"
+        ) from e
+    return jetstream_backend.from_config(
+        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )
 
 
@@ -244,7 +252,7 @@ def main(argv) -> None:
         shuffle=config.data.shuffle,
         state=meta["data"],
     )
-    backend = make_backend(config, cfg)
+    backend = make_backend(config, cfg, state.params, mesh=mesh, workdir=workdir, tokenizer=tok)
     rollout = Rollout(
         cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
     )
@@ -353,6 +361,8 @@ def main(argv) -> None:
     checkpointer.close()
     pipeline.close()
     verifier.close()
+    if hasattr(backend, "close"):
+        backend.close()
     scope.close()
 
 

@@ -21,16 +21,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 
 import numpy as np
 
+from gjax.cli import UserError
 from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 
 log = logging.getLogger("gjax")
+
+
+class PromptTooLong(UserError, ValueError):
+    """A prompt that does not fit the engine's largest prefill bucket."""
 
 
 class _JetStreamClient:
@@ -45,7 +51,8 @@ class _JetStreamClient:
         self.backoff_s = backoff_s
         self._lock = threading.Lock()
         self._params_id = None
-        self.version = 0
+        self.version = 0  # the version new requests are served with
+        self.latest_version = 0  # the newest pushed (ahead of `version` if a push is unacked)
         self.counters = {"requests": 0, "retried": 0, "dropped": 0}
         self._last = {}
 
@@ -60,6 +67,7 @@ class _JetStreamClient:
         with self._lock:
             self._params_id = id(params)
             self.version = self._push(params)
+            self.latest_version = max(self.latest_version + 1, self.version)
             return self.version
 
     def metrics(self) -> dict[str, float]:
@@ -75,7 +83,7 @@ class _JetStreamClient:
         prompts = [t[m].astype(np.int32) for t, m in zip(tokens_PxS, mask_PxS)]
         for p, ids in enumerate(prompts):
             if len(ids) + 1 > self.max_prefill_length:
-                raise ValueError(
+                raise PromptTooLong(
                     f"prompt {p} has {len(ids)} tokens; the JetStream engine's "
                     f"max_prefill_length={self.max_prefill_length} holds {self.max_prefill_length - 1} "
                     "(one position is JetStream's BOS). Raise config.data.max_prompt_len (the "
@@ -139,11 +147,11 @@ class _JetStreamClient:
         self.counters["requests"] += b_
         self.counters["retried"] += retried
         self.counters["dropped"] += len(pending)
-        lag = self.version - out["version"][out["valid"]]
+        lag = self.latest_version - out["version"][out["valid"]]
         self._last = {
             "rollout/requests_retried": float(retried),
             "rollout/requests_dropped": float(len(pending)),
-            "rollout/policy_version": float(self.version),
+            "rollout/policy_version": float(self.latest_version),
             "rollout/version_lag_max": float(lag.max()) if lag.size else 0.0,
             "rollout/version_lag_mean": float(lag.mean()) if lag.size else 0.0,
         }
@@ -289,6 +297,8 @@ class JetStreamGrpcBackend(_JetStreamClient):
         address: str,
         *,
         max_prompt_len: int,
+        server_sampling: SamplingParams | None = None,
+        local=None,
         weights=None,
         timeout_s: float = 600.0,
         max_retries: int = 3,
@@ -308,6 +318,34 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self._stub = jetstream.jetstream_pb2_grpc.OrchestratorStub(self._channel)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jetstream-grpc")
         self.weights = weights  # a weight_push.WeightPusher, or None (server keeps its own)
+        # A DecodeRequest carries no sampling settings: the server samples with the run's
+        # (`server_sampling`); other settings (greedy held-out evaluation) run on `local`.
+        self.server_sampling = server_sampling
+        self.local = local
+
+    def generate(self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling):
+        if self.server_sampling is not None and sampling != self.server_sampling:
+            if self.local is None:
+                raise ValueError(
+                    f"the JetStream server samples with {self.server_sampling}; got {sampling} "
+                    "(a DecodeRequest carries no sampling settings)"
+                )
+            return self.local.generate(
+                params,
+                prompt_tokens_PxS,
+                prompt_mask_PxS,
+                rng,
+                num_samples=num_samples,
+                sampling=sampling,
+            )
+        return super().generate(
+            params,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples=num_samples,
+            sampling=sampling,
+        )
 
     def _push(self, params) -> int:
         if self.weights is None:
@@ -328,3 +366,48 @@ class JetStreamGrpcBackend(_JetStreamClient):
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
+
+
+def run_sampling(config, cfg, tokenizer=None) -> SamplingParams:
+    """The run's rollout `SamplingParams` (as `gjax.trainer.Rollout` builds them)."""
+    eos = tuple(cfg.eos_token_id) or ((tokenizer.eos_token_id,) if tokenizer else ())
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    r = config.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_token_ids=eos,
+        pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
+    )
+
+
+def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None):
+    """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
+    r = config.rollout
+    if r.backend == "jetstream":
+        return JetStreamBackend(
+            cfg,
+            params,
+            sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
+            slots=r.decode_slots,
+            max_prompt_len=config.data.max_prompt_len,
+            mesh=mesh,
+            seed=config.seed,
+            timeout_s=r.request_timeout_s,
+            max_retries=r.max_retries,
+        )
+    from gjax.rollout import LocalSampler
+    from gjax.rollout.weight_push import WeightPusher
+
+    push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    return JetStreamGrpcBackend(
+        r.server_address,
+        max_prompt_len=config.data.max_prompt_len,
+        server_sampling=run_sampling(config, cfg, tokenizer),
+        local=LocalSampler(cfg),
+        weights=WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        timeout_s=r.request_timeout_s,
+        max_retries=r.max_retries,
+    )

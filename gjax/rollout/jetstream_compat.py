@@ -12,7 +12,8 @@ Three things in 0.2.2 do not fit a current JAX process; each is worked around he
 3. Importing the orchestrator sets the root logger to DEBUG and adds a stdout handler, and
    its threads log several root-logger INFO lines per generate step. The root logger is
    restored after the import, and JetStream's modules log to the `jetstream` logger instead
-   (WARNING and above shown by default).
+   (WARNING and above shown by default, less the per-request "offline test mode" warning
+   that calling `LLMOrchestrator.Decode` in-process, as gjax does on purpose, triggers).
 
 `jetstream` below is a namespace with the modules gjax uses.
 """
@@ -54,6 +55,11 @@ class _NamedLogging(types.ModuleType):
         return getattr(logging, name)
 
 
+def _drop_offline_mode_warning(record: logging.LogRecord) -> bool:
+    # `LLMOrchestrator.Decode` called directly (gjax's in-process backend) warns per request.
+    return "offline test mode" not in str(record.msg)
+
+
 def _import():
     root = logging.getLogger()
     level, handlers = root.level, list(root.handlers)
@@ -80,8 +86,10 @@ def _import():
     orchestrator.jax = _JaxWithTreeMap("jax")
     for module in (orchestrator, server_lib, token_utils):
         module.logging = _NamedLogging("logging")
-    if logging.getLogger("jetstream").level == logging.NOTSET:
-        logging.getLogger("jetstream").setLevel(logging.WARNING)
+    logger = logging.getLogger("jetstream")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.WARNING)
+    logger.addFilter(_drop_offline_mode_warning)
     return types.SimpleNamespace(
         orchestrator=orchestrator,
         server_lib=server_lib,
