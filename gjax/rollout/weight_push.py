@@ -37,7 +37,7 @@ def _read_int(path: epath.Path) -> int | None:
 def _write_int(path: epath.Path, value: int) -> None:
     tmp = path.parent / f".{path.name}.tmp"
     tmp.write_text(str(value))
-    tmp.rename(path)
+    tmp.replace(path)
 
 
 def version_dir(root: epath.Path, version: int) -> epath.Path:
