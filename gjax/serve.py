@@ -59,7 +59,6 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     """Starts the server; returns (server, watcher)."""
     from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
     from gjax.rollout.jetstream_backend import run_sampling
-    from gjax.rollout.jetstream_compat import jetstream
     from gjax.rollout.weight_push import WeightWatcher
 
     host, port = parse_address(config.rollout.server_address)
@@ -93,15 +92,8 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
     watcher = WeightWatcher(push_dir, holder).start()
-    devices = jax.devices()
-    server_config = jetstream.server_lib.config_lib.ServerConfig(
-        interleaved_slices=(f"{jax.default_backend()}={len(devices)}",),
-        interleaved_engine_create_fns=(lambda _devices: engine,),
-    )
-    # JetStream 0.2.2 binds "[::]:PORT" (every interface); gjax binds the configured host.
-    jetstream.server_lib._HOST = f"[{host}]" if ":" in host else host
     try:
-        server = jetstream.server_lib.run(port=port, config=server_config, devices=devices)
+        server = start_server(engine, host, port)
     except RuntimeError as e:
         watcher.stop()
         raise ConfigError(
@@ -117,6 +109,21 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         push_dir,
     )
     return server, watcher
+
+
+def start_server(engine, host: str, port: int):
+    """JetStream's `server_lib.run` over `engine` (interleaved: one engine prefills and
+    generates) on host:port; returns its JetStreamServer (`.stop()` shuts it down)."""
+    from gjax.rollout.jetstream_compat import jetstream
+
+    devices = jax.devices()
+    server_config = jetstream.server_lib.config_lib.ServerConfig(
+        interleaved_slices=(f"{jax.default_backend()}={len(devices)}",),
+        interleaved_engine_create_fns=(lambda _devices: engine,),
+    )
+    # JetStream 0.2.2 binds "[::]:PORT" (every interface); gjax binds the configured host.
+    jetstream.server_lib._HOST = f"[{host}]" if ":" in host else host
+    return jetstream.server_lib.run(port=port, config=server_config, devices=devices)
 
 
 def main(argv) -> None:

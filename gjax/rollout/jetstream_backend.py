@@ -75,8 +75,18 @@ class _JetStreamClient:
         return dict(self._last)
 
     def generate(
-        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
+        self,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        *,
+        num_samples,
+        sampling,
+        max_tokens_B=None,
     ) -> SampleOutput:
+        """`RolloutBackend.generate`; `max_tokens_B` optionally caps each request's length
+        (JetStream's per-request `max_tokens`; at most `sampling.max_new_tokens`)."""
         del rng  # the engine samples with its own per-request keys
         tokens_PxS = np.asarray(prompt_tokens_PxS)
         mask_PxS = np.asarray(prompt_mask_PxS).astype(bool)
@@ -100,7 +110,7 @@ class _JetStreamClient:
                     token_content=jetstream.jetstream_pb2.DecodeRequest.TokenContent(
                         token_ids=prompts[b // g_].tolist()
                     ),
-                    max_tokens=n_,
+                    max_tokens=n_ if max_tokens_B is None else min(n_, int(max_tokens_B[b])),
                 )
                 for b in range(b_)
             ]
@@ -323,7 +333,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self.server_sampling = server_sampling
         self.local = local
 
-    def generate(self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling):
+    def generate(
+        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, **kw
+    ):
         if self.server_sampling is not None and sampling != self.server_sampling:
             if self.local is None:
                 raise ValueError(
@@ -345,6 +357,7 @@ class JetStreamGrpcBackend(_JetStreamClient):
             rng,
             num_samples=num_samples,
             sampling=sampling,
+            **kw,
         )
 
     def _push(self, params) -> int:
