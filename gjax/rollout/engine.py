@@ -7,7 +7,8 @@ slot). A slot is freed as soon as its request ends, so with long-tailed response
 decode batch stays full, where a static batch runs until its longest row ends.
 
 Decode state (a pytree; `S` slots, `C` = max_prefill_length + max_new_tokens cache length):
-    cache_k/cache_v [L, S, K, C, Dh]   keys (after RoPE) and values, prompt then generated
+    cache_k/cache_v L x [S, K, C, Dh]  keys (after RoPE) and values, prompt then generated
+                                       (one buffer per layer: each is updated in place)
     lengths_S        tokens in the slot's cache (the next token's position)
     logits_SxV       f32 next-token logits (from prefill, then from each decode step)
     generated_S      tokens emitted so far;  done_S / active_S  finished / occupied
@@ -239,16 +240,10 @@ class Engine(jetstream.engine_api.Engine):
     def init_decode_state(self, *args, **kwargs):
         del args, kwargs
         c, s = self.cfg, self._slots
-        cache = (
-            c.num_layers,
-            s,
-            c.num_kv_heads,
-            self._max_prefill + self.max_new_tokens,
-            c.head_dim,
-        )
+        cache = (s, c.num_kv_heads, self._max_prefill + self.max_new_tokens, c.head_dim)
         return {
-            "cache_k": jnp.zeros(cache, c.jnp_dtype),
-            "cache_v": jnp.zeros(cache, c.jnp_dtype),
+            "cache_k": [jnp.zeros(cache, c.jnp_dtype) for _ in range(c.num_layers)],
+            "cache_v": [jnp.zeros(cache, c.jnp_dtype) for _ in range(c.num_layers)],
             "lengths_S": jnp.zeros((s,), jnp.int32),
             "logits_SxV": jnp.zeros((s, c.vocab_size), jnp.float32),
             "generated_S": jnp.zeros((s,), jnp.int32),
@@ -356,10 +351,16 @@ class Engine(jetstream.engine_api.Engine):
         return k[:, 0], v[:, 0], logits_V.astype(jnp.float32)  # k, v: [L, K, S, Dh]
 
     def _insert_fn(self, state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, slot, key_data, serial):
-        at = (0, slot, 0, 0, 0)
+        at = (slot, 0, 0, 0)
         state = dict(state)
-        state["cache_k"] = jax.lax.dynamic_update_slice(state["cache_k"], k_LxKxSxDh[:, None], at)
-        state["cache_v"] = jax.lax.dynamic_update_slice(state["cache_v"], v_LxKxSxDh[:, None], at)
+        state["cache_k"] = [
+            jax.lax.dynamic_update_slice(c, k_LxKxSxDh[i][None], at)
+            for i, c in enumerate(state["cache_k"])
+        ]
+        state["cache_v"] = [
+            jax.lax.dynamic_update_slice(c, v_LxKxSxDh[i][None], at)
+            for i, c in enumerate(state["cache_v"])
+        ]
         state["lengths_S"] = state["lengths_S"].at[slot].set(length)
         state["logits_SxV"] = state["logits_SxV"].at[slot].set(logits_V)
         state["generated_S"] = state["generated_S"].at[slot].set(0)
@@ -378,21 +379,21 @@ class Engine(jetstream.engine_api.Engine):
     def _decode(self, params, state, tokens_S):
         """One decoder step for every slot: token at position lengths_S, cache written there."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
-        s_, c_ = tokens_S.shape[0], state["cache_k"].shape[3]
+        s_, c_ = tokens_S.shape[0], state["cache_k"][0].shape[2]
         kv_, r_, dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
         pos_S = jnp.minimum(state["lengths_S"], c_ - 1)
         slots = jnp.arange(s_)
         x = jnp.take(params["embed"]["embedding"], tokens_S[:, None], axis=0).astype(dtype)
         cos, sin = rope_cos_sin(pos_S[:, None], cfg)
         visible_SxC = jnp.arange(c_)[None, :] <= pos_S[:, None]
-        cache_k, cache_v = state["cache_k"], state["cache_v"]
+        cache_k, cache_v = list(state["cache_k"]), list(state["cache_v"])
         for i in range(cfg.num_layers):
             lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
             h = rms_norm(x, lp["input_norm"]["scale"], cfg.rms_norm_eps)
             q, k, v = _qkv(lp["attn"], h, cfg, dtype)  # [S, 1, H|K, Dh]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache_k = cache_k.at[i, slots, :, pos_S].set(k[:, 0].astype(cache_k.dtype))
-            cache_v = cache_v.at[i, slots, :, pos_S].set(v[:, 0].astype(cache_v.dtype))
+            cache_k[i] = cache_k[i].at[slots, :, pos_S].set(k[:, 0].astype(cache_k[i].dtype))
+            cache_v[i] = cache_v[i].at[slots, :, pos_S].set(v[:, 0].astype(cache_v[i].dtype))
             q_SxKxRxDh = q[:, 0].reshape(s_, kv_, r_, dh)
             scores = jnp.einsum(
                 "skrd,skcd->skrc", q_SxKxRxDh, cache_k[i], preferred_element_type=jnp.float32

@@ -244,6 +244,11 @@ class JetStreamBackend(_JetStreamClient):
             generate_params=[self.holder],
             interleaved_mode=True,
         )
+        # JetStream's detokenize thread is not a daemon: a process leaving on an exception
+        # would wait for it forever. Stop the Driver before interpreter shutdown joins it
+        # (the hook concurrent.futures uses for the same reason).
+        threading._register_atexit(self.close)
+        self._closed = False
         self._orchestrator = orch.LLMOrchestrator(driver=self.driver)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
@@ -292,6 +297,9 @@ class JetStreamBackend(_JetStreamClient):
         self._serial_of.clear()
 
     def close(self):
+        if self._closed:
+            return
+        self._closed = True
         self.driver.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join()
