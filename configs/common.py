@@ -137,7 +137,12 @@ def base() -> ml_collections.ConfigDict:
     c.data.heldout_size = 500
 
     c.rollout = ml_collections.ConfigDict()
-    c.rollout.backend = "local"  # local (gjax sampler); jetstream arrives with its issue
+    c.rollout.backend = "local"  # local (gjax sampler) | jetstream (in-process) | jetstream_grpc
+    c.rollout.decode_slots = 64  # jetstream*: concurrent decode slots (continuous batching)
+    c.rollout.server_address = "127.0.0.1:9000"  # jetstream_grpc: `python -m gjax.serve` binds it
+    c.rollout.request_timeout_s = 600.0  # jetstream*: deadline of one attempt at a batch
+    c.rollout.max_retries = 3  # jetstream*: retries (backoff) before a request is dropped
+    c.rollout.push_dir = ""  # jetstream_grpc: pushed weights, local or gs:// ("": WORKDIR/push)
     c.rollout.prompts_per_step = 128  # P: prompts per rollout batch (global)
     c.rollout.num_samples = 8  # G
     c.rollout.max_new_tokens = 2048
@@ -287,7 +292,24 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
         Range("(0, 1)"),
     ),
     "data.synthetic_seed": ("seed of the synthetic problem stream", _SEED),
-    "rollout.backend": ("what samples completions: local (gjax's jit sampler)", None),
+    "rollout.backend": (
+        "what samples completions: local (jit sampler) | jetstream (in-process) | jetstream_grpc",
+        None,
+    ),
+    "rollout.decode_slots": ("jetstream*: concurrent decode slots (continuous batching)", _COUNT),
+    "rollout.server_address": ("jetstream_grpc: host:port that `python -m gjax.serve` binds", None),
+    "rollout.request_timeout_s": (
+        "jetstream*: deadline of one attempt at a batch of requests, seconds",
+        Range("(0, 86400]"),
+    ),
+    "rollout.max_retries": (
+        "jetstream*: retries (with backoff) before a request is dropped",
+        _NONNEG,
+    ),
+    "rollout.push_dir": (
+        "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)",
+        None,
+    ),
     "rollout.prompts_per_step": ("P: prompts per rollout batch (global)", _COUNT),
     "rollout.num_samples": (
         "G: completions per prompt (group-relative advantages need G >= 2)",

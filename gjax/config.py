@@ -152,7 +152,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 
 # Rollout backends `gjax.train.make_backend` builds; a new backend adds its name here.
-ROLLOUT_BACKENDS = ("local",)
+ROLLOUT_BACKENDS = ("local", "jetstream", "jetstream_grpc")
 DTYPES = ("float32", "bfloat16", "float16")
 
 

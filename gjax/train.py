@@ -86,12 +86,26 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     }
 
 
-def make_backend(config, cfg) -> RolloutBackend:
+def make_backend(
+    config, cfg, params=None, *, mesh=None, workdir=None, tokenizer=None
+) -> RolloutBackend:
     if config.rollout.backend == "local":
         return LocalSampler(cfg)
-    raise ConfigError(
-        f"config.rollout.backend={config.rollout.backend!r} is not available in this version; "
-        "use 'local' (the jit sampler)"
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
+            "a multi-process run samples with 'local' (each host its own rows)"
+        )
+    try:
+        from gjax.rollout import jetstream_backend
+    except ImportError as e:
+        raise ConfigError(
+            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); install "
+            "it with `pip install --no-deps google-jetstream==0.2.2` on top of the test extra "
+            "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
+        ) from e
+    return jetstream_backend.from_config(
+        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )
 
 
@@ -243,7 +257,7 @@ def main(argv) -> None:
         process_index=steps.layout.block,
         process_count=steps.layout.count,
     )
-    backend = make_backend(config, cfg)
+    backend = make_backend(config, cfg, state.params, mesh=mesh, workdir=workdir, tokenizer=tok)
     rollout = Rollout(
         cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
     )
@@ -405,6 +419,8 @@ def main(argv) -> None:
     checkpointer.close()
     pipeline.close()
     verifier.close()
+    if hasattr(backend, "close"):
+        backend.close()
     scope.close()
     if stopping:
         sys.exit(128 + signum)

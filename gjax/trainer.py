@@ -403,7 +403,10 @@ class Rollout:
         self.overlong_filter = s.overlong_filter
         self.overlong_buffer = s.overlong_buffer
         self.overlong_penalty = s.overlong_penalty
-        self.recompute_old = config.rollout.recompute_old_logps
+        # A backend whose replies carry no log-probs (JetStream over gRPC) needs the forward.
+        self.recompute_old = config.rollout.recompute_old_logps or not getattr(
+            self.backend, "returns_logps", True
+        )
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
@@ -441,10 +444,18 @@ class Rollout:
             is_anchor_PxG=np.zeros((P, g_on), bool),
             rewards_PxG=np.zeros((P, g_on), np.float32),
             scores_PxG=np.full((P, g_on), np.nan, np.float32),
-            valid_PxG=np.ones((P, g_on), bool),
+            # A serving backend's dropped requests (retries exhausted) leave their group.
+            valid_PxG=np.ones((P, g_on), bool)
+            if out.valid_B is None
+            else np.asarray(out.valid_B, bool).reshape(P, g_on),
         )
         if self.A:
             groups = append_anchors(groups, *self.anchors(prompts.demonstrations))
+        if out.version_B is not None:
+            groups.policy_version_PxG = np.concatenate(
+                [np.asarray(out.version_B, np.int32).reshape(P, g_on), np.full((P, self.A), -1)],
+                axis=1,
+            ).astype(np.int32)
         P, G, T = groups.completion_ids_PxGxN.shape
         flat_ids = groups.completion_ids_PxGxN.reshape(P * G, T)
         flat_mask = groups.completion_mask_PxGxN.reshape(P * G, T)
@@ -520,6 +531,7 @@ class Rollout:
             "response/length_max": float(len_all[on].max()),
             "response/clipped_frac": float(trunc_all[on].mean()),
             "time/sample_s": t_sample,
+            **(self.backend.metrics() if hasattr(self.backend, "metrics") else {}),
             # Per-batch figures only: process-lifetime counters would restart on a resume.
             **multihost.combine_metrics(
                 {k: float(v) for k, v in res.metrics.items() if k != "rewards/batches"}

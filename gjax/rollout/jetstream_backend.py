@@ -1,0 +1,434 @@
+"""`RolloutBackend`s served by JetStream: in-process (its Driver) or over gRPC (`gjax.serve`).
+
+Both send all P x G requests at once as JetStream `DecodeRequest`s carrying the exact prompt
+token ids (the engine drops the BOS JetStream adds; see `gjax.rollout.engine`) and gather
+the streamed token ids. A request that fails or misses the deadline is retried with
+exponential backoff; after `max_retries` it is dropped: its row comes back empty with
+`valid_B = False`, which masks it out of its group, and the step goes on.
+
+In-process (`JetStreamBackend`), the gjax `Engine` records each generated token's log-prob
+(same definition as the local sampler) and params version, so on-policy rows need no second
+forward. The gRPC reply carries token ids only, so `JetStreamGrpcBackend` returns zeros and
+`returns_logps = False` tells the trainer to recompute them by teacher forcing.
+
+Weights: `generate(params, ...)` pushes `params` when they are a new object (after every
+update). In-process this swaps the engine's `ParamsHolder` (no recompilation); over gRPC it
+writes them to a versioned directory the server watches (`gjax.rollout.weight_push`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from gjax.cli import UserError
+from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
+from gjax.rollout.jetstream_compat import jetstream
+from gjax.rollout.sampler import SampleOutput, SamplingParams
+
+log = logging.getLogger("gjax")
+
+
+class PromptTooLong(UserError, ValueError):
+    """A prompt that does not fit the engine's largest prefill bucket."""
+
+
+class _JetStreamClient:
+    """Shared request building, retries and assembly; subclasses submit one request."""
+
+    returns_logps = False
+
+    def __init__(self, *, max_prefill_length: int, timeout_s: float, max_retries: int, backoff_s):
+        self.max_prefill_length = max_prefill_length
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self._lock = threading.Lock()
+        self._params_id = None
+        self.version = 0  # the version new requests are served with
+        self.latest_version = 0  # the newest pushed (ahead of `version` if a push is unacked)
+        self.counters = {"requests": 0, "retried": 0, "dropped": 0}
+        self._last = {}
+
+    # subclasses
+    def _submit(self, request) -> concurrent.futures.Future: ...
+    def _push(self, params) -> int: ...
+    def _prepare(self, sampling: SamplingParams) -> None: ...
+    def _finish(self, rows: dict, out: dict) -> None: ...
+
+    def push(self, params) -> int:
+        """Serves `params` from now on; returns their policy version."""
+        with self._lock:
+            self._params_id = id(params)
+            self.version = self._push(params)
+            self.latest_version = max(self.latest_version + 1, self.version)
+            return self.version
+
+    def metrics(self) -> dict[str, float]:
+        """The last batch's serving figures (for the step's metrics row)."""
+        return dict(self._last)
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        *,
+        num_samples,
+        sampling,
+        max_tokens_B=None,
+    ) -> SampleOutput:
+        """`RolloutBackend.generate`; `max_tokens_B` optionally caps each request's length
+        (JetStream's per-request `max_tokens`; at most `sampling.max_new_tokens`)."""
+        del rng  # the engine samples with its own per-request keys
+        tokens_PxS = np.asarray(prompt_tokens_PxS)
+        mask_PxS = np.asarray(prompt_mask_PxS).astype(bool)
+        prompts = [t[m].astype(np.int32) for t, m in zip(tokens_PxS, mask_PxS)]
+        for p, ids in enumerate(prompts):
+            if len(ids) + 1 > self.max_prefill_length:
+                raise PromptTooLong(
+                    f"prompt {p} has {len(ids)} tokens; the JetStream engine's "
+                    f"max_prefill_length={self.max_prefill_length} holds {self.max_prefill_length - 1} "
+                    "(one position is JetStream's BOS). Raise config.data.max_prompt_len (the "
+                    "engine's bucket follows it) or shorten the prompts."
+                )
+        if id(params) != self._params_id:
+            self.push(params)
+        g_ = num_samples
+        b_, n_ = len(prompts) * g_, sampling.max_new_tokens
+        with self._lock:
+            self._prepare(sampling)
+            requests = [
+                jetstream.jetstream_pb2.DecodeRequest(
+                    token_content=jetstream.jetstream_pb2.DecodeRequest.TokenContent(
+                        token_ids=prompts[b // g_].tolist()
+                    ),
+                    max_tokens=n_ if max_tokens_B is None else min(n_, int(max_tokens_B[b])),
+                )
+                for b in range(b_)
+            ]
+            rows, retried, error = {}, 0, None
+            pending = list(range(b_))
+            for attempt in range(self.max_retries + 1):
+                if attempt:
+                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    retried += len(pending)
+                futures = {b: self._submit(requests[b]) for b in pending}
+                deadline = time.monotonic() + self.timeout_s
+                failed = []
+                for b, fut in futures.items():
+                    try:
+                        rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
+                    except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
+                        fut.cancel()
+                        failed.append(b)
+                        error = e
+                pending = failed
+                if not pending:
+                    break
+            if pending:
+                log.warning(
+                    "JetStream: %d of %d requests dropped after %d retries (last error: %s)",
+                    len(pending),
+                    b_,
+                    self.max_retries,
+                    _short(error),
+                )
+            out = {
+                "tokens": np.full((b_, n_), sampling.pad_token_id, np.int32),
+                "mask": np.zeros((b_, n_), np.int32),
+                "logps": np.zeros((b_, n_), np.float32),
+                "valid": np.zeros((b_,), bool),
+                "version": np.full((b_,), self.version, np.int32),
+            }
+            for b, (ids, _) in rows.items():
+                ids = ids[:n_]
+                out["tokens"][b, : len(ids)] = ids
+                out["mask"][b, : len(ids)] = 1
+                out["valid"][b] = True
+            self._finish(rows, out)
+        self.counters["requests"] += b_
+        self.counters["retried"] += retried
+        self.counters["dropped"] += len(pending)
+        lag = self.latest_version - out["version"][out["valid"]]
+        self._last = {
+            "rollout/requests_retried": float(retried),
+            "rollout/requests_dropped": float(len(pending)),
+            "rollout/policy_version": float(self.latest_version),
+            "rollout/version_lag_max": float(lag.max()) if lag.size else 0.0,
+            "rollout/version_lag_mean": float(lag.mean()) if lag.size else 0.0,
+        }
+        return SampleOutput(
+            out["tokens"],
+            out["mask"],
+            out["logps"],
+            out["mask"].sum(-1).astype(np.int32),
+            out["valid"],
+            out["version"],
+        )
+
+
+def _short(error) -> str:
+    if error is None:
+        return "none"
+    code = getattr(error, "code", None)
+    if callable(code):
+        return f"{code()} {getattr(error, 'details', lambda: '')()}"
+    return repr(error)
+
+
+def _token_ids(responses) -> list[int]:
+    ids: list[int] = []
+    for resp in responses:
+        for sample in resp.stream_content.samples:
+            ids.extend(sample.token_ids)
+    return ids
+
+
+class JetStreamBackend(_JetStreamClient):
+    """In-process serving: the gjax `Engine` behind JetStream's own `Driver`/orchestrator.
+
+    `Driver` runs its prefill, generate and detokenize threads in this process; requests go
+    through `LLMOrchestrator.Decode` (the gRPC servicer's method, called directly) on an
+    asyncio loop thread. The engine's ResultTokens also carry each token's log-prob and the
+    params version; they are joined to requests by serial (prefill order, which is the order
+    requests are placed, one prefill thread) and checked against the returned tokens.
+    """
+
+    returns_logps = True
+
+    def __init__(
+        self,
+        cfg,
+        params,
+        *,
+        sampling: SamplingParams,
+        slots: int,
+        max_prompt_len: int,
+        mesh=None,
+        seed: int = 0,
+        timeout_s: float = 600.0,
+        max_retries: int = 2,
+        backoff_s: float = 0.5,
+    ):
+        max_prefill = prefill_bucket(max_prompt_len)
+        super().__init__(
+            max_prefill_length=max_prefill,
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+        )
+        self.holder = ParamsHolder(params, version=0)
+        self._params_id = id(params)
+        self.engine = Engine(
+            cfg,
+            self.holder,
+            sampling=sampling,
+            max_concurrent_decodes=slots,
+            max_prefill_length=max_prefill,
+            mesh=mesh,
+            seed=seed,
+        )
+        orch = jetstream.orchestrator
+        self.driver = orch.Driver(
+            prefill_engines=[self.engine],
+            generate_engines=[self.engine],
+            prefill_params=[self.holder],
+            generate_params=[self.holder],
+            interleaved_mode=True,
+        )
+        # JetStream's detokenize thread is not a daemon: a process leaving on an exception
+        # would wait for it forever. Stop the Driver before interpreter shutdown joins it
+        # (the hook concurrent.futures uses for the same reason).
+        threading._register_atexit(self.close)
+        self._closed = False
+        self._orchestrator = orch.LLMOrchestrator(driver=self.driver)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(
+            target=self._loop.run_forever, name="jetstream-client", daemon=True
+        )
+        self._loop_thread.start()
+        self._serial_of: dict[int, int] = {}  # id(future) -> request serial
+        self._placed = 0
+
+    def _push(self, params) -> int:
+        return self.holder.swap(params)
+
+    def _prepare(self, sampling):
+        self.engine.set_sampling(sampling)
+
+    async def _decode(self, request):
+        return _token_ids([r async for r in self._orchestrator.Decode(request)])
+
+    def _submit(self, request):
+        # Coroutines start in submission order and place their request before their first
+        # await, so the k-th request placed is the k-th prefilled: its serial.
+        fut = asyncio.run_coroutine_threadsafe(self._decode(request), self._loop)
+        self._serial_of[id(fut)] = self._placed
+        self._placed += 1
+        return fut
+
+    def _finish(self, rows, out):
+        records = self.engine.drain_records()
+        by_serial: dict[int, np.ndarray] = {}
+        if len(records):
+            order = np.lexsort((records[:, 1], records[:, 0]))
+            records = records[order]
+            starts = np.flatnonzero(np.diff(records[:, 0], prepend=-1))
+            for chunk in np.split(records, starts[1:]):
+                by_serial[int(chunk[0, 0])] = chunk
+        for b, (_ids, fut) in rows.items():
+            rec = by_serial.get(self._serial_of.get(id(fut), -1))
+            n = int(out["mask"][b].sum())
+            if rec is None or len(rec) < n or not np.array_equal(rec[:n, 2], out["tokens"][b, :n]):
+                raise RuntimeError(
+                    f"JetStream engine records do not match request {b}'s tokens: the "
+                    "serial bookkeeping is broken (another client on this Driver?)"
+                )
+            out["logps"][b, :n] = rec[:n, 3].view(np.float32)
+            out["version"][b] = rec[:n, 4].min() if n else self.version
+        self._serial_of.clear()
+
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        self.driver.stop()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+
+
+class JetStreamGrpcBackend(_JetStreamClient):
+    """A `gjax.serve` server over gRPC. Log-probs are recomputed by the trainer."""
+
+    returns_logps = False
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        max_prompt_len: int,
+        server_sampling: SamplingParams | None = None,
+        local=None,
+        weights=None,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        max_workers: int = 256,
+    ):
+        import grpc
+
+        super().__init__(
+            max_prefill_length=prefill_bucket(max_prompt_len),
+            timeout_s=timeout_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+        )
+        self.address = address
+        self._channel = grpc.insecure_channel(address)
+        self._stub = jetstream.jetstream_pb2_grpc.OrchestratorStub(self._channel)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jetstream-grpc")
+        self.weights = weights  # a weight_push.WeightPusher, or None (server keeps its own)
+        # A DecodeRequest carries no sampling settings: the server samples with the run's
+        # (`server_sampling`); other settings (greedy held-out evaluation) run on `local`.
+        self.server_sampling = server_sampling
+        self.local = local
+
+    def generate(
+        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, **kw
+    ):
+        if self.server_sampling is not None and sampling != self.server_sampling:
+            if self.local is None:
+                raise ValueError(
+                    f"the JetStream server samples with {self.server_sampling}; got {sampling} "
+                    "(a DecodeRequest carries no sampling settings)"
+                )
+            return self.local.generate(
+                params,
+                prompt_tokens_PxS,
+                prompt_mask_PxS,
+                rng,
+                num_samples=num_samples,
+                sampling=sampling,
+            )
+        return super().generate(
+            params,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples=num_samples,
+            sampling=sampling,
+            **kw,
+        )
+
+    def _push(self, params) -> int:
+        if self.weights is None:
+            return self.version
+        return self.weights.push(params)
+
+    def _prepare(self, sampling):
+        pass
+
+    def _submit(self, request):
+        return self._pool.submit(
+            lambda: _token_ids(self._stub.Decode(request, timeout=self.timeout_s))
+        )
+
+    def _finish(self, rows, out):
+        pass
+
+    def close(self):
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._channel.close()
+
+
+def run_sampling(config, cfg, tokenizer=None) -> SamplingParams:
+    """The run's rollout `SamplingParams` (as `gjax.trainer.Rollout` builds them)."""
+    eos = tuple(cfg.eos_token_id) or ((tokenizer.eos_token_id,) if tokenizer else ())
+    pad = tokenizer.pad_token_id if tokenizer is not None else None
+    r = config.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_token_ids=eos,
+        pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
+    )
+
+
+def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None):
+    """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
+    r = config.rollout
+    if r.backend == "jetstream":
+        return JetStreamBackend(
+            cfg,
+            params,
+            sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
+            slots=r.decode_slots,
+            max_prompt_len=config.data.max_prompt_len,
+            mesh=mesh,
+            seed=config.seed,
+            timeout_s=r.request_timeout_s,
+            max_retries=r.max_retries,
+        )
+    from gjax.rollout import LocalSampler
+    from gjax.rollout.weight_push import WeightPusher
+
+    push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    return JetStreamGrpcBackend(
+        r.server_address,
+        max_prompt_len=config.data.max_prompt_len,
+        server_sampling=run_sampling(config, cfg, tokenizer),
+        local=LocalSampler(cfg),
+        weights=WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        timeout_s=r.request_timeout_s,
+        max_retries=r.max_retries,
+    )

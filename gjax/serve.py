@@ -1,0 +1,147 @@
+"""JetStream's gRPC server over the gjax Engine, for rollouts on their own slice.
+
+    python -m gjax.serve --config=configs/a_grae.py:tiny [--config.x.y=v ...] [--workdir=DIR]
+
+Serves the run's policy (config.model.path) with the run's sampling settings on
+config.rollout.server_address (default 127.0.0.1:9000) through JetStream's own
+`server_lib.run` (its Driver, orchestrator and `Orchestrator.Decode` gRPC service). A trainer
+started with `--config.rollout.backend=jetstream_grpc` and the same --config/--workdir sends
+its rollouts here and pushes new weights after every update through the directory
+config.rollout.push_dir (default WORKDIR/push; see gjax.rollout.weight_push): this server
+loads each new version between decode steps, and a restarted server starts from the newest.
+SIGTERM/SIGINT stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import threading
+
+import jax
+from absl import flags
+from ml_collections import config_flags
+
+from gjax import cli, sharding
+from gjax.config import ConfigError, validate
+from gjax.embedded import resolve_model_path
+from gjax.models import hf_io
+
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
+)
+_SAMPLING = flags.DEFINE_enum(
+    "sampling",
+    "rollout",
+    ["rollout", "eval"],
+    "Sample with the run's rollout settings (for a jetstream_grpc trainer) or with "
+    "rollout.eval_temperature (a held-out evaluation server; greedy by default).",
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "The trainer's --workdir (for the default push dir WORKDIR/push)."
+)
+
+log = logging.getLogger("gjax")
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(
+            f"config.rollout.server_address={address!r} must be HOST:PORT (e.g. 127.0.0.1:9000)"
+        )
+    return host.strip("[]"), int(port)
+
+
+def build_server(config, workdir: str, *, sampling: str = "rollout"):
+    """Starts the server; returns (server, watcher)."""
+    from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
+    from gjax.rollout.jetstream_backend import run_sampling
+    from gjax.rollout.weight_push import WeightWatcher
+
+    host, port = parse_address(config.rollout.server_address)
+    mesh_shape = validate(config, jax.device_count())
+    mesh = sharding.make_mesh(mesh_shape)
+    model_path = resolve_model_path(config.model.path)
+    cfg, params = hf_io.load_pretrained(
+        model_path,
+        mesh=mesh,
+        param_dtype=config.model.param_dtype,
+        dtype=config.model.dtype,
+        remat=config.model.remat,
+    )
+    tok = hf_io.load_tokenizer(model_path)
+    holder = ParamsHolder(params, version=0)
+    run = run_sampling(config, cfg, tok)
+    if sampling == "eval":
+        run = dataclasses.replace(
+            run, temperature=config.rollout.eval_temperature, top_k=0, top_p=1.0
+        )
+    engine = Engine(
+        cfg,
+        holder,
+        sampling=run,
+        max_concurrent_decodes=config.rollout.decode_slots,
+        max_prefill_length=prefill_bucket(config.data.max_prompt_len),
+        mesh=mesh,
+        tokenizer=tok,
+        seed=config.seed,
+        record=False,  # log-probs travel only in-process; gRPC clients recompute them
+    )
+    push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
+    watcher = WeightWatcher(push_dir, holder).start()
+    try:
+        server = start_server(engine, host, port)
+    except RuntimeError as e:
+        watcher.stop()
+        raise ConfigError(
+            f"config.rollout.server_address={config.rollout.server_address!r}: cannot serve "
+            f"there ({e}); is another server on that port?"
+        ) from e
+    log.info(
+        "gjax.serve: JetStream on %s:%d, %d slots, policy version %d, weights from %s",
+        host,
+        port,
+        config.rollout.decode_slots,
+        holder.version,
+        push_dir,
+    )
+    return server, watcher
+
+
+def start_server(engine, host: str, port: int):
+    """JetStream's `server_lib.run` over `engine` (interleaved: one engine prefills and
+    generates) on host:port; returns its JetStreamServer (`.stop()` shuts it down)."""
+    from gjax.rollout.jetstream_compat import jetstream
+
+    devices = jax.devices()
+    server_config = jetstream.server_lib.config_lib.ServerConfig(
+        interleaved_slices=(f"{jax.default_backend()}={len(devices)}",),
+        interleaved_engine_create_fns=(lambda _devices: engine,),
+    )
+    # JetStream 0.2.2 binds "[::]:PORT" (every interface); gjax binds the configured host.
+    jetstream.server_lib._HOST = f"[{host}]" if ":" in host else host
+    return jetstream.server_lib.run(port=port, config=server_config, devices=devices)
+
+
+def main(argv) -> None:
+    del argv
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    config = _CONFIG.value
+    workdir = os.path.abspath(_WORKDIR.value or os.path.join("workdirs", config.algo))
+    server, watcher = build_server(config, workdir, sampling=_SAMPLING.value)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: done.set())
+    print(f"gjax.serve: ready on {config.rollout.server_address}", flush=True)
+    done.wait()
+    watcher.stop()
+    server.stop()
+
+
+if __name__ == "__main__":
+    flags.mark_flags_as_required(["config"])
+    cli.run(main)
