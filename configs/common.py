@@ -122,6 +122,9 @@ def base() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # -1: all devices not used by the other axes
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    # Devices of their own for rollouts (0: collocated, rollouts share the train mesh); the
+    # train mesh (data x fsdp x tensor) then spans the other devices (gjax.sharding.make_meshes).
+    c.mesh.rollout_devices = 0
 
     # Fields and defaults: gjax.data.loading.DATA_DEFAULTS (source: hub id, local
     # jsonl/parquet/arrow file or dir, or "synthetic"; field mapping; template; length filter).
@@ -146,6 +149,9 @@ def base() -> ml_collections.ConfigDict:
     # or a teacher-forced recomputation (set when the sampler's numerics differ, e.g. a
     # serving engine in another dtype). Anchors are always teacher-forced.
     c.rollout.recompute_old_logps = False
+    # k: rollouts overlap training, sampled from params at most k updates old (0: the
+    # synchronous loop). Schedule and resume rule: gjax.rollout.pipeline.
+    c.rollout.max_staleness = 0
 
     c.objective = objective("grpo")
 

@@ -88,7 +88,13 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     from configs import common
 
     check_schema(config, common.base())
-    mesh = resolve_mesh_shape(config.mesh, num_devices)
+    n_roll = config.mesh.rollout_devices
+    _require(
+        0 <= n_roll < num_devices,
+        "mesh.rollout_devices",
+        f"must be in [0, {num_devices}) (0: rollouts share the train mesh), got {n_roll}",
+    )
+    mesh = resolve_mesh_shape(config.mesh, num_devices - n_roll)
     r, t, s = config.rollout, config.train, config.sampling
     _require(
         r.num_samples >= 2,
@@ -117,6 +123,22 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"the {seqs} sequences per step (prompts_per_step*num_samples) must split evenly "
         f"into minibatches*microbatches={per_update} pieces of a size divisible by the "
         f"data-parallel size {data_parallel} (mesh.data*mesh.fsdp)",
+    )
+    _require(
+        0 <= r.max_staleness <= 16,
+        "rollout.max_staleness",
+        f"must be in [0, 16] policy versions, got {r.max_staleness}",
+    )
+    _require(
+        n_roll == 0 or n_roll % mesh["tensor"] == 0,
+        "mesh.rollout_devices",
+        f"the rollout mesh keeps mesh.tensor={mesh['tensor']}, which must divide {n_roll}",
+    )
+    _require(
+        config.objective.behaviour_correction == "none" or r.recompute_old_logps,
+        "objective.behaviour_correction",
+        "corrects the sampler against the trainer's own old log-probs: set "
+        "--config.rollout.recompute_old_logps=True",
     )
     _require(r.temperature > 0, "rollout.temperature", f"must be > 0, got {r.temperature}")
     _require(

@@ -29,6 +29,9 @@ class Groups:
     valid_PxG: np.ndarray  # bool: the sample takes part in the loss
     old_logps_PxGxN: np.ndarray | None = None
     ref_logps_PxGxN: np.ndarray | None = None
+    # int32 policy version each completion was sampled with (-1: anchor); None when the
+    # backend does not serve versioned weights (the local sampler: always the current params)
+    policy_version_PxG: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:

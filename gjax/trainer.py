@@ -340,6 +340,9 @@ class Rollout:
         self.overlong_buffer = s.overlong_buffer
         self.overlong_penalty = s.overlong_penalty
         self.recompute_old = config.rollout.recompute_old_logps
+        # Set by gjax.rollout.pipeline's producer: old/ref log-probs are then computed by the
+        # learner (`pipeline.learner_batch`), with its params at the start of the update.
+        self.defer_teacher_forced = False
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
@@ -402,7 +405,8 @@ class Rollout:
         # (see gjax.rollout.sampler), so on-policy rows need no second forward; anchors have
         # none and are teacher-forced (DaGRPO), as is everything when `recompute_old_logps`.
         on_logps = np.asarray(out.logps_BxN).reshape(P, g_on, self.T)
-        need_old = self.A > 0 or self.recompute_old
+        need_old = (self.A > 0 or self.recompute_old) and not self.defer_teacher_forced
+        ref_params = None if self.defer_teacher_forced else ref_params
         inputs = None
         if need_old or ref_params is not None:
             inputs = self.steps.put_batch(_model_and_targets(groups))
@@ -423,7 +427,8 @@ class Rollout:
             )
             groups.rewards_PxG = groups.rewards_PxG + self.overlong_penalty * pen.reshape(P, G)
         if old is None:
-            groups.old_logps_PxGxN = on_logps
+            pad = np.zeros((P, G - g_on, T), np.float32)  # anchors: filled by the learner
+            groups.old_logps_PxGxN = np.concatenate([on_logps, pad], axis=1) if self.A else on_logps
         else:
             groups.old_logps_PxGxN = np.array(old).reshape(P, G, T)  # writable copy
             if not self.recompute_old:
