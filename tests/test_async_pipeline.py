@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -27,6 +28,7 @@ from gjax.rewards.verifier import Verifier
 from gjax.rollout import pipeline as rp
 from gjax.train import build_rewards
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
+from tests.test_experience import make_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,6 +121,51 @@ def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False
         return jax.device_get(state.params), rows, versions
 
 
+def fake_producer(k, *, fail_at=None, start=0, stop=7):
+    """An AsyncProducer over a fake rollout that records which params it was handed."""
+    seen = []
+
+    def produce(step, params, version):
+        if step == fail_at:
+            raise ValueError("sampler exploded")
+        seen.append((step, params["v"]))
+        time.sleep(0.01)
+        return rp.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
+
+    prod = rp.AsyncProducer(
+        produce, max_staleness=k, start=start, stop=stop, to_rollout=lambda p: dict(p)
+    )
+    return prod, seen
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_producer_schedule_and_bound(k):
+    prod, seen = fake_producer(k)
+    prod.begin({"v": 0}, None)
+    for step in range(7):
+        batch = prod.get(step)
+        assert batch.version == max(step - k, 0) and step - batch.version <= k
+        assert batch.groups.policy_version_PxG.tolist() == [[batch.version] * 2]
+        assert batch.metrics["async/version_lag_max"] == step - batch.version
+        time.sleep(0.005)  # the update
+        prod.push({"v": step + 1}, step + 1)
+    prod.close()
+    # Each batch was sampled with exactly the params of its version, never a newer one.
+    assert seen == [(j, max(j - k, 0)) for j in range(7)]
+
+
+def test_producer_error_reaches_the_learner():
+    prod, _ = fake_producer(1, fail_at=2)
+    prod.begin({"v": 0}, None)
+    prod.get(0)
+    prod.push({"v": 1}, 1)
+    prod.get(1)
+    prod.push({"v": 2}, 2)
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        prod.get(2)
+    prod.close()
+
+
 def assert_same_params(a, b):
     for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
@@ -161,7 +208,7 @@ def test_split_meshes_train_like_one_mesh(verifier):
         tiny_config(), verifier, steps=2, devices=devs, rollout_devices=4, producer=True
     )
     assert_same_params(p_one, p_split)
-    assert rows_one == rows_split
+    assert rows_one == [{k: r[k] for k in rows_one[0]} for r in rows_split]  # + async/*
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -214,3 +261,33 @@ def test_resume_at_k1_follows_the_documented_rule(tmp_path):
         return meta["data"]
 
     assert data_state(tmp_path / "whole") == data_state(tmp_path / "cut")
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("mesh.rollout_devices", 8, "mesh.rollout_devices"),
+        ("rollout.max_staleness", -1, "rollout.max_staleness"),
+        ("objective.behaviour_correction", "tis", "recompute_old_logps=True"),
+    ],
+)
+def test_config_errors_name_the_field(field, value, match):
+    from gjax.config import ConfigError, validate
+
+    c = tiny_config()
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c, 8)
+
+
+def test_split_mesh_shapes():
+    train_mesh, roll = sharding.make_meshes({"data": -1, "tensor": 2}, 4, jax.devices())
+    assert dict(train_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(roll.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert not set(train_mesh.devices.flat) & set(roll.devices.flat)
+    c = tiny_config()
+    c.mesh.rollout_devices = 4
+    from gjax.config import validate
+
+    assert validate(c, 8) == {"data": 4, "fsdp": 1, "tensor": 1}  # the train mesh

@@ -29,8 +29,9 @@ j - s instead of k), after which the two schedules agree again.
 Weight push: the learner calls `push(params, version)` after every update; the producer's
 `to_rollout` makes the rollout copy (a `jax.device_put` to the rollout mesh's shardings with
 split meshes, a device-side copy when collocated, since the next update donates the train
-state's buffers). A backend that serves its own weights (a versioned holder) receives them
-through its `push(params, version)` before it samples with them.
+state's buffers). A backend that serves its own weights (a versioned holder, e.g. JetStream's)
+receives them through its `push(params)` before it samples with them, so every completion of
+the step comes from that version; the producer records its own version number on them.
 
 Teacher-forced passes (old log-probs for anchors or `recompute_old_logps`, reference
 log-probs) run on the learner with its current params (`learner_batch`), so with k > 0 the
@@ -101,10 +102,12 @@ def collect_step(rollout, data_iter, params, ref_params, key, *, P: int, samplin
 
 
 def tag_version(groups: Groups, version: int) -> None:
-    """Sets `policy_version_PxG` (anchors -1) unless the backend already recorded it."""
-    if groups.policy_version_PxG is None:
-        v = np.full(groups.is_anchor_PxG.shape, version, np.int32)
-        groups.policy_version_PxG = np.where(groups.is_anchor_PxG, -1, v).astype(np.int32)
+    """Sets `policy_version_PxG`: `version` on sampled completions, -1 on anchors.
+
+    The producer pushed exactly this version before sampling, so it overrides whatever
+    numbering a serving backend keeps of its own."""
+    v = np.full(groups.is_anchor_PxG.shape, version, np.int32)
+    groups.policy_version_PxG = np.where(groups.is_anchor_PxG, -1, v).astype(np.int32)
 
 
 def lag_metrics(groups: Groups, learner_version: int) -> dict[str, float]:
@@ -202,7 +205,7 @@ class AsyncProducer:
         with self._cv:
             while step not in self._ready and self._error is None:
                 self._cv.wait()
-            if self._error is not None:
+            if step not in self._ready:  # batches made before a failure are still served
                 raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
             batch = self._ready.pop(step)
         if step - batch.version > self.k or batch.step != step:
@@ -243,7 +246,7 @@ class AsyncProducer:
                         params = self._params[version]
                     waited = time.perf_counter() - t0
                     if self._push_to_backend is not None:
-                        self._push_to_backend(params, version)
+                        self._push_to_backend(params)
                     batch = self._produce(step, params, version)
                     batch.step, batch.version = step, version
                     tag_version(batch.groups, version)
