@@ -70,7 +70,7 @@ def config(k: int):
     c.rollout.max_new_tokens = ARGS.new_tokens
     c.rollout.max_staleness = k
     c.train.num_iterations = ARGS.iterations
-    c.train.steps = ARGS.steps + 1
+    c.train.steps = ARGS.steps + 1 + k  # the producer keeps sampling through the timed window
     c.objective.kl_beta = 0.0  # no reference pass: rollout vs update only
     return c
 
@@ -120,7 +120,7 @@ def run(k: int, split: bool, verifier) -> dict:
             )
         acc = {"learner_idle": 0.0, "rollout_idle": 0.0, "tokens": 0, "rollout": [], "update": []}
         t_start = None
-        for step in range(c.train.steps):
+        for step in range(ARGS.steps + 1):
             if step == 1:  # step 0 compiled everything
                 t_start = time.perf_counter()
                 acc.update(learner_idle=0.0, rollout_idle=0.0, tokens=0, rollout=[], update=[])
@@ -135,7 +135,6 @@ def run(k: int, split: bool, verifier) -> dict:
             else:
                 got = producer.get(step)
                 acc["learner_idle"] += got.metrics["time/learner_wait_s"]
-                acc["rollout_idle"] += got.metrics["time/producer_wait_s"]
                 batch = rp.learner_batch(steps, rollout, got.groups, state.params, None)
             acc["rollout"].append(got.metrics["time/rollout_s"])
             t1 = time.perf_counter()
@@ -147,9 +146,14 @@ def run(k: int, split: bool, verifier) -> dict:
             if producer is None:
                 acc["rollout_idle"] += acc["update"][-1]
             acc["tokens"] += int(got.groups.completion_mask_PxGxN.sum())
-        wall = time.perf_counter() - t_start
+        t_end = time.perf_counter()
+        wall = t_end - t_start
         if producer is not None:
             producer.close()
+            # Producer waits for weights, clipped to the timed window.
+            acc["rollout_idle"] = sum(
+                max(0.0, min(b, t_end) - max(a, t_start)) for a, b in producer.wait_intervals
+            )
         rewards.close()
     return {
         "what": "run",

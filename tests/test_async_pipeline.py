@@ -171,18 +171,6 @@ def assert_same_params(a, b):
         np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
 
 
-def test_k0_through_the_producer_is_the_synchronous_loop(verifier):
-    dev = jax.devices()[:1]
-    p_sync, rows_sync, _ = train(tiny_config(), verifier, steps=2, devices=dev)
-    p_prod, rows_prod, versions = train(
-        tiny_config(), verifier, steps=2, devices=dev, producer=True
-    )
-    assert_same_params(p_sync, p_prod)
-    for a, b in zip(rows_sync, rows_prod):
-        assert {k: a[k] for k in a} == {k: b[k] for k in a}
-    assert [int(v.max()) for v in versions] == [0, 1]  # k = 0: always the newest params
-
-
 def test_k1_versions_within_bound_with_dynamic_sampling(verifier):
     config = tiny_config("dapo", max_staleness=1)
     config.sampling.max_rollouts_per_step = 2
@@ -200,13 +188,15 @@ def test_k1_versions_within_bound_with_dynamic_sampling(verifier):
 
 
 def test_split_meshes_train_like_one_mesh(verifier):
-    """Train on 4 devices, sample on 4 others; vs everything on the same 4 train devices."""
+    """Train on 4 devices, sample on 4 others through the producer at k = 0; vs the
+    synchronous loop with everything on the same 4 train devices: bit for bit."""
     devs = jax.devices()
     assert len(devs) == 8
     p_one, rows_one, _ = train(tiny_config(), verifier, steps=2, devices=devs[:4])
-    p_split, rows_split, _ = train(
+    p_split, rows_split, versions = train(
         tiny_config(), verifier, steps=2, devices=devs, rollout_devices=4, producer=True
     )
+    assert [int(v.max()) for v in versions] == [0, 1]  # k = 0: always the newest params
     assert_same_params(p_one, p_split)
     assert rows_one == [{k: r[k] for k in rows_one[0]} for r in rows_split]  # + async/*
 
@@ -241,23 +231,23 @@ def _cli(workdir, *extra, steps):
 
 @pytest.mark.slow
 def test_resume_at_k1_follows_the_documented_rule(tmp_path):
-    """Uninterrupted 4 steps vs 2 steps + resume to 4: same rows up to the checkpoint; the
-    first resumed batch is drawn from the restored params (lag 0 instead of 1), the next one
-    is back on the uninterrupted schedule (lag 1); the data position ends equal."""
-    whole = _cli(tmp_path / "whole", steps=4)
+    """Uninterrupted 3 steps vs 2 steps + resume to 3: same rows up to the checkpoint; the
+    first resumed batch is drawn from the restored params (lag 0 instead of 1; from step 4 on
+    the schedules agree again); same prompts, same keys: the data position ends equal."""
+    whole = _cli(tmp_path / "whole", steps=3)
     _cli(tmp_path / "cut", steps=2)
-    resumed = _cli(tmp_path / "cut", steps=4)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    resumed = _cli(tmp_path / "cut", steps=3)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
     vol = ("time/", "throughput/", "rewards/")
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(vol)}  # noqa: E731
     assert [strip(r) for r in resumed[:2]] == [strip(r) for r in whole[:2]]
-    assert [r["async/version_lag_max"] for r in whole] == [0, 1, 1, 1]
-    assert [r["async/version_lag_max"] for r in resumed] == [0, 1, 0, 1]
+    assert [r["async/version_lag_max"] for r in whole] == [0, 1, 1]
+    assert [r["async/version_lag_max"] for r in resumed] == [0, 1, 0]
     import orbax.checkpoint as ocp
 
     def data_state(workdir):
         with ocp.CheckpointManager(workdir / "checkpoints", item_names=("state", "meta")) as m:
-            meta = m.restore(4, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            meta = m.restore(3, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
         return meta["data"]
 
     assert data_state(tmp_path / "whole") == data_state(tmp_path / "cut")
@@ -291,3 +281,52 @@ def test_split_mesh_shapes():
     from gjax.config import validate
 
     assert validate(c, 8) == {"data": 4, "fsdp": 1, "tensor": 1}  # the train mesh
+
+
+def test_learner_batch_teacher_forces_anchors_and_recomputation():
+    """Anchors' old log-probs (and with recompute_old_logps every row's) come from the
+    learner's params; the sampler's go along as behaviour_logps_BxT when recomputed."""
+    import types
+
+    from gjax import objective as obj
+    from gjax.experience import to_model_inputs
+    from gjax.models.transformer import init_params
+    from gjax.trainer import policy_logps
+    from tests.test_model import tiny_cfg
+
+    cfg = tiny_cfg(vocab_size=64, intermediate_size=64, max_position_embeddings=64)
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    with jax.set_mesh(mesh), sharding.use_rules():
+        params = sharding.shard_params(init_params(cfg, jax.random.key(0)), mesh)
+        tx, _ = make_optimizer(common.base().optim, 1)
+        _, shardings = init_state(params, tx, mesh)
+        steps = build_steps(
+            mesh=mesh,
+            cfg=cfg,
+            obj_cfg=obj.ObjectiveConfig(),
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=common.base().train,
+        )
+        groups = make_groups([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], S=3, N=4)
+        groups.is_anchor_PxG[:, 2] = True
+        sampler_PxGxN = np.full((2, 3, 4), -0.5, np.float32)
+        groups.old_logps_PxGxN = sampler_PxGxN.copy()
+        inputs = {k: jax.numpy.asarray(v) for k, v in to_model_inputs(groups).items()}
+        tf_BxT = np.asarray(policy_logps(params, inputs, cfg=cfg, temperature=1.0))
+        anchor_B = groups.is_anchor_PxG.reshape(-1)
+        want_beh = np.where(anchor_B[:, None], tf_BxT, sampler_PxGxN.reshape(6, 4))
+        assert np.all(tf_BxT[anchor_B] != -0.5)
+        for recompute in (False, True):
+            rollout = types.SimpleNamespace(
+                A=1, recompute_old=recompute, model_inputs=lambda g: to_model_inputs(g)
+            )
+            batch = rp.learner_batch(steps, rollout, groups, params, None)
+            old = np.asarray(batch["old_logps_BxT"])
+            if recompute:
+                np.testing.assert_allclose(old, tf_BxT, rtol=1e-6)
+                beh = np.asarray(batch["behaviour_logps_BxT"])
+                np.testing.assert_allclose(beh, want_beh, rtol=1e-6)
+            else:
+                np.testing.assert_allclose(old, want_beh, rtol=1e-6)
+                assert "behaviour_logps_BxT" not in batch

@@ -176,6 +176,7 @@ class AsyncProducer:
         self._error: BaseException | None = None
         self._closed = False
         self._consumed_data_state: dict | None = None
+        self.wait_intervals: list[tuple[float, float]] = []  # producer waits for weights
         self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
     def version_for(self, step: int) -> int:
@@ -244,7 +245,8 @@ class AsyncProducer:
                         for old in [v for v in self._params if v < version]:
                             del self._params[old]
                         params = self._params[version]
-                    waited = time.perf_counter() - t0
+                    self.wait_intervals.append((t0, time.perf_counter()))
+                    waited = self.wait_intervals[-1][1] - t0
                     if self._push_to_backend is not None:
                         self._push_to_backend(params)
                     batch = self._produce(step, params, version)
