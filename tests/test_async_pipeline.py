@@ -208,6 +208,9 @@ def _cli(workdir, *extra, steps):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    # Later runs reuse the first one's compiled programs.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(workdir.parent / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     cmd = [
         sys.executable,
         "-m",
