@@ -125,6 +125,9 @@ def base() -> ml_collections.ConfigDict:
     c.mesh.data = -1  # -1: all devices not used by the other axes
     c.mesh.fsdp = 1
     c.mesh.tensor = 1
+    # Devices of their own for rollouts (0: collocated, rollouts share the train mesh); the
+    # train mesh (data x fsdp x tensor) then spans the other devices (gjax.sharding.make_meshes).
+    c.mesh.rollout_devices = 0
 
     # Fields and defaults: gjax.data.loading.DATA_DEFAULTS (source: hub id, local
     # jsonl/parquet/arrow file or dir, or "synthetic"; field mapping; template; length filter).
@@ -154,6 +157,9 @@ def base() -> ml_collections.ConfigDict:
     # or a teacher-forced recomputation (set when the sampler's numerics differ, e.g. a
     # serving engine in another dtype). Anchors are always teacher-forced.
     c.rollout.recompute_old_logps = False
+    # k: rollouts overlap training, sampled from params at most k updates old (0: the
+    # synchronous loop). Schedule and resume rule: gjax.rollout.pipeline.
+    c.rollout.max_staleness = 0
 
     c.objective = objective("grpo")
 
@@ -251,6 +257,10 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
         "devices on the tensor-parallel axis (-1: all the rest)",
         Range("[1, inf)", also=(-1,)),
     ),
+    "mesh.rollout_devices": (
+        "devices of their own for rollouts (0: rollouts share the train mesh)",
+        _NONNEG,
+    ),
     "data.source": (
         "prompts: 'synthetic', a local .jsonl/.parquet/.arrow file or dir, or a Hub id",
         None,
@@ -327,6 +337,10 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
         "recompute old log-probs teacher-forced instead of the sampler's",
         None,
     ),
+    "rollout.max_staleness": (
+        "k: a trained-on sample is at most k policy versions old (0: synchronous loop)",
+        Range("[0, 16]"),
+    ),
     "objective.advantage": (
         "advantage estimator, a name in gjax.objective.advantages.ADVANTAGES",
         None,
@@ -373,6 +387,15 @@ FIELDS: dict[str, tuple[str, Range | None]] = {
     ),
     "objective.anchor_treatment": ("loss on DaGRPO anchors: ratio | luffy", None),
     "objective.luffy_gamma": ("LUFFY's shaping gamma in pi / (pi + gamma)", _POS),
+    "objective.behaviour_correction": (
+        "sampler/trainer mismatch correction: none | tis (truncated IS) | mask",
+        None,
+    ),
+    "objective.behaviour_level": ("where the correction ratio is taken: token | sequence", None),
+    "objective.behaviour_cap": (
+        "C: tis caps the ratio at C, mask keeps [1/C, C]",
+        Range("(1, inf)"),
+    ),
     "objective.token_chunk": (
         "tokens per chunk of the log-prob kernel (None: its default)",
         _COUNT,

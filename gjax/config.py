@@ -286,7 +286,21 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     check_schema(config, schema)
     check_ranges(config, common.FIELDS, schema)
     check_names(config)
-    mesh = resolve_mesh_shape(config.mesh, num_devices)
+    n_roll = config.mesh.rollout_devices
+    _require(
+        n_roll < num_devices,
+        "mesh.rollout_devices",
+        f"must be in [0, {num_devices}) (0: rollouts share the train mesh), got {n_roll}",
+    )
+    mesh = resolve_mesh_shape(config.mesh, num_devices - n_roll)
+    import jax
+
+    _require(
+        jax.process_count() == 1 or (n_roll == 0 and config.rollout.max_staleness == 0),
+        "rollout.max_staleness",
+        "the asynchronous rollout pipeline (max_staleness > 0 or mesh.rollout_devices > 0) "
+        "runs in one process; a multi-process run trains synchronously",
+    )
     r, t, s = config.rollout, config.train, config.sampling
     _require(
         config.anchors.per_group < r.num_samples,
@@ -307,6 +321,17 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
         f"the {seqs} sequences per step (prompts_per_step*num_samples) must split evenly "
         f"into minibatches*microbatches={per_update} pieces of a size divisible by the "
         f"data-parallel size {data_parallel} (mesh.data*mesh.fsdp)",
+    )
+    _require(
+        n_roll == 0 or n_roll % mesh["tensor"] == 0,
+        "mesh.rollout_devices",
+        f"the rollout mesh keeps mesh.tensor={mesh['tensor']}, which must divide {n_roll}",
+    )
+    _require(
+        config.objective.behaviour_correction == "none" or r.recompute_old_logps,
+        "objective.behaviour_correction",
+        "corrects the sampler against the trainer's own old log-probs: set "
+        "--config.rollout.recompute_old_logps=True",
     )
     _require(
         config.objective.temperature == r.temperature,

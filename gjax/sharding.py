@@ -93,6 +93,32 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def make_meshes(
+    shape: Mapping[str, int], rollout_devices: int = 0, devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Mesh]:
+    """(train mesh, rollout mesh): one mesh for both (collocated) or disjoint device sets.
+
+    With `rollout_devices = n > 0` the first `len(devices) - n` devices form the train mesh of
+    `shape` and the last n the rollout mesh, whose `tensor` axis is the train mesh's (so a
+    weight push reshards only over data-parallel copies) and whose `data` axis takes the rest
+    (rollouts want whole replicas, not FSDP shards). Weight pushes are `jax.device_put`s
+    from one to the other; on one host they move device to device.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    if not rollout_devices:
+        mesh = make_mesh(shape, None if devices == list(jax.devices()) else devices)
+        return mesh, mesh
+    if not 0 < rollout_devices < len(devices):
+        raise ValueError(
+            f"rollout_devices={rollout_devices} must leave devices for training "
+            f"(0 < rollout_devices < {len(devices)})"
+        )
+    split = len(devices) - rollout_devices
+    train = make_mesh(shape, devices[:split])
+    rollout_shape = {"data": -1, "tensor": int(train.shape["tensor"])}
+    return train, make_mesh(rollout_shape, devices[split:])
+
+
 def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
     """Product of the sizes of `axes` in `mesh` (1 for None)."""
     return math.prod(mesh.shape[a] for a in _as_tuple(axes))

@@ -37,7 +37,6 @@ from gjax import eval as eval_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
-from gjax.experience import Groups, select_groups
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
@@ -45,6 +44,7 @@ from gjax.rewards.pipeline import RewardPipeline
 from gjax.rewards.registry import RewardSpec, build_reward
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, RolloutBackend
+from gjax.rollout import pipeline as rollout_pipeline
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -172,7 +172,7 @@ def main(argv) -> None:
         ) from e
 
     # --- mesh ---------------------------------------------------------------------------
-    mesh = sharding.make_mesh(mesh_shape)
+    mesh, rollout_mesh = sharding.make_meshes(mesh_shape, config.mesh.rollout_devices)
     log.info("mesh %s over %d devices", mesh_shape, jax.device_count())
     # Jitted functions traced from here on see the mesh and the logical-axis rules, so the
     # model's activation sharding constraints take effect.
@@ -310,46 +310,54 @@ def main(argv) -> None:
     watch = CollapseWatch(cfg.vocab_size)
     base_key = jax.random.key(config.seed)
     s = config.sampling
-    min_valid = 1.0 if s.dynamic else s.min_valid_fraction
     pending = None  # (step, device metrics, host metrics): written one step late
     history = meta["history"]
     stopping = False  # agreed by every process: a signal may reach only one host
+    producer = None  # rollouts on their own thread (and mesh): gjax.rollout.pipeline
+    if config.rollout.max_staleness > 0 or rollout_mesh is not mesh:
+        producer = rollout_pipeline.start_producer(
+            rollout=rollout,
+            data_iter=data_iter,
+            params=state.params,
+            base_key=base_key,
+            config=config,
+            start=start,
+            train_mesh=mesh,
+            rollout_mesh=rollout_mesh,
+            backend=backend,
+        )
     for step in range(start, config.train.steps):
         if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
             break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         key = jax.random.fold_in(base_key, step)
-        carried: Groups | None = None
-        host_metrics: dict[str, float] = {}
-        for round_ in range(s.max_rollouts_per_step):
-            prompts = next(data_iter)
-            res = rollout(state.params, ref_params, prompts, jax.random.fold_in(key, round_))
-            host_metrics = {
-                **res.metrics,
-                **{
-                    k: v + host_metrics.get(k, 0.0)
-                    for k, v in res.metrics.items()
-                    if k.startswith("time/")
-                },
-            }
-            candidates = res.groups if carried is None else Groups.concat([carried, res.groups])
-            batch_groups, carried = select_groups(
-                candidates,
-                data_iter.local_batch_size,  # this process's slots of the P
-                min_valid_fraction=min_valid,
-                drop_zero_variance=s.dynamic,
-                final_round=round_ == s.max_rollouts_per_step - 1,
+        if producer is None:
+            produced = rollout_pipeline.collect_step(
+                rollout,
+                data_iter,
+                state.params,
+                ref_params,
+                key,
+                P=data_iter.local_batch_size,  # this process's slots of the P
+                sampling=s,
                 allgather=multihost.allgather,
             )
-            if batch_groups is not None:
-                break
-        host_metrics["sampling/rollouts"] = round_ + 1
+        else:
+            produced = producer.get(step)
+        batch_groups, host_metrics = produced.groups, produced.metrics
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(batch_groups.completion_mask_PxGxN.sum()).sum()
-        batch = steps.put_batch(rollout.model_inputs(batch_groups))
+        if producer is None:
+            batch = steps.put_batch(rollout.model_inputs(batch_groups))
+        else:
+            batch = rollout_pipeline.learner_batch(
+                steps, rollout, batch_groups, state.params, ref_params
+            )
         state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
+        if producer is not None:
+            producer.push(state.params, step + 1)
         if pending is not None:
             history.append(_finish(writer, watch, checkpointer, *pending, config=config))
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
@@ -368,10 +376,13 @@ def main(argv) -> None:
         if save_now:
             if writer is not None:  # the metrics a resume keeps are durable before their checkpoint
                 writer.flush()
-            meta.update(data=data_iter.state(), history=history, fingerprint=fingerprint(config))
+            data_state = data_iter.state() if producer is None else producer.data_state()
+            meta.update(data=data_state, history=history, fingerprint=fingerprint(config))
             checkpointer.save(step + 1, state, meta, force=True)
         if stopping:
             break
+    if producer is not None:
+        producer.close()
     checkpointer.wait()
     if writer is not None:  # ends the progress bar's line: what follows has lines of its own
         writer.close()

@@ -407,6 +407,9 @@ class Rollout:
         self.recompute_old = config.rollout.recompute_old_logps or not getattr(
             self.backend, "returns_logps", True
         )
+        # Set by gjax.rollout.pipeline's producer: old/ref log-probs are then computed by the
+        # learner (`pipeline.learner_batch`), with its params at the start of the update.
+        self.defer_teacher_forced = False
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
@@ -423,10 +426,14 @@ class Rollout:
         t0 = time.perf_counter()
         P = len(prompts)
         g_on = self.G - self.A
+        # Several processes: each puts its block of the prompts into the global batch. One
+        # process: host arrays, placed by the sampler's jit on the params' mesh (which is the
+        # rollout mesh when gjax.rollout.pipeline gives rollouts devices of their own).
+        put = self.steps.put_rows if self.steps.layout.count > 1 else np.asarray
         out = self.backend.generate(
             params,
-            self.steps.put_rows(np.asarray(prompts.prompt_ids_PxS)),
-            self.steps.put_rows(np.asarray(prompts.prompt_mask_PxS)),
+            put(prompts.prompt_ids_PxS),
+            put(prompts.prompt_mask_PxS),
             rng,
             num_samples=g_on,
             sampling=self.sampling,
@@ -477,7 +484,8 @@ class Rollout:
         # (see gjax.rollout.sampler), so on-policy rows need no second forward; anchors have
         # none and are teacher-forced (DaGRPO), as is everything when `recompute_old_logps`.
         on_logps = self.steps.local_rows(out.logps_BxN).reshape(P, g_on, self.T)
-        need_old = self.A > 0 or self.recompute_old
+        need_old = (self.A > 0 or self.recompute_old) and not self.defer_teacher_forced
+        ref_params = None if self.defer_teacher_forced else ref_params
         inputs = None
         if need_old or ref_params is not None:
             inputs = self.steps.put_batch(_model_and_targets(groups))
@@ -498,7 +506,8 @@ class Rollout:
             )
             groups.rewards_PxG = groups.rewards_PxG + self.overlong_penalty * pen.reshape(P, G)
         if old is None:
-            groups.old_logps_PxGxN = on_logps
+            pad = np.zeros((P, G - g_on, T), np.float32)  # anchors: filled by the learner
+            groups.old_logps_PxGxN = np.concatenate([on_logps, pad], axis=1) if self.A else on_logps
         else:
             groups.old_logps_PxGxN = np.array(self.steps.local_rows(old)).reshape(P, G, T)
             if not self.recompute_old:

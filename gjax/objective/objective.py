@@ -30,7 +30,9 @@ LM-head kernel (``gjax.objective.logprobs``), which never materialises [tokens x
 
 Batch keys (names fixed, see docs/architecture.md): ``targets_BxT`` (int), ``loss_mask_BxT``,
 ``old_logps_BxT``, ``rewards_PxG``, ``valid_PxG``, optional ``ref_logps_BxT`` (needed iff
-kl_beta > 0), ``scores_PxG`` (DaGRPO judge scores), ``is_anchor_PxG`` (off-policy anchors).
+kl_beta > 0), ``scores_PxG`` (DaGRPO judge scores), ``is_anchor_PxG`` (off-policy anchors),
+``behaviour_logps_BxT`` (the sampler's log-probs when ``old_logps_BxT`` are the trainer's own:
+mismatch metrics, and the ``behaviour_correction`` of ``gjax.objective.off_policy``).
 
 Conventions (decisions where the papers are silent):
   * Sequence/token denominators count VALID samples (``valid_PxG`` and a finite reward), not
@@ -68,7 +70,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from gjax.objective import logprobs, policy_losses
+from gjax.objective import logprobs, off_policy, policy_losses
 from gjax.objective.advantages import ADVANTAGES
 from gjax.objective.aggregation import AGGREGATIONS, aggregation_weights
 from gjax.objective.policy_losses import KL_ESTIMATORS, POLICY_LOSSES
@@ -109,6 +111,9 @@ class ObjectiveConfig:
       anchor_treatment: 'ratio' or 'luffy' (off-policy anchors, see module docstring).
       luffy_gamma: gamma of LUFFY's shaping f(pi) = pi / (pi + gamma).
       token_chunk, vocab_tile: kernel tile sizes (None: the kernel's defaults).
+      behaviour_correction, behaviour_level, behaviour_cap: correction for the sampler's
+        policy when ``behaviour_logps_BxT`` is in the batch ('none' | 'tis' | 'mask', at
+        'token' or 'sequence' level, cap C; ``gjax.objective.off_policy``).
     """
 
     advantage: str = "grpo"
@@ -129,6 +134,9 @@ class ObjectiveConfig:
     luffy_gamma: float = 0.1
     token_chunk: int | None = None
     vocab_tile: int | None = None
+    behaviour_correction: str = "none"
+    behaviour_level: str = "token"
+    behaviour_cap: float = 2.0
 
     def __post_init__(self):
         object.__setattr__(self, "advantage_kwargs", _freeze(self.advantage_kwargs))
@@ -139,6 +147,9 @@ class ObjectiveConfig:
         AGGREGATIONS.get(self.aggregation)
         if self.token_weights is not None:
             TOKEN_WEIGHTS.get(self.token_weights)
+        off_policy.check_correction(
+            self.behaviour_correction, self.behaviour_level, self.behaviour_cap
+        )
         if self.anchor_treatment not in ANCHOR_TREATMENTS:
             raise ValueError(
                 f"anchor_treatment must be one of {ANCHOR_TREATMENTS}, got {self.anchor_treatment!r}"
@@ -245,7 +256,7 @@ def _check_batch(batch: Batch, cfg: ObjectiveConfig) -> tuple[int, int, int]:
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise TypeError(f"targets_BxT must be integer token ids, got {targets.dtype}")
     b, t = targets.shape
-    for k in ("loss_mask_BxT", "old_logps_BxT", "ref_logps_BxT"):
+    for k in ("loss_mask_BxT", "old_logps_BxT", "ref_logps_BxT", "behaviour_logps_BxT"):
         if k in batch and batch[k].shape != (b, t):
             raise ValueError(f"{k} shape {batch[k].shape} != targets_BxT shape {(b, t)}")
     for k in ("old_logps_BxT", "ref_logps_BxT"):
@@ -324,10 +335,23 @@ def prepare(
         group_B=group_B,
     )
     weight_BxT = agg_BxT * keep_B[:, None].astype(jnp.float32)
+    off_metrics = {}
+    if "behaviour_logps_BxT" in batch:  # the sampler's log-probs differ from old_logps_BxT
+        coef_BxT, off_metrics = off_policy.behaviour_correction_BxT(
+            batch["old_logps_BxT"],
+            batch["behaviour_logps_BxT"],
+            mask_BxT,
+            mode=cfg.behaviour_correction,
+            level=cfg.behaviour_level,
+            cap=cfg.behaviour_cap,
+        )
+        if cfg.behaviour_correction != "none":
+            weight_BxT = weight_BxT * coef_BxT
     adv_BxT = jnp.broadcast_to(adv_B[:, None], (b, t)) * mask_BxT
 
     prep = {"weight_BxT": weight_BxT, "mask_BxT": mask_BxT}
     metrics = {f"adv/{k}": jnp.asarray(v, jnp.float32) for k, v in adv_out.metrics.items()}
+    metrics.update(off_metrics)
     if cfg.token_weights is not None:
         old_BxT = jnp.where(mask_BxT > 0, batch["old_logps_BxT"], 0.0).astype(jnp.float32)
         tw_mask_BxT = mask_BxT * keep_B[:, None].astype(jnp.float32)

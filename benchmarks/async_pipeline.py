@@ -1,0 +1,210 @@
+"""Rollouts overlapping training: steps/s and tokens/s for max_staleness k = 0, 1, 2,
+collocated and on split rollout/train meshes.
+
+    python benchmarks/async_pipeline.py [--devices 2] [--steps 6] [--prompts 8] [--samples 8]
+        [--new-tokens 32] [--iterations 1] [--ks 0,1,2]
+
+Each run trains the embedded policy (gjax/assets/tiny_qwen2) on the synthetic task through
+the production pieces of `gjax.train`'s loop (`collect_step` or `AsyncProducer.get`,
+`learner_batch`, the jitted update, `push`), after one warm-up step that compiles everything.
+Per run one JSON line: steps/s, completion tokens/s, mean rollout and update times, the
+learner-idle fraction (time the learner waited for data / wall) and the rollout-idle fraction
+(time the producer waited for weights / wall; for the synchronous loop, the update's share,
+during which nothing samples). The last line is the summary with the ratios against k = 0
+collocated. `--iterations` (GRPO's mu) makes the update heavier, to balance it with the
+rollout. Split meshes use `--devices` fake CPU devices (half for rollouts); on a CPU those
+share the same cores, so the overlap is bounded by the cores: on a 2-core machine with two
+busy threads it cannot exceed what the second core adds. On an accelerator the devices are
+real and the split is the deployment shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def parse():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=2, help="fake CPU devices (split: half each)")
+    ap.add_argument("--steps", type=int, default=6, help="timed steps per run (after 1 warm-up)")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--iterations", type=int, default=1)
+    ap.add_argument("--ks", default="0,1,2")
+    ap.add_argument("--no-split", action="store_true")
+    return ap.parse_args()
+
+
+ARGS = parse()
+if ARGS.devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+    "XLA_FLAGS", ""
+):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
+    ).strip()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from configs import common  # noqa: E402
+from gjax import sharding  # noqa: E402
+from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.embedded import resolve_model_path  # noqa: E402
+from gjax.models import hf_io  # noqa: E402
+from gjax.rewards.verifier import Verifier  # noqa: E402
+from gjax.rollout import pipeline as rp  # noqa: E402
+from gjax.train import build_rewards  # noqa: E402
+from gjax.trainer import Rollout, build_steps, init_state, make_optimizer  # noqa: E402
+
+
+def config(k: int):
+    c = common.tiny(common.base())
+    c.rollout.prompts_per_step, c.rollout.num_samples = ARGS.prompts, ARGS.samples
+    c.rollout.max_new_tokens = ARGS.new_tokens
+    c.rollout.max_staleness = k
+    c.train.num_iterations = ARGS.iterations
+    c.train.steps = ARGS.steps + 1 + k  # the producer keeps sampling through the timed window
+    c.objective.kl_beta = 0.0  # no reference pass: rollout vs update only
+    return c
+
+
+def run(k: int, split: bool, verifier) -> dict:
+    c = config(k)
+    devices = jax.devices()
+    n_roll = len(devices) // 2 if split else 0
+    mesh, rollout_mesh = sharding.make_meshes({"data": -1}, n_roll, devices)
+    with jax.set_mesh(mesh), sharding.use_rules():
+        obj_cfg = common.to_objective_config(c.objective)
+        path = resolve_model_path(c.model.path)
+        cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
+        tok = hf_io.load_tokenizer(path)
+        rewards = build_rewards(c, verifier)
+        tx, schedule = make_optimizer(c.optim, c.train.steps)
+        state, shardings = init_state(params, tx, mesh)
+        steps = build_steps(
+            mesh=mesh,
+            cfg=cfg,
+            obj_cfg=obj_cfg,
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=c.train,
+            schedule=schedule,
+        )
+        it = PromptIterator(
+            build_prompt_data(c.data, tok),
+            global_batch_size=c.rollout.prompts_per_step,
+            seed=0,
+            process_index=0,
+            process_count=1,
+        )
+        rollout = Rollout(cfg=cfg, tokenizer=tok, pipeline=rewards, steps=steps, config=c)
+        base_key = jax.random.key(c.seed)
+        producer = None
+        if k > 0 or split:
+            producer = rp.start_producer(
+                rollout=rollout,
+                data_iter=it,
+                params=state.params,
+                base_key=base_key,
+                config=c,
+                start=0,
+                train_mesh=mesh,
+                rollout_mesh=rollout_mesh,
+            )
+        acc = {"learner_idle": 0.0, "rollout_idle": 0.0, "tokens": 0, "rollout": [], "update": []}
+        t_start = None
+        for step in range(ARGS.steps + 1):
+            if step == 1:  # step 0 compiled everything
+                t_start = time.perf_counter()
+                acc.update(learner_idle=0.0, rollout_idle=0.0, tokens=0, rollout=[], update=[])
+            key = jax.random.fold_in(base_key, step)
+            t0 = time.perf_counter()
+            if producer is None:
+                got = rp.collect_step(
+                    rollout, it, state.params, None, key, P=ARGS.prompts, sampling=c.sampling
+                )
+                acc["learner_idle"] += time.perf_counter() - t0
+                batch = steps.put_batch(rollout.model_inputs(got.groups))
+            else:
+                got = producer.get(step)
+                acc["learner_idle"] += got.metrics["time/learner_wait_s"]
+                batch = rp.learner_batch(steps, rollout, got.groups, state.params, None)
+            acc["rollout"].append(got.metrics["time/rollout_s"])
+            t1 = time.perf_counter()
+            state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
+            if producer is not None:
+                producer.push(state.params, step + 1)
+            jax.block_until_ready(metrics)
+            acc["update"].append(time.perf_counter() - t1)
+            if producer is None:
+                acc["rollout_idle"] += acc["update"][-1]
+            acc["tokens"] += int(got.groups.completion_mask_PxGxN.sum())
+        t_end = time.perf_counter()
+        wall = t_end - t_start
+        if producer is not None:
+            producer.close()
+            # Producer waits for weights, clipped to the timed window.
+            acc["rollout_idle"] = sum(
+                max(0.0, min(b, t_end) - max(a, t_start)) for a, b in producer.wait_intervals
+            )
+        rewards.close()
+    return {
+        "what": "run",
+        "k": k,
+        "placement": "split" if split else "collocated",
+        "train_devices": len(devices) - n_roll,
+        "rollout_devices": n_roll or len(devices),
+        "steps": ARGS.steps,
+        "wall_s": wall,
+        "steps_per_s": ARGS.steps / wall,
+        "tokens_per_s": acc["tokens"] / wall,
+        "rollout_s_mean": float(np.mean(acc["rollout"][1:] or acc["rollout"])),
+        "update_s_mean": float(np.mean(acc["update"])),
+        "learner_idle_frac": acc["learner_idle"] / wall,
+        "rollout_idle_frac": acc["rollout_idle"] / wall,
+    }
+
+
+def main():
+    ks = [int(x) for x in ARGS.ks.split(",")]
+    print(
+        json.dumps(
+            {
+                "what": "setup",
+                "devices": jax.device_count(),
+                "platform": jax.devices()[0].platform,
+                "cpu_count": os.cpu_count(),
+                "P": ARGS.prompts,
+                "G": ARGS.samples,
+                "max_new_tokens": ARGS.new_tokens,
+                "num_iterations": ARGS.iterations,
+            }
+        ),
+        flush=True,
+    )
+    verifier = Verifier(timeout_s=5.0, num_workers=1)
+    results = {}
+    placements = [False] + ([] if ARGS.no_split or jax.device_count() < 2 else [True])
+    for split in placements:
+        for k in ks:
+            r = run(k, split, verifier)
+            results[(r["placement"], k)] = r
+            print(json.dumps(r), flush=True)
+    verifier.close()
+    base = results[("collocated", ks[0])]["steps_per_s"]
+    summary = {"what": "summary", "baseline": f"collocated k={ks[0]}"}
+    for (placement, k), r in results.items():
+        summary[f"{placement}_k{k}_steps_per_s"] = r["steps_per_s"]
+        summary[f"{placement}_k{k}_over_baseline"] = r["steps_per_s"] / base
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

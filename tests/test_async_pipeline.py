@@ -1,0 +1,335 @@
+"""Rollouts overlapping training (gjax.rollout.pipeline), driven through the production pieces
+on the embedded policy: k = 0 through the producer is the synchronous loop bit for bit, k = 1
+keeps every batch within its version bound (DAPO dynamic sampling on produced groups), and
+split rollout/train meshes (4 + 4 CPU devices) train exactly like one mesh.
+
+The loop below is `gjax.train.main`'s step loop with the same calls (collect_step or
+producer.get, learner_batch, update, push); the CLI path and the resume rule are covered by
+the slow end-to-end tests at the bottom.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import common
+from gjax import sharding
+from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.embedded import resolve_model_path
+from gjax.metrics import to_host
+from gjax.models import hf_io
+from gjax.rewards.verifier import Verifier
+from gjax.rollout import pipeline as rp
+from gjax.train import build_rewards
+from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
+from tests.test_experience import make_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def tiny_config(algo="grpo", **rollout):
+    c = common.tiny(common.base())
+    if algo == "dapo":
+        c.objective = common.objective("dapo")
+        c.objective.temperature = c.rollout.temperature
+        c.sampling.dynamic = True
+    c.rollout.prompts_per_step, c.rollout.num_samples = 4, 4
+    c.rollout.update(rollout)
+    c.optim.lr, c.optim.warmup_steps = 3e-4, 0  # a visible change of params per step
+    return c
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    v = Verifier(timeout_s=5.0, num_workers=1)
+    yield v
+    v.close()
+
+
+def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False):
+    """Returns (final params on host, per-step rows, per-step policy versions)."""
+    shape = {"data": -1, "fsdp": 1, "tensor": 1}
+    mesh, rollout_mesh = sharding.make_meshes(shape, rollout_devices, devices)
+    with jax.set_mesh(mesh), sharding.use_rules():
+        obj_cfg = common.to_objective_config(config.objective)
+        path = resolve_model_path(config.model.path)
+        cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
+        tok = hf_io.load_tokenizer(path)
+        ref = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
+        data = build_prompt_data(config.data, tok)
+        rewards = build_rewards(config, verifier)
+        tx, schedule = make_optimizer(config.optim, steps)
+        state, shardings = init_state(params, tx, mesh)
+        jit_steps = build_steps(
+            mesh=mesh,
+            cfg=cfg,
+            obj_cfg=obj_cfg,
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=config.train,
+            schedule=schedule,
+        )
+        it = PromptIterator(
+            data,
+            global_batch_size=config.rollout.prompts_per_step,
+            seed=0,
+            shuffle=True,
+            process_index=0,
+            process_count=1,
+        )
+        rollout = Rollout(cfg=cfg, tokenizer=tok, pipeline=rewards, steps=jit_steps, config=config)
+        base_key = jax.random.key(config.seed)
+        prod = None
+        if producer:
+            config.train.steps = steps
+            prod = rp.start_producer(
+                rollout=rollout,
+                data_iter=it,
+                params=state.params,
+                base_key=base_key,
+                config=config,
+                start=0,
+                train_mesh=mesh,
+                rollout_mesh=rollout_mesh,
+            )
+        rows, versions = [], []
+        for step in range(steps):
+            key = jax.random.fold_in(base_key, step)
+            if prod is None:
+                got = rp.collect_step(
+                    rollout, it, state.params, ref, key, P=4, sampling=config.sampling
+                )
+                batch = jit_steps.put_batch(rollout.model_inputs(got.groups))
+            else:
+                got = prod.get(step)
+                batch = rp.learner_batch(jit_steps, rollout, got.groups, state.params, ref)
+            state, metrics = jit_steps.update(state, batch, jax.random.fold_in(key, 10_000))
+            if prod is not None:
+                prod.push(state.params, step + 1)
+            host = {k: v for k, v in got.metrics.items() if not k.startswith(("time/", "rew"))}
+            rows.append({**to_host(metrics), **host, "reward/mean": got.metrics["reward/mean"]})
+            versions.append(got.groups.policy_version_PxG)
+        if prod is not None:
+            prod.close()
+        rewards.close()
+        return jax.device_get(state.params), rows, versions
+
+
+def fake_producer(k, *, fail_at=None, start=0, stop=7):
+    """An AsyncProducer over a fake rollout that records which params it was handed."""
+    seen = []
+
+    def produce(step, params, version):
+        if step == fail_at:
+            raise ValueError("sampler exploded")
+        seen.append((step, params["v"]))
+        time.sleep(0.01)
+        return rp.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
+
+    prod = rp.AsyncProducer(
+        produce, max_staleness=k, start=start, stop=stop, to_rollout=lambda p: dict(p)
+    )
+    return prod, seen
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_producer_schedule_and_bound(k):
+    prod, seen = fake_producer(k)
+    prod.begin({"v": 0}, None)
+    for step in range(7):
+        batch = prod.get(step)
+        assert batch.version == max(step - k, 0) and step - batch.version <= k
+        assert batch.groups.policy_version_PxG.tolist() == [[batch.version] * 2]
+        assert batch.metrics["async/version_lag_max"] == step - batch.version
+        time.sleep(0.005)  # the update
+        prod.push({"v": step + 1}, step + 1)
+    prod.close()
+    # Each batch was sampled with exactly the params of its version, never a newer one.
+    assert seen == [(j, max(j - k, 0)) for j in range(7)]
+
+
+def test_producer_error_reaches_the_learner():
+    prod, _ = fake_producer(1, fail_at=2)
+    prod.begin({"v": 0}, None)
+    prod.get(0)
+    prod.push({"v": 1}, 1)
+    prod.get(1)
+    prod.push({"v": 2}, 2)
+    with pytest.raises(RuntimeError, match="sampler exploded"):
+        prod.get(2)
+    prod.close()
+
+
+def assert_same_params(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+
+
+def test_k1_versions_within_bound_with_dynamic_sampling(verifier):
+    config = tiny_config("dapo", max_staleness=1)
+    config.sampling.max_rollouts_per_step = 2
+    _, rows, versions = train(config, verifier, steps=3, devices=jax.devices()[:1], producer=True)
+    for step, (row, v) in enumerate(zip(rows, versions)):
+        sampled = v[v >= 0]
+        assert sampled.size == 16  # P x G, all sampled (no anchors)
+        assert np.all(step - sampled <= 1) and np.all(sampled <= step)
+        assert np.all(sampled == max(step - 1, 0))  # the deterministic schedule v(j)
+        assert row["async/version_lag_max"] == step - max(step - 1, 0)
+        assert 1 <= row["sampling/rollouts"] <= 2
+    assert any(r["sampling/rollouts"] == 2 for r in rows) or all(
+        r["adv/zero_var_frac"] == 0 for r in rows
+    )
+
+
+def test_split_meshes_train_like_one_mesh(verifier):
+    """Train on 4 devices, sample on 4 others through the producer at k = 0; vs the
+    synchronous loop with everything on the same 4 train devices: bit for bit."""
+    devs = jax.devices()
+    assert len(devs) == 8
+    p_one, rows_one, _ = train(tiny_config(), verifier, steps=2, devices=devs[:4])
+    p_split, rows_split, versions = train(
+        tiny_config(), verifier, steps=2, devices=devs, rollout_devices=4, producer=True
+    )
+    assert [int(v.max()) for v in versions] == [0, 1]  # k = 0: always the newest params
+    assert_same_params(p_one, p_split)
+    assert rows_one == [{k: r[k] for k in rows_one[0]} for r in rows_split]  # + async/*
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def _cli(workdir, *extra, steps):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    # Later runs reuse the first one's compiled programs.
+    env["JAX_COMPILATION_CACHE_DIR"] = str(workdir.parent / "jax_cache")
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    cmd = [
+        sys.executable,
+        "-m",
+        "gjax.train",
+        "--config=configs/grpo.py:tiny",
+        f"--workdir={workdir}",
+        "--config.rollout.prompts_per_step=4",
+        "--config.rollout.num_samples=4",
+        "--config.data.heldout_size=16",
+        "--config.log.progress=False",
+        "--config.log.tensorboard=False",
+        "--config.checkpoint.async_save=False",
+        "--config.rollout.max_staleness=1",
+        f"--config.train.steps={steps}",
+        *extra,
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+
+
+@pytest.mark.slow
+def test_resume_at_k1_follows_the_documented_rule(tmp_path):
+    """Uninterrupted 3 steps vs 2 steps + resume to 3: same rows up to the checkpoint; the
+    first resumed batch is drawn from the restored params (lag 0 instead of 1; from step 4 on
+    the schedules agree again); same prompts, same keys: the data position ends equal."""
+    whole = _cli(tmp_path / "whole", steps=3)
+    _cli(tmp_path / "cut", steps=2)
+    resumed = _cli(tmp_path / "cut", steps=3)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    vol = ("time/", "throughput/", "rewards/")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(vol)}  # noqa: E731
+    assert [strip(r) for r in resumed[:2]] == [strip(r) for r in whole[:2]]
+    assert [r["async/version_lag_max"] for r in whole] == [0, 1, 1]
+    assert [r["async/version_lag_max"] for r in resumed] == [0, 1, 0]
+    import orbax.checkpoint as ocp
+
+    def data_state(workdir):
+        with ocp.CheckpointManager(workdir / "checkpoints", item_names=("state", "meta")) as m:
+            meta = m.restore(3, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+        return meta["data"]
+
+    assert data_state(tmp_path / "whole") == data_state(tmp_path / "cut")
+
+
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("mesh.rollout_devices", 8, "mesh.rollout_devices"),
+        ("rollout.max_staleness", -1, "rollout.max_staleness"),
+        ("objective.behaviour_correction", "tis", "recompute_old_logps=True"),
+    ],
+)
+def test_config_errors_name_the_field(field, value, match):
+    from gjax.config import ConfigError, validate
+
+    c = tiny_config()
+    section, name = field.split(".")
+    c[section][name] = value
+    with pytest.raises(ConfigError, match=match):
+        validate(c, 8)
+
+
+def test_split_mesh_shapes():
+    train_mesh, roll = sharding.make_meshes({"data": -1, "tensor": 2}, 4, jax.devices())
+    assert dict(train_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(roll.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert not set(train_mesh.devices.flat) & set(roll.devices.flat)
+    c = tiny_config()
+    c.mesh.rollout_devices = 4
+    from gjax.config import validate
+
+    assert validate(c, 8) == {"data": 4, "fsdp": 1, "tensor": 1}  # the train mesh
+
+
+def test_learner_batch_teacher_forces_anchors_and_recomputation():
+    """Anchors' old log-probs (and with recompute_old_logps every row's) come from the
+    learner's params; the sampler's go along as behaviour_logps_BxT when recomputed."""
+    import types
+
+    from gjax import objective as obj
+    from gjax.experience import to_model_inputs
+    from gjax.models.transformer import init_params
+    from gjax.trainer import policy_logps
+    from tests.test_model import tiny_cfg
+
+    cfg = tiny_cfg(vocab_size=64, intermediate_size=64, max_position_embeddings=64)
+    mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
+    with jax.set_mesh(mesh), sharding.use_rules():
+        params = sharding.shard_params(init_params(cfg, jax.random.key(0)), mesh)
+        tx, _ = make_optimizer(common.base().optim, 1)
+        _, shardings = init_state(params, tx, mesh)
+        steps = build_steps(
+            mesh=mesh,
+            cfg=cfg,
+            obj_cfg=obj.ObjectiveConfig(),
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=common.base().train,
+        )
+        groups = make_groups([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], S=3, N=4)
+        groups.is_anchor_PxG[:, 2] = True
+        sampler_PxGxN = np.full((2, 3, 4), -0.5, np.float32)
+        groups.old_logps_PxGxN = sampler_PxGxN.copy()
+        inputs = {k: jax.numpy.asarray(v) for k, v in to_model_inputs(groups).items()}
+        tf_BxT = np.asarray(policy_logps(params, inputs, cfg=cfg, temperature=1.0))
+        anchor_B = groups.is_anchor_PxG.reshape(-1)
+        want_beh = np.where(anchor_B[:, None], tf_BxT, sampler_PxGxN.reshape(6, 4))
+        assert np.all(tf_BxT[anchor_B] != -0.5)
+        for recompute in (False, True):
+            rollout = types.SimpleNamespace(
+                A=1, recompute_old=recompute, model_inputs=lambda g: to_model_inputs(g)
+            )
+            batch = rp.learner_batch(steps, rollout, groups, params, None)
+            old = np.asarray(batch["old_logps_BxT"])
+            if recompute:
+                np.testing.assert_allclose(old, tf_BxT, rtol=1e-6)
+                beh = np.asarray(batch["behaviour_logps_BxT"])
+                np.testing.assert_allclose(beh, want_beh, rtol=1e-6)
+            else:
+                np.testing.assert_allclose(old, want_beh, rtol=1e-6)
+                assert "behaviour_logps_BxT" not in batch
