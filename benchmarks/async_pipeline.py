@@ -58,9 +58,9 @@ from gjax import sharding  # noqa: E402
 from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
+from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.rollout import pipeline as rp  # noqa: E402
-from gjax.train import build_rewards  # noqa: E402
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer  # noqa: E402
 
 

@@ -16,7 +16,6 @@ intact checkpoint is named and kept.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -34,14 +33,14 @@ from configs import common
 from gjax import checkpoint as ckpt_lib
 from gjax import cli, model_record, multihost, paths, sharding
 from gjax import eval as eval_lib
+from gjax import stopping as stopping_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
-from gjax.rewards.pipeline import RewardPipeline
-from gjax.rewards.registry import RewardSpec, build_reward
+from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, RolloutBackend
 from gjax.rollout import pipeline as rollout_pipeline
@@ -106,40 +105,6 @@ def make_backend(
         ) from e
     return jetstream_backend.from_config(
         config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
-    )
-
-
-def build_rewards(config, verifier) -> RewardPipeline:
-    specs = []
-    for item in config.reward.functions.split(","):
-        name, _, weight = item.strip().partition(":")
-        specs.append(RewardSpec(name, float(weight) if weight else 1.0))
-    reward = build_reward(specs, verifier=verifier)
-    judge = None
-    if config.reward.judge == "rule":
-        from gjax.rewards.rule_judge import RuleJudge
-
-        judge = RuleJudge()
-    elif config.reward.judge == "openai":
-        from gjax.rewards.judge import OpenAIJudge
-
-        r = config.reward
-        judge = OpenAIJudge(
-            base_url=r.judge_base_url,
-            model=r.judge_model,
-            api_key_env=r.judge_api_key_env,
-            max_concurrency=r.judge_concurrency,
-            timeout_s=r.judge_timeout_s,
-            max_retries=r.judge_max_retries,
-            out_of_range=r.judge_out_of_range,
-        )
-    return RewardPipeline(
-        {"reward": reward},
-        judge=judge,
-        on_missing=config.reward.judge_on_missing,
-        fill_value=config.reward.judge_fill_score,
-        max_missing_fraction=config.reward.judge_max_missing_fraction,
-        max_missing_batches=config.reward.judge_max_missing_steps or None,
     )
 
 
@@ -284,8 +249,7 @@ def main(argv) -> None:
 
     # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
     stop = {"signal": None}
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, functools.partial(_on_stop_signal, stop))
+    stopping_lib.install(stop)
 
     # --- held-out accuracy before training ----------------------------------------------
     if meta["heldout_accuracy_before"] is None:
@@ -435,20 +399,6 @@ def main(argv) -> None:
     scope.close()
     if stopping:
         sys.exit(128 + signum)
-
-
-def _on_stop_signal(stop: dict, signum: int, frame) -> None:
-    """SIGTERM / SIGINT: finish the step, save, exit. The same signal again exits at once."""
-    del frame
-    stop["signal"] = signum
-    signal.signal(signum, signal.SIG_DFL)
-    name = signal.Signals(signum).name
-    print(
-        f"\n{name}: finishing this step, then saving a checkpoint and exiting "
-        f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once, unsaved).",
-        file=sys.stderr,
-        flush=True,
-    )
 
 
 def _read_json(path: str) -> dict | None:

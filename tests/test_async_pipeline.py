@@ -24,9 +24,9 @@ from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
 from gjax.metrics import to_host
 from gjax.models import hf_io
+from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import pipeline as rp
-from gjax.train import build_rewards
 from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
 from tests.test_experience import make_groups
 

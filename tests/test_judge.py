@@ -293,7 +293,7 @@ def test_httpx_request_lines_are_quiet(server, caplog):
 
 def test_out_of_range_policy_reaches_the_judge_from_the_config(server):
     from configs import common
-    from gjax.train import build_rewards
+    from gjax.rewards.pipeline import build_rewards
 
     server.program("high", ["score:42"])
     c = common.base()

@@ -5,7 +5,7 @@ import signal
 
 import pytest
 
-from gjax.train import _on_stop_signal
+from gjax.stopping import on_stop_signal
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
@@ -13,7 +13,7 @@ def test_first_signal_asks_to_stop_and_the_second_is_left_to_the_default(signum,
     previous = signal.getsignal(signum)
     stop = {"signal": None}
     try:
-        signal.signal(signum, lambda n, f: _on_stop_signal(stop, n, f))
+        signal.signal(signum, lambda n, f: on_stop_signal(stop, n, f))
         os.kill(os.getpid(), signum)  # handled at the next bytecode boundary
         assert stop["signal"] == signum
         # A second one is not caught: the default action ends the process at once.

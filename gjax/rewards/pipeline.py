@@ -606,3 +606,40 @@ class RewardPipeline:
             metrics=metrics,
             timings=timings,
         )
+
+
+def build_rewards(config, verifier) -> RewardPipeline:
+    """The run's reward pipeline from `config.reward`: weighted reward functions and judge."""
+    from gjax.rewards.registry import RewardSpec, build_reward
+
+    specs = []
+    for item in config.reward.functions.split(","):
+        name, _, weight = item.strip().partition(":")
+        specs.append(RewardSpec(name, float(weight) if weight else 1.0))
+    reward = build_reward(specs, verifier=verifier)
+    judge = None
+    if config.reward.judge == "rule":
+        from gjax.rewards.rule_judge import RuleJudge
+
+        judge = RuleJudge()
+    elif config.reward.judge == "openai":
+        from gjax.rewards.judge import OpenAIJudge
+
+        r = config.reward
+        judge = OpenAIJudge(
+            base_url=r.judge_base_url,
+            model=r.judge_model,
+            api_key_env=r.judge_api_key_env,
+            max_concurrency=r.judge_concurrency,
+            timeout_s=r.judge_timeout_s,
+            max_retries=r.judge_max_retries,
+            out_of_range=r.judge_out_of_range,
+        )
+    return RewardPipeline(
+        {"reward": reward},
+        judge=judge,
+        on_missing=config.reward.judge_on_missing,
+        fill_value=config.reward.judge_fill_score,
+        max_missing_fraction=config.reward.judge_max_missing_fraction,
+        max_missing_batches=config.reward.judge_max_missing_steps or None,
+    )

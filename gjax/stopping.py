@@ -1,0 +1,32 @@
+"""Stopping a run on request: SIGTERM (a preemption) or Ctrl-C finish the step, save, exit.
+
+`install(stop)` routes both signals to `on_stop_signal`, which records the signal in the
+`stop` dict the training loop polls at the end of each step, and resets that signal to its
+default action, so the same signal a second time ends the process at once, unsaved.
+"""
+
+from __future__ import annotations
+
+import functools
+import signal
+import sys
+
+
+def on_stop_signal(stop: dict, signum: int, frame) -> None:
+    """SIGTERM / SIGINT: finish the step, save, exit. The same signal again exits at once."""
+    del frame
+    stop["signal"] = signum
+    signal.signal(signum, signal.SIG_DFL)
+    name = signal.Signals(signum).name
+    print(
+        f"\n{name}: finishing this step, then saving a checkpoint and exiting "
+        f"({'Ctrl-C' if signum == signal.SIGINT else name} again exits at once, unsaved).",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def install(stop: dict) -> None:
+    """From here on SIGTERM and SIGINT set `stop["signal"]` instead of ending the process."""
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, functools.partial(on_stop_signal, stop))
