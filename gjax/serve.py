@@ -25,7 +25,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import cli, sharding
-from gjax.config import ConfigError, validate
+from gjax.config import ConfigError, check_model, validate
 from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
 
@@ -64,15 +64,9 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     host, port = parse_address(config.rollout.server_address)
     mesh_shape = validate(config, jax.device_count())
     mesh = sharding.make_mesh(mesh_shape)
-    model_path = resolve_model_path(config.model.path)
-    cfg, params = hf_io.load_pretrained(
-        model_path,
-        mesh=mesh,
-        param_dtype=config.model.param_dtype,
-        dtype=config.model.dtype,
-        remat=config.model.remat,
-    )
-    tok = hf_io.load_tokenizer(model_path)
+    # The policy's config.json checked (found, supported, long enough) before weights load.
+    model_path = check_model(config, resolve_model_path(config.model.path))
+    cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
     holder = ParamsHolder(params, version=0)
     run = run_sampling(config, cfg, tok)
     if sampling == "eval":

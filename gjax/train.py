@@ -146,14 +146,7 @@ def main(argv) -> None:
     scope.enter_context(sharding.use_rules())
 
     # --- model --------------------------------------------------------------------------
-    cfg, params = hf_io.load_pretrained(
-        model_path,
-        mesh=mesh,
-        param_dtype=config.model.param_dtype,
-        dtype=config.model.dtype,
-        remat=config.model.remat,
-    )
-    tok = hf_io.load_tokenizer(model_path)
+    cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
     if multihost.is_primary():
         model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
     T = config.rollout.max_new_tokens

@@ -447,6 +447,19 @@ def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
     return ModelConfig.from_pretrained_dir(resolve_dir(path), **overrides)
 
 
+def load_policy(path: str, model_cfg, mesh: jax.sharding.Mesh):
+    """`(cfg, params, tokenizer)` of a run's policy: `path` loaded as `config.model` asks
+    (param dtype, compute dtype, remat), sharded on `mesh`. What train and serve both load."""
+    cfg, params = load_pretrained(
+        path,
+        mesh=mesh,
+        param_dtype=model_cfg.param_dtype,
+        dtype=model_cfg.dtype,
+        remat=model_cfg.remat,
+    )
+    return cfg, params, load_tokenizer(path)
+
+
 def load_pretrained(
     path: str | os.PathLike,
     *,
