@@ -485,45 +485,15 @@ def split_checkpoint_path(path: str, step: int | None) -> tuple[str, str, int | 
 
 
 def restore_params(ckpt_dir: str, abstract_params, step: int | None = None):
-    """(step, params) from a training checkpoint, reading the params alone (not the
-    optimizer state): orbax partial restore into `abstract_params`' shapes and shardings."""
-    import orbax.checkpoint as ocp
+    """(step, params) of a training checkpoint, the params alone (`Checkpointer.restore_params`:
+    orbax partial restore into `abstract_params`' shapes and shardings)."""
+    from gjax.checkpoint import Checkpointer
 
-    from gjax.checkpoint import CheckpointError
-
-    options = ocp.CheckpointManagerOptions(create=False, read_only=True)
-    mngr = ocp.CheckpointManager(ckpt_dir, options=options, item_names=("state", "meta"))
+    ckpt = Checkpointer(ckpt_dir)
     try:
-        steps = sorted(mngr.all_steps())
-        if not steps:
-            raise CheckpointError(f"no checkpoint in {ckpt_dir}")
-        if step is None:
-            step = steps[-1]
-        elif step not in steps:
-            raise CheckpointError(f"no checkpoint at step {step} in {ckpt_dir}; steps: {steps}")
-        target = {"params": abstract_params}
-        restore_args = jax.tree.map(
-            lambda x: ocp.ArrayRestoreArgs(
-                sharding=x.sharding, global_shape=x.shape, dtype=x.dtype
-            ),
-            target,
-        )
-        try:
-            state = mngr.restore(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.PyTreeRestore(
-                        item=target, restore_args=restore_args, partial_restore=True
-                    )
-                ),
-            ).state
-        except Exception as e:  # unreadable or of another model: say which, no traceback
-            raise CheckpointError(
-                f"cannot read the params of step {step} in {ckpt_dir}: {type(e).__name__}: {e}"
-            ) from e
+        return ckpt.restore_params(abstract_params, step=step)
     finally:
-        mngr.close()
-    return step, state["params"]
+        ckpt.close()
 
 
 @dataclasses.dataclass

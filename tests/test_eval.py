@@ -190,7 +190,7 @@ def test_restore_params_reads_the_params_alone(workdir):
     step, got = ev.restore_params(ckpt, abstract, step=1)
     assert step == 1
     jax.tree.map(np.testing.assert_array_equal, got, params)
-    with pytest.raises(CheckpointError, match="no checkpoint at step 3.*steps: \\[1, 2\\]"):
+    with pytest.raises(CheckpointError, match="no checkpoint for step 3.*steps \\[1, 2\\]"):
         ev.restore_params(ckpt, abstract, step=3)
     # --checkpoint forms: the workdir, its checkpoints/ dir, a step dir (relative too).
     assert ev.split_checkpoint_path(wd, None) == (wd, ckpt, None)
