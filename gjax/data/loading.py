@@ -38,6 +38,7 @@ runs the same number of steps.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import glob
 import json
@@ -151,9 +152,13 @@ def _json_lines(files: Sequence[str], *, strict: bool, stats: dict | None):
 
 
 def _is_utf8(path: str) -> bool:
+    """Whether a file decodes as UTF-8, read in 16 MiB pieces (a corpus never held whole)."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
     with open(path, "rb") as f:
         try:
-            f.read().decode("utf-8")
+            while piece := f.read(16 << 20):
+                decoder.decode(piece)
+            decoder.decode(b"", final=True)
         except UnicodeDecodeError:
             return False
     return True
