@@ -50,6 +50,10 @@ def format_user_error(err: BaseException) -> str:
 
 
 def _fail(err: BaseException) -> None:
+    # The paragraph is the last word. A failed write leaves sibling failures in library
+    # background tasks (orbax's asyncio writers); asyncio logs each one with a traceback when
+    # the task is collected at exit. They repeat the reported cause, so logging stops here.
+    logging.disable(logging.CRITICAL)
     print(format_user_error(err), file=sys.stderr, flush=True)
     sys.exit(2)
 
