@@ -35,7 +35,7 @@ from gjax import cli, model_record, multihost, paths, sharding
 from gjax import eval as eval_lib
 from gjax import stopping as stopping_lib
 from gjax.config import ConfigError, check_model, validate
-from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.data.loading import PromptIterator, build_prompt_data, build_sharded_prompts
 from gjax.embedded import resolve_model_path
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
@@ -155,9 +155,9 @@ def main(argv) -> None:
 
     # --- data ---------------------------------------------------------------------------
     P = config.rollout.prompts_per_step
-    train_data = build_prompt_data(config.data, tok)
+    train_data = build_sharded_prompts(config.data, tok)  # each process templates its share
     heldout = build_prompt_data(config.data, tok, heldout=True)
-    if config.anchors.per_group and not any(train_data.demonstrations):
+    if config.anchors.per_group and not train_data.has_demonstrations:
         raise ConfigError(
             "config.anchors.per_group > 0 needs demonstrations: set "
             "config.data.demonstration_field to the column holding them"

@@ -400,3 +400,131 @@ def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_pa
 def test_heldout_size_is_reported_under_its_own_name(tok):
     with pytest.raises(DataError, match=r"data\.heldout_size must be positive, got 0"):
         loading.build_prompt_data({"heldout_size": 0}, tok, heldout=True)
+
+
+# --------------------------------------------------------------------------- sharded templating
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting the texts it is asked to encode."""
+
+    def __init__(self, tok):
+        self.tok, self.texts = tok, 0
+
+    def __call__(self, texts, **kwargs):
+        self.texts += len(texts)
+        return self.tok(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def _on_hosts(count, fn):
+    """`fn(process_index, allgather)` on `count` threads standing in for hosts, with an
+    allgather that meets at a barrier as `jax.distributed`'s does; the per-host results."""
+    import concurrent.futures
+    import threading
+
+    barrier, slots = threading.Barrier(count, timeout=60), [None] * count
+
+    def run(h):
+        def allgather(x):
+            slots[h] = np.asarray(x)
+            barrier.wait()
+            out = np.stack(slots)
+            barrier.wait()
+            return out
+
+        try:
+            return fn(h, allgather)
+        except DataError as err:
+            return err
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        return list(pool.map(run, range(count)))
+
+
+def _messy_rows():
+    """Synthetic problems with empty, malformed and too-long rows spread through them."""
+    out = []
+    for i, p in enumerate(syn.generate(61, "train", seed=4)):
+        row = {"problem": p.problem, "answer": p.answer}
+        if i % 7 == 3:
+            row["problem"] = "  "
+        elif i % 11 == 5:
+            row["answer"] = None
+        elif i % 5 == 1:
+            row["problem"] = p.problem + " Think." * 6
+        out.append(row)
+    return out
+
+
+@pytest.mark.parametrize("count", [1, 2, 3])
+@pytest.mark.parametrize("as_dataset", [False, True])
+def test_sharded_prompts_give_the_same_batches_with_each_host_templating_its_share(
+    tok, count, as_dataset
+):
+    rows = _messy_rows()
+    rows = datasets.Dataset.from_list(rows) if as_dataset else rows
+    whole = loading.prepare_prompts(rows, tok, max_prompt_length=24)
+    assert min(whole.stats[k] for k in whole.stats) > 0  # every filter is exercised
+    P, steps = 6, 12  # 12 steps cross an epoch boundary (whole holds ~40 prompts)
+
+    def host(h, allgather):
+        counting = _CountingTokenizer(tok)
+        data = loading.prepare_sharded_prompts(
+            rows,
+            counting,
+            max_prompt_length=24,
+            process_index=h,
+            process_count=count,
+            allgather=allgather,
+        )
+        built = counting.texts
+        it = PromptIterator(data, global_batch_size=P, seed=7, process_index=h, process_count=count)
+        return data, built, _take(it, steps), counting.texts - built
+
+    want = _take(
+        PromptIterator(whole, global_batch_size=P, seed=7, process_index=0, process_count=1), steps
+    )
+    results = _on_hosts(count, host)
+    for h, (data, built, got, taken) in enumerate(results):
+        assert data.stats == whole.stats and data.row_index.tolist() == whole.row_index.tolist()
+        assert 0 < built <= -(-len(rows) // count)  # only its slice was templated at start
+        assert taken == steps * P // count  # then only the prompts of its own blocks
+        for k, batch in enumerate(got):
+            block = slice(h * P // count, (h + 1) * P // count)
+            assert batch.row_index_P.tolist() == want[k].row_index_P[block].tolist()
+            assert np.array_equal(batch.prompt_ids_PxS, want[k].prompt_ids_PxS[block])
+            assert np.array_equal(batch.prompt_mask_PxS, want[k].prompt_mask_PxS[block])
+            assert batch.prompts == want[k].prompts[block]
+            assert batch.answers == want[k].answers[block] and batch.epoch == want[k].epoch
+
+
+def test_sharded_prompts_raise_the_same_error_on_every_host(tok):
+    """A host that finds nothing wrong in its own slice still raises (after the gather), so
+    no host is left waiting in a collective while another has stopped."""
+    rows = [{"problem": p.problem, "answer": p.answer} for p in syn.generate(60, "train", seed=4)]
+    rows[40]["answer"] = None  # in the second host's slice
+
+    def build(strict, max_prompt_length):
+        return _on_hosts(
+            2,
+            lambda h, gather: loading.prepare_sharded_prompts(
+                rows, tok, max_prompt_length=max_prompt_length, strict=strict,
+                process_index=h, process_count=2, allgather=gather,
+            ),
+        )  # fmt: skip
+
+    errors = build(strict=True, max_prompt_length=24)
+    assert all(isinstance(e, DataError) for e in errors), errors
+    assert [str(e) for e in errors] == [
+        "row 40: malformed: 'answer' is NoneType, not a string or number; fix the data or set "
+        "data.strict=False"
+    ] * 2
+    with pytest.raises(DataError) as eager:
+        loading.prepare_prompts(rows, tok, max_prompt_length=24, strict=True)
+    assert str(eager.value) == str(errors[0])
+    errors = build(strict=False, max_prompt_length=1)  # nothing kept
+    assert all(isinstance(e, DataError) and "no prompts left" in str(e) for e in errors), errors
+    assert str(errors[0]) == str(errors[1])

@@ -7,13 +7,16 @@ from gjax.data.loading import (
     PromptBatch,
     PromptData,
     PromptIterator,
+    ShardedPrompts,
     build_prompt_data,
     build_prompt_iterator,
+    build_sharded_prompts,
     data_config,
     encode_completions,
     left_pad,
     load_rows,
     prepare_prompts,
+    prepare_sharded_prompts,
 )
 from gjax.data.synthetic import Problem, SyntheticConfig, generate, iter_problems
 from gjax.data.templates import TEMPLATES, apply_template
@@ -28,10 +31,12 @@ __all__ = [
     "PromptBatch",
     "PromptData",
     "PromptIterator",
+    "ShardedPrompts",
     "SyntheticConfig",
     "apply_template",
     "build_prompt_data",
     "build_prompt_iterator",
+    "build_sharded_prompts",
     "build_tokenizer",
     "data_config",
     "encode_completions",
@@ -40,5 +45,6 @@ __all__ = [
     "left_pad",
     "load_rows",
     "prepare_prompts",
+    "prepare_sharded_prompts",
     "save_tokenizer",
 ]

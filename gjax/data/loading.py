@@ -34,12 +34,18 @@ Order and sharding. Epoch ``e`` visits the kept rows in the order
 ``h`` of ``H`` takes its ``h``-th contiguous slice of ``P/H`` rows, so the hosts partition
 every global batch. The incomplete last global batch of an epoch is dropped, so every host
 runs the same number of steps.
+
+Training builds ``ShardedPrompts`` instead of ``PromptData`` (``build_sharded_prompts``):
+which rows pass the length filter is agreed by all-gathering one int a row after each host
+templated a 1/H slice, and a host templates a batch's prompts only when its block takes them.
+The batches are the same as ``PromptData``'s.
 """
 
 from __future__ import annotations
 
 import codecs
 import dataclasses
+import functools
 import glob
 import json
 import logging
@@ -332,6 +338,26 @@ class PromptData:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    @property
+    def has_demonstrations(self) -> bool:
+        return any(self.demonstrations)
+
+    def take(self, positions: np.ndarray, epoch: int) -> PromptBatch:
+        """The prompts at `positions` (indices into the kept prompts) as a batch."""
+        ids, mask = left_pad(
+            [self.prompt_ids[r] for r in positions], self.max_prompt_length, self.pad_id
+        )
+        return PromptBatch(
+            prompt_ids_PxS=ids,
+            prompt_mask_PxS=mask,
+            prompts=[self.prompts[r] for r in positions],
+            problems=[self.problems[r] for r in positions],
+            answers=[self.answers[r] for r in positions],
+            demonstrations=[self.demonstrations[r] for r in positions],
+            row_index_P=self.row_index[positions],
+            epoch=epoch,
+        )
+
 
 def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
     for name in ("problem", "answer", "demonstration"):
@@ -379,6 +405,77 @@ def _clean_row(row: Mapping, fields: FieldMap) -> tuple[str, str, str] | str:
     return problem, answer, demonstration
 
 
+def _check_inputs(rows, tokenizer, fields: FieldMap, template: str, max_prompt_length: int):
+    """Fails fast on a bad length, tokenizer or field map; returns the template's renderer."""
+    if max_prompt_length <= 0:
+        raise DataError(f"data.max_prompt_len must be positive, got {max_prompt_length}")
+    if tokenizer.pad_token_id is None:
+        raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
+    render = TEMPLATES.get(template)
+    if hasattr(rows, "column_names"):
+        columns = rows.column_names
+    else:
+        bad = next((r for r in rows if not isinstance(r, Mapping)), None)
+        if bad is not None:
+            raise DataError(f"rows must be mappings, got {type(bad).__name__}: {bad!r:.80}")
+        columns = sorted({k for r in rows for k in r})
+    _check_columns(columns, fields)
+    return render
+
+
+def _subset(rows, index) -> Any:
+    """The rows at `index` (a range or int array), in that order, of a Dataset or a list."""
+    if hasattr(rows, "select"):
+        return rows.select(index)
+    return [rows[int(i)] for i in index]
+
+
+def _encode(rows, tokenizer, fields: FieldMap, render, add_special_tokens: bool) -> list:
+    """Per row: ``(problem, answer, demonstration, prompt, ids)``, or why it is rejected."""
+    cleaned = [_clean_row(row, fields) for row in _iter_mapped(rows, fields)]
+    prompts = [render(c[0], tokenizer) for c in cleaned if not isinstance(c, str)]
+    encoded = (
+        tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if prompts else []
+    )
+    good = iter(zip(prompts, encoded))
+    return [c if isinstance(c, str) else (*c, *next(good)) for c in cleaned]
+
+
+# A row's outcome (`_code`): the templated prompt's length in tokens, or one of these.
+_EMPTY, _MALFORMED = -1, -2
+
+
+def _code(entry) -> int:
+    if isinstance(entry, str):
+        return _EMPTY if entry == "empty" else _MALFORMED
+    return len(entry[4])
+
+
+def _kept(codes: np.ndarray, max_prompt_length: int) -> np.ndarray:
+    """Indices of the rows that pass every filter (an empty prompt counts as too long)."""
+    return np.flatnonzero((codes > 0) & (codes <= max_prompt_length))
+
+
+def _filter_stats(codes: np.ndarray, kept: np.ndarray, max_prompt_length: int) -> dict[str, int]:
+    stats = {
+        "rows": len(codes),
+        "skipped_empty": int((codes == _EMPTY).sum()),
+        "skipped_malformed": int((codes == _MALFORMED).sum()),
+        "skipped_too_long": int((codes >= 0).sum()) - len(kept),
+        "kept": len(kept),
+    }
+    if not len(kept):
+        raise DataError(
+            f"no prompts left after filtering: {stats}. Check data.*_field, data.template and "
+            f"data.max_prompt_len={max_prompt_length}"
+        )
+    return stats
+
+
+def _strict_error(i: int, reason: str) -> DataError:
+    return DataError(f"row {i}: {reason}; fix the data or set data.strict=False")
+
+
 def prepare_prompts(
     rows,
     tokenizer,
@@ -399,59 +496,131 @@ def prepare_prompts(
       add_special_tokens: let the tokenizer add its BOS/EOS (the templates already hold
         whatever the model needs, so off by default).
     """
-    if max_prompt_length <= 0:
-        raise DataError(f"data.max_prompt_len must be positive, got {max_prompt_length}")
-    if tokenizer.pad_token_id is None:
-        raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
-    render = TEMPLATES.get(template)
-    if hasattr(rows, "column_names"):
-        columns = rows.column_names
-    else:
-        bad = next((r for r in rows if not isinstance(r, Mapping)), None)
-        if bad is not None:
-            raise DataError(f"rows must be mappings, got {type(bad).__name__}: {bad!r:.80}")
-        columns = sorted({k for r in rows for k in r})
-    _check_columns(columns, fields)
-
-    stats = {"rows": len(rows), "skipped_empty": 0, "skipped_malformed": 0, "skipped_too_long": 0}
-    problems, answers, demos, index = [], [], [], []
-    for i, row in enumerate(_iter_mapped(rows, fields)):
-        cleaned = _clean_row(row, fields)
-        if isinstance(cleaned, str):
-            if cleaned == "empty":
-                stats["skipped_empty"] += 1
-                continue
-            if strict:
-                raise DataError(f"row {i}: {cleaned}; fix the data or set data.strict=False")
-            stats["skipped_malformed"] += 1
-            continue
-        problems.append(cleaned[0])
-        answers.append(cleaned[1])
-        demos.append(cleaned[2])
-        index.append(i)
-
-    prompts = [render(p, tokenizer) for p in problems]
-    encoded = (
-        tokenizer(prompts, add_special_tokens=add_special_tokens)["input_ids"] if prompts else []
-    )
-    keep = [j for j, ids in enumerate(encoded) if 0 < len(ids) <= max_prompt_length]
-    stats["skipped_too_long"] = len(encoded) - len(keep)
-    stats["kept"] = len(keep)
-    if not keep:
-        raise DataError(
-            f"no prompts left after filtering: {stats}. Check data.*_field, data.template and "
-            f"data.max_prompt_len={max_prompt_length}"
-        )
+    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
+    entries = _encode(rows, tokenizer, fields, render, add_special_tokens)
+    codes = np.asarray([_code(e) for e in entries], np.int64)
+    if strict and (codes == _MALFORMED).any():
+        i = int(np.flatnonzero(codes == _MALFORMED)[0])
+        raise _strict_error(i, entries[i])
+    keep = _kept(codes, max_prompt_length)
+    stats = _filter_stats(codes, keep, max_prompt_length)
+    kept = [entries[j] for j in keep]
     return PromptData(
-        prompt_ids=[np.asarray(encoded[j], np.int32) for j in keep],
-        prompts=[prompts[j] for j in keep],
-        problems=[problems[j] for j in keep],
-        answers=[answers[j] for j in keep],
-        demonstrations=[demos[j] for j in keep],
-        row_index=np.asarray([index[j] for j in keep], np.int64),
+        prompt_ids=[np.asarray(e[4], np.int32) for e in kept],
+        prompts=[e[3] for e in kept],
+        problems=[e[0] for e in kept],
+        answers=[e[1] for e in kept],
+        demonstrations=[e[2] for e in kept],
+        row_index=keep.astype(np.int64),
         max_prompt_length=max_prompt_length,
         pad_id=int(tokenizer.pad_token_id),
         stats=stats,
+    )
+
+
+@dataclasses.dataclass
+class ShardedPrompts:
+    """The training prompts, with no host holding (or templating) them all.
+
+    Which rows pass the filters depends on their templated length, and every host must agree
+    on it to cut the same global batches. So each of the H hosts cleans, templates and
+    tokenizes one contiguous 1/H slice of the loaded rows, once, and the hosts all-gather the
+    per-row outcome (one int a row); `row_index` (the kept rows) and `stats` are then the same
+    on every host. A batch's prompts are templated and tokenized again by the host whose
+    block takes them (`take`: P/H rows a step), so a host holds only the loaded rows
+    (memory-mapped Arrow for a ``datasets.Dataset``) and its own batches. The batches are
+    exactly `PromptData`'s for the same rows (`PromptIterator` takes either).
+    """
+
+    rows: Any  # the loaded rows: a datasets.Dataset or a list of dicts
+    row_index: np.ndarray  # [n] index of each kept row in `rows`, the same on every host
+    tokenizer: Any
+    fields: FieldMap
+    template: str
+    add_special_tokens: bool
+    max_prompt_length: int
+    pad_id: int
+    stats: dict[str, int]
+
+    def __len__(self) -> int:
+        return len(self.row_index)
+
+    @property
+    def has_demonstrations(self) -> bool:  # a mapped demonstration is non-empty on every row
+        return self.fields.demonstration is not None
+
+    def take(self, positions: np.ndarray, epoch: int) -> PromptBatch:
+        render = TEMPLATES.get(self.template)
+        index = self.row_index[positions]
+        entries = _encode(
+            _subset(self.rows, index), self.tokenizer, self.fields, render, self.add_special_tokens
+        )
+        bad = [(i, e) for i, e in zip(index, entries) if isinstance(e, str)]
+        if bad:  # the rows changed under the run, or templating is not deterministic: a bug
+            raise AssertionError(f"kept row {bad[0][0]} no longer passes the filters: {bad[0][1]}")
+        ids, mask = left_pad(
+            [np.asarray(e[4], np.int32) for e in entries], self.max_prompt_length, self.pad_id
+        )
+        return PromptBatch(
+            prompt_ids_PxS=ids,
+            prompt_mask_PxS=mask,
+            prompts=[e[3] for e in entries],
+            problems=[e[0] for e in entries],
+            answers=[e[1] for e in entries],
+            demonstrations=[e[2] for e in entries],
+            row_index_P=index,
+            epoch=epoch,
+        )
+
+
+def prepare_sharded_prompts(
+    rows,
+    tokenizer,
+    *,
+    fields: FieldMap = FieldMap(),
+    template: str = "plain",
+    max_prompt_length: int,
+    strict: bool = False,
+    add_special_tokens: bool = False,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    allgather=None,
+) -> ShardedPrompts:
+    """`prepare_prompts`' filters and counts with each host templating only its share.
+
+    ``allgather(x)`` stacks every host's ``x`` on a new leading axis in process order
+    (default: ``gjax.multihost.allgather`` over ``jax.distributed``; every host must call
+    this function). Errors (strict mode, nothing kept) are raised on every host alike,
+    after the gather, so no host is left waiting in it.
+    """
+    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
+    if process_index is None or process_count is None or allgather is None:
+        from gjax import multihost
+
+        process_index = multihost.jax.process_index() if process_index is None else process_index
+        process_count = multihost.jax.process_count() if process_count is None else process_count
+        allgather = allgather or multihost.allgather
+    n = len(rows)
+    chunk = -(-n // process_count)
+    lo, hi = min(n, process_index * chunk), min(n, (process_index + 1) * chunk)
+    entries = _encode(_subset(rows, range(lo, hi)), tokenizer, fields, render, add_special_tokens)
+    local = np.full(chunk, _MALFORMED, np.int64)  # the padding past `n` is cut below
+    local[: hi - lo] = [_code(e) for e in entries]
+    codes = np.asarray(allgather(local)).reshape(-1)[:n]
+    if strict and (codes == _MALFORMED).any():
+        i = int(np.flatnonzero(codes == _MALFORMED)[0])
+        raise _strict_error(i, _clean_row(next(_iter_mapped(_subset(rows, [i]), fields)), fields))
+    keep = _kept(codes, max_prompt_length)
+    return ShardedPrompts(
+        rows=rows,
+        row_index=keep.astype(np.int64),
+        tokenizer=tokenizer,
+        fields=fields,
+        template=template,
+        add_special_tokens=add_special_tokens,
+        max_prompt_length=max_prompt_length,
+        pad_id=int(tokenizer.pad_token_id),
+        stats=_filter_stats(codes, keep, max_prompt_length),
     )
 
 
@@ -524,7 +693,7 @@ class PromptIterator(Iterator[PromptBatch]):
 
     def __init__(
         self,
-        data: PromptData,
+        data: PromptData | ShardedPrompts,
         *,
         global_batch_size: int,
         seed: int = 0,
@@ -619,18 +788,7 @@ class PromptIterator(Iterator[PromptBatch]):
         rows = order[start : start + self.local_batch_size]
         epoch = self._epoch
         self._index += self.global_batch_size
-        d = self.data
-        ids, mask = left_pad([d.prompt_ids[r] for r in rows], d.max_prompt_length, d.pad_id)
-        return PromptBatch(
-            prompt_ids_PxS=ids,
-            prompt_mask_PxS=mask,
-            prompts=[d.prompts[r] for r in rows],
-            problems=[d.problems[r] for r in rows],
-            answers=[d.answers[r] for r in rows],
-            demonstrations=[d.demonstrations[r] for r in rows],
-            row_index_P=d.row_index[rows],
-            epoch=epoch,
-        )
+        return self.data.take(rows, epoch)
 
 
 # --------------------------------------------------------------------------- from a config
@@ -675,6 +833,17 @@ def build_prompt_data(
     ``heldout=True`` loads ``heldout_split`` (first ``heldout_size`` rows) instead of ``split``
     (first ``num_examples`` rows).
     """
+    return _build(prepare_prompts, cfg, tokenizer, heldout=heldout)
+
+
+def build_sharded_prompts(cfg: Mapping[str, Any] | None, tokenizer, **hosts: Any) -> ShardedPrompts:
+    """The training split of ``config.data`` as `ShardedPrompts`: each host templates its
+    share. ``hosts``: `prepare_sharded_prompts`' process_index / process_count / allgather."""
+    prepare = functools.partial(prepare_sharded_prompts, **hosts)
+    return _build(prepare, cfg, tokenizer, heldout=False)
+
+
+def _build(prepare, cfg, tokenizer, *, heldout: bool):
     cfg = data_config(cfg)
     demonstration = cfg["demonstration_field"] or None
     size_key = "heldout_size" if heldout else "num_examples"
@@ -691,7 +860,7 @@ def build_prompt_data(
         strict=cfg["strict"],
         stats=load_stats,
     )
-    data = prepare_prompts(
+    data = prepare(
         rows,
         tokenizer,
         fields=FieldMap(cfg["problem_field"], cfg["answer_field"], demonstration),
@@ -712,17 +881,19 @@ def build_prompt_iterator(
     global_batch_size: int,
     process_index: int | None = None,
     process_count: int | None = None,
+    allgather=None,
     state: Mapping[str, Any] | None = None,
 ) -> PromptIterator:
-    """The training iterator for ``config.data``: ``build_prompt_data`` + ``PromptIterator``."""
-    data = build_prompt_data(cfg, tokenizer)
+    """The training iterator for ``config.data``: ``build_sharded_prompts`` +
+    ``PromptIterator``, this host's block of every global batch."""
+    hosts = {"process_index": process_index, "process_count": process_count}
+    data = build_sharded_prompts(cfg, tokenizer, **hosts, allgather=allgather)
     cfg = data_config(cfg)
     return PromptIterator(
         data,
         global_batch_size=global_batch_size,
         seed=cfg["shuffle_seed"],
         shuffle=cfg["shuffle"],
-        process_index=process_index,
-        process_count=process_count,
         state=state,
+        **hosts,
     )
