@@ -489,6 +489,10 @@ class _WorkerDied(Exception):
     pass
 
 
+class _WorkerGone(_WorkerDied):
+    """The worker had exited before it read the item (not the item's fault)."""
+
+
 class _ItemTimeout(Exception):  # not TimeoutError: that one is an OSError subclass
     pass
 
@@ -553,12 +557,17 @@ class _Slot:
 
     def run(self, payload, timeout_s: float):
         """Send one item; ``(outcome, detail)`` or raise _ItemTimeout / _WorkerDied."""
+        # A worker that exited before reading the item leaves it unread in its socket: the
+        # send fails (EPIPE) or the read is reset (ECONNRESET, Linux AF_UNIX). One that read
+        # the item and died on it closes a drained socket: a plain EOF.
         try:
             self.conn.send(payload)
             if not self.conn.poll(timeout_s):
                 raise _ItemTimeout
             out = self.conn.recv()
-        except (EOFError, OSError, BrokenPipeError) as e:
+        except (BrokenPipeError, ConnectionResetError) as e:
+            raise _WorkerGone(f"{type(e).__name__}: {e}") from None
+        except (EOFError, OSError) as e:
             raise _WorkerDied(f"{type(e).__name__}: {e}") from None
         self.tasks += 1
         return out
@@ -717,25 +726,36 @@ class Verifier:
         outcome = CRASH
         t0 = time.perf_counter()
         try:
-            if not slot.alive():
-                if slot.proc is not None:  # died between items (e.g. killed from outside)
+            for attempt in range(2):
+                if not slot.alive():
+                    if slot.proc is not None:  # died between items (e.g. killed from outside)
+                        self._count("worker_deaths")
+                        slot.kill()
+                    self._start_slot(slot)
+                t0 = time.perf_counter()
+                self._count("in_flight")
+                try:
+                    outcome, detail = slot.run((response, gold), self.config.timeout_s)
+                except _ItemTimeout:
+                    outcome = TIMEOUT
+                    slot.kill()
+                except _WorkerGone:
+                    # Died between items, but its exit was not visible yet (a forkserver
+                    # child's `is_alive` lags by milliseconds): replace it, send again once.
                     self._count("worker_deaths")
                     slot.kill()
-                self._start_slot(slot)
-            t0 = time.perf_counter()
-            self._count("in_flight")
-            try:
-                outcome, detail = slot.run((response, gold), self.config.timeout_s)
-            except _ItemTimeout:
-                outcome = TIMEOUT
-                slot.kill()
-            except _WorkerDied as e:
-                outcome = CRASH
-                self._count("worker_deaths")
-                logger.warning("verifier worker died on an item (%s); replacing it", e)
-                slot.kill()
-            finally:
-                self._count("in_flight", -1)
+                    if attempt == 0:
+                        continue
+                    outcome = CRASH
+                    logger.warning("two verifier workers in a row were gone; item scored 0")
+                except _WorkerDied as e:
+                    outcome = CRASH
+                    self._count("worker_deaths")
+                    logger.warning("verifier worker died on an item (%s); replacing it", e)
+                    slot.kill()
+                finally:
+                    self._count("in_flight", -1)
+                break
             if outcome == ERROR:
                 outcome = CRASH
                 self._count("worker_errors")
