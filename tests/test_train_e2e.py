@@ -105,12 +105,13 @@ def test_each_algorithm_runs_a_few_steps(algo, env, tmp_path):
         assert got[0]["adv/alpha"] >= 1.0
 
 
-@pytest.mark.parametrize("algo", ["grpo", "a_grae"])
+@pytest.mark.parametrize("algo", ["a_grae"])
 def test_embedded_default_learns(algo, env, tmp_path):
     """The README's main command, defaults untouched: held-out accuracy rises >= 10 points.
 
-    (Measured on an idle 2-core CPU: 0.512 -> 0.707 for grpo, 0.512 -> 0.715 for a_grae,
-    about 2 minutes each.)
+    (Measured on an idle 2-core CPU: 0.512 -> 0.715 for a_grae, about 2 minutes. GRPO's gain
+    on `:tiny` is asserted by tests/test_jetstream_e2e.py, the same objective with rollouts
+    from the JetStream engine; a second local-sampler run cost the suite 3 minutes.)
     """
     wd = tmp_path / algo
     run(f"configs/{algo}.py:tiny", wd, env, "--config.log.progress=False", small=False)
@@ -261,7 +262,8 @@ def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
         text=True,
         timeout=600,
     )
-    assert proc.returncode != 0 and "is not writable" in proc.stderr
+    # The paragraph is wrapped for the terminal; where it wraps depends on the path's length.
+    assert proc.returncode != 0 and "is not writable" in " ".join(proc.stderr.split())
 
 
 def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
