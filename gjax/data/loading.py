@@ -595,10 +595,12 @@ def prepare_sharded_prompts(
     """
     render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
     if process_index is None or process_count is None or allgather is None:
+        import jax
+
         from gjax import multihost
 
-        process_index = multihost.jax.process_index() if process_index is None else process_index
-        process_count = multihost.jax.process_count() if process_count is None else process_count
+        process_index = jax.process_index() if process_index is None else process_index
+        process_count = jax.process_count() if process_count is None else process_count
         allgather = allgather or multihost.allgather
     n = len(rows)
     chunk = -(-n // process_count)
