@@ -46,6 +46,7 @@ import jax
 import numpy as np
 from absl import flags
 
+from gjax import multihost
 from gjax.cli import UserError
 from gjax.data.loading import PromptData, left_pad
 from gjax.rewards.verifier import extract_answer
@@ -289,29 +290,14 @@ def sample_and_score(
     lengths, truncated = lengths[:, :n], truncated[:, :n]
     flat = [t for row in texts for t in row]
     golds = [a for a in data.answers for _ in range(n)]
-    correct = _score_per_process(verifier, flat, golds).reshape(n_problems, n)
+    # Every process holds every text; each verifies its 1/H and the scores are all-gathered,
+    # so the work is split and all processes report the same figures.
+    correct = multihost.split_work(
+        len(flat), lambda lo, hi: np.asarray(verifier.score(flat[lo:hi], golds[lo:hi]), np.float32)
+    ).reshape(n_problems, n)
     extractors = getattr(getattr(verifier, "config", None), "extractors", ("boxed", "answer_tag"))
     keys = [[answer_key(t, extractors) for t in row] for row in texts]
     return Samples(texts, correct, lengths, truncated, keys)
-
-
-def _score_per_process(verifier, texts: list[str], golds: list[str]) -> np.ndarray:
-    """The verifier's scores of `texts`, float32. In a multi-process run every process holds
-    every text; each scores a contiguous 1/H of them and the scores are all-gathered, so the
-    verifier's work is split and every process reports the same figures (a timeout seen by
-    one process alone can no longer make them disagree)."""
-    count = jax.process_count()
-    if count == 1:
-        return np.asarray(verifier.score(texts, golds), np.float32)
-    from gjax import multihost
-
-    chunk = -(-len(texts) // count)
-    lo = min(len(texts), jax.process_index() * chunk)
-    hi = min(len(texts), lo + chunk)
-    local = np.zeros(chunk, np.float32)
-    if hi > lo:
-        local[: hi - lo] = verifier.score(texts[lo:hi], golds[lo:hi])
-    return multihost.allgather(local).reshape(-1)[: len(texts)]
 
 
 # ---------------------------------------------------------------- training's held-out eval

@@ -136,6 +136,22 @@ def allgather(x) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 
+def split_work(n: int, work, *, index=None, count=None, gather=allgather) -> np.ndarray:
+    """`work(lo, hi)` (values for items `[lo, hi)`) on each process's contiguous 1/H share of
+    `n` items; every process gets all `n` values, in item order. `index` / `count` default to
+    this process's; `gather` is `allgather`'s stand-in for tests. Every process must call it."""
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    if count == 1:
+        return np.asarray(work(0, n))
+    chunk = -(-n // count)
+    lo, hi = min(n, index * chunk), min(n, (index + 1) * chunk)
+    values = np.asarray(work(lo, hi))  # called on an empty share too: same dtype everywhere
+    local = np.zeros(chunk, values.dtype)  # padding past `n`, cut below
+    local[: hi - lo] = values
+    return np.asarray(gather(local)).reshape(-1)[:n]
+
+
 def gather_rows(x: np.ndarray, layout: RowLayout) -> np.ndarray:
     """This process's rows -> all rows of the batch, blocks in mesh order (host arrays)."""
     if layout.count == 1:

@@ -105,6 +105,37 @@ def test_one_process_helpers_are_identities():
         layout.check_rows(3, "config.rollout.prompts_per_step")
 
 
+@pytest.mark.parametrize("n", [4, 7, 9])
+def test_split_work_gives_every_process_all_values_from_its_own_share(n):
+    """Three threads stand in for processes; n=4 leaves the last one an empty share."""
+    import concurrent.futures
+    import threading
+
+    count, barrier, slots, calls = 3, threading.Barrier(3, timeout=30), [None] * 3, [None] * 3
+
+    def host(h):
+        def gather(x):
+            slots[h] = x
+            barrier.wait()
+            out = np.stack(slots)
+            barrier.wait()
+            return out
+
+        def work(lo, hi):
+            calls[h] = (lo, hi)
+            return np.arange(lo, hi, dtype=np.int64) * 10
+
+        return multihost.split_work(n, work, index=h, count=count, gather=gather)
+
+    with concurrent.futures.ThreadPoolExecutor(count) as pool:
+        results = list(pool.map(host, range(count)))
+    for got in results:
+        assert got.dtype == np.int64 and got.tolist() == [10 * i for i in range(n)]
+    chunk = -(-n // count)
+    assert calls == [(min(n, h * chunk), min(n, (h + 1) * chunk)) for h in range(count)]
+    assert multihost.split_work(n, lambda lo, hi: np.arange(lo, hi)).tolist() == list(range(n))
+
+
 def test_incomplete_distributed_flags_are_a_user_error(monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)

@@ -344,18 +344,18 @@ class PromptData:
 
     def take(self, positions: np.ndarray, epoch: int) -> PromptBatch:
         """The prompts at `positions` (indices into the kept prompts) as a batch."""
-        ids, mask = left_pad(
-            [self.prompt_ids[r] for r in positions], self.max_prompt_length, self.pad_id
-        )
-        return PromptBatch(
-            prompt_ids_PxS=ids,
-            prompt_mask_PxS=mask,
-            prompts=[self.prompts[r] for r in positions],
-            problems=[self.problems[r] for r in positions],
-            answers=[self.answers[r] for r in positions],
-            demonstrations=[self.demonstrations[r] for r in positions],
-            row_index_P=self.row_index[positions],
-            epoch=epoch,
+        entries = [
+            (
+                self.problems[r],
+                self.answers[r],
+                self.demonstrations[r],
+                self.prompts[r],
+                self.prompt_ids[r],
+            )
+            for r in positions
+        ]
+        return _batch(
+            entries, self.row_index[positions], self.max_prompt_length, self.pad_id, epoch
         )
 
 
@@ -451,29 +451,43 @@ def _code(entry) -> int:
     return len(entry[4])
 
 
-def _kept(codes: np.ndarray, max_prompt_length: int) -> np.ndarray:
-    """Indices of the rows that pass every filter (an empty prompt counts as too long)."""
-    return np.flatnonzero((codes > 0) & (codes <= max_prompt_length))
-
-
-def _filter_stats(codes: np.ndarray, kept: np.ndarray, max_prompt_length: int) -> dict[str, int]:
+def _filter(codes: np.ndarray, max_prompt_length: int, *, strict: bool, reason):
+    """``(kept row indices, counts)`` from the rows' codes; with ``strict``, a DataError naming
+    the first malformed row (``reason(i)`` says what is wrong with row ``i``). An empty
+    templated prompt counts as too long."""
+    malformed = np.flatnonzero(codes == _MALFORMED)
+    if strict and malformed.size:
+        i = int(malformed[0])
+        raise DataError(f"row {i}: {reason(i)}; fix the data or set data.strict=False")
+    keep = np.flatnonzero((codes > 0) & (codes <= max_prompt_length))
     stats = {
         "rows": len(codes),
         "skipped_empty": int((codes == _EMPTY).sum()),
-        "skipped_malformed": int((codes == _MALFORMED).sum()),
-        "skipped_too_long": int((codes >= 0).sum()) - len(kept),
-        "kept": len(kept),
+        "skipped_malformed": len(malformed),
+        "skipped_too_long": int((codes >= 0).sum()) - len(keep),
+        "kept": len(keep),
     }
-    if not len(kept):
+    if not len(keep):
         raise DataError(
             f"no prompts left after filtering: {stats}. Check data.*_field, data.template and "
             f"data.max_prompt_len={max_prompt_length}"
         )
-    return stats
+    return keep, stats
 
 
-def _strict_error(i: int, reason: str) -> DataError:
-    return DataError(f"row {i}: {reason}; fix the data or set data.strict=False")
+def _batch(entries: list, index: np.ndarray, width: int, pad_id: int, epoch: int) -> PromptBatch:
+    """A `PromptBatch` of `_encode` entries (all kept), rows `index` of the loaded rows."""
+    ids, mask = left_pad([np.asarray(e[4], np.int32) for e in entries], width, pad_id)
+    return PromptBatch(
+        prompt_ids_PxS=ids,
+        prompt_mask_PxS=mask,
+        prompts=[e[3] for e in entries],
+        problems=[e[0] for e in entries],
+        answers=[e[1] for e in entries],
+        demonstrations=[e[2] for e in entries],
+        row_index_P=np.asarray(index, np.int64),
+        epoch=epoch,
+    )
 
 
 def prepare_prompts(
@@ -499,11 +513,7 @@ def prepare_prompts(
     render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
     entries = _encode(rows, tokenizer, fields, render, add_special_tokens)
     codes = np.asarray([_code(e) for e in entries], np.int64)
-    if strict and (codes == _MALFORMED).any():
-        i = int(np.flatnonzero(codes == _MALFORMED)[0])
-        raise _strict_error(i, entries[i])
-    keep = _kept(codes, max_prompt_length)
-    stats = _filter_stats(codes, keep, max_prompt_length)
+    keep, stats = _filter(codes, max_prompt_length, strict=strict, reason=entries.__getitem__)
     kept = [entries[j] for j in keep]
     return PromptData(
         prompt_ids=[np.asarray(e[4], np.int32) for e in kept],
@@ -558,19 +568,7 @@ class ShardedPrompts:
         bad = [(i, e) for i, e in zip(index, entries) if isinstance(e, str)]
         if bad:  # the rows changed under the run, or templating is not deterministic: a bug
             raise AssertionError(f"kept row {bad[0][0]} no longer passes the filters: {bad[0][1]}")
-        ids, mask = left_pad(
-            [np.asarray(e[4], np.int32) for e in entries], self.max_prompt_length, self.pad_id
-        )
-        return PromptBatch(
-            prompt_ids_PxS=ids,
-            prompt_mask_PxS=mask,
-            prompts=[e[3] for e in entries],
-            problems=[e[0] for e in entries],
-            answers=[e[1] for e in entries],
-            demonstrations=[e[2] for e in entries],
-            row_index_P=index,
-            epoch=epoch,
-        )
+        return _batch(entries, index, self.max_prompt_length, self.pad_id, epoch)
 
 
 def prepare_sharded_prompts(
@@ -594,25 +592,23 @@ def prepare_sharded_prompts(
     after the gather, so no host is left waiting in it.
     """
     render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
-    if process_index is None or process_count is None or allgather is None:
-        import jax
+    from gjax import multihost
 
-        from gjax import multihost
+    def codes_of(lo, hi):
+        entries = _encode(
+            _subset(rows, range(lo, hi)), tokenizer, fields, render, add_special_tokens
+        )
+        return np.asarray([_code(e) for e in entries], np.int64)
 
-        process_index = jax.process_index() if process_index is None else process_index
-        process_count = jax.process_count() if process_count is None else process_count
-        allgather = allgather or multihost.allgather
-    n = len(rows)
-    chunk = -(-n // process_count)
-    lo, hi = min(n, process_index * chunk), min(n, (process_index + 1) * chunk)
-    entries = _encode(_subset(rows, range(lo, hi)), tokenizer, fields, render, add_special_tokens)
-    local = np.full(chunk, _MALFORMED, np.int64)  # the padding past `n` is cut below
-    local[: hi - lo] = [_code(e) for e in entries]
-    codes = np.asarray(allgather(local)).reshape(-1)[:n]
-    if strict and (codes == _MALFORMED).any():
-        i = int(np.flatnonzero(codes == _MALFORMED)[0])
-        raise _strict_error(i, _clean_row(next(_iter_mapped(_subset(rows, [i]), fields)), fields))
-    keep = _kept(codes, max_prompt_length)
+    hosts = {"index": process_index, "count": process_count}
+    codes = multihost.split_work(
+        len(rows), codes_of, **hosts, gather=allgather or multihost.allgather
+    )
+
+    def reason(i):
+        return _clean_row(next(_iter_mapped(_subset(rows, [i]), fields)), fields)
+
+    keep, stats = _filter(codes, max_prompt_length, strict=strict, reason=reason)
     return ShardedPrompts(
         rows=rows,
         row_index=keep.astype(np.int64),
@@ -622,7 +618,7 @@ def prepare_sharded_prompts(
         add_special_tokens=add_special_tokens,
         max_prompt_length=max_prompt_length,
         pad_id=int(tokenizer.pad_token_id),
-        stats=_filter_stats(codes, keep, max_prompt_length),
+        stats=stats,
     )
 
 
