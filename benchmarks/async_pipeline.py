@@ -61,7 +61,7 @@ from gjax.models import hf_io  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.rollout import pipeline as rp  # noqa: E402
-from gjax.trainer import Rollout, build_steps, init_state, make_optimizer  # noqa: E402
+from gjax.trainer import Rollout, build_learner  # noqa: E402
 
 
 def config(k: int):
@@ -86,17 +86,7 @@ def run(k: int, split: bool, verifier) -> dict:
         cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
         tok = hf_io.load_tokenizer(path)
         rewards = build_rewards(c, verifier)
-        tx, schedule = make_optimizer(c.optim, c.train.steps)
-        state, shardings = init_state(params, tx, mesh)
-        steps = build_steps(
-            mesh=mesh,
-            cfg=cfg,
-            obj_cfg=obj_cfg,
-            tx=tx,
-            state_shardings=shardings,
-            train_cfg=c.train,
-            schedule=schedule,
-        )
+        state, steps = build_learner(c, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(
             build_prompt_data(c.data, tok),
             global_batch_size=c.rollout.prompts_per_step,

@@ -44,7 +44,7 @@ from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, RolloutBackend
 from gjax.rollout import pipeline as rollout_pipeline
-from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
+from gjax.trainer import Rollout, build_learner
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -171,21 +171,7 @@ def main(argv) -> None:
     pipeline = build_rewards(config, verifier)
 
     # --- state: fresh or resumed --------------------------------------------------------
-    tx, schedule = make_optimizer(
-        config.optim,
-        config.train.steps,
-        updates_per_step=config.train.minibatches * config.train.num_iterations,
-    )
-    state, state_shardings = init_state(params, tx, mesh)
-    steps = build_steps(
-        mesh=mesh,
-        cfg=cfg,
-        obj_cfg=obj_cfg,
-        tx=tx,
-        state_shardings=state_shardings,
-        train_cfg=config.train,
-        schedule=schedule,
-    )
+    state, steps = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
     steps.layout.check_rows(P, "config.rollout.prompts_per_step")
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),

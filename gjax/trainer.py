@@ -337,6 +337,29 @@ def build_steps(
     )
 
 
+def build_learner(
+    config, *, mesh: jax.sharding.Mesh, cfg: ModelConfig, obj_cfg: obj.ObjectiveConfig, params
+) -> tuple[TrainState, Steps]:
+    """The fresh train state on `mesh` and the jitted steps of a run's `config`: the optimizer
+    and its schedule over `config.train.steps` steps of minibatches x num_iterations updates.
+    `gjax.train` builds its learner here, and so do the tools that drive a run by hand."""
+    t = config.train
+    tx, schedule = make_optimizer(
+        config.optim, t.steps, updates_per_step=t.minibatches * t.num_iterations
+    )
+    state, state_shardings = init_state(params, tx, mesh)
+    steps = build_steps(
+        mesh=mesh,
+        cfg=cfg,
+        obj_cfg=obj_cfg,
+        tx=tx,
+        state_shardings=state_shardings,
+        train_cfg=t,
+        schedule=schedule,
+    )
+    return state, steps
+
+
 # ------------------------------------------------------------------------------- host rollout
 
 

@@ -27,7 +27,7 @@ from gjax.models import hf_io
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import pipeline as rp
-from gjax.trainer import Rollout, build_steps, init_state, make_optimizer
+from gjax.trainer import Rollout, build_learner
 from tests.test_experience import make_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,17 +64,8 @@ def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False
         ref = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
         data = build_prompt_data(config.data, tok)
         rewards = build_rewards(config, verifier)
-        tx, schedule = make_optimizer(config.optim, steps)
-        state, shardings = init_state(params, tx, mesh)
-        jit_steps = build_steps(
-            mesh=mesh,
-            cfg=cfg,
-            obj_cfg=obj_cfg,
-            tx=tx,
-            state_shardings=shardings,
-            train_cfg=config.train,
-            schedule=schedule,
-        )
+        config.train.steps = steps
+        state, jit_steps = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(
             data,
             global_batch_size=config.rollout.prompts_per_step,
@@ -87,7 +78,6 @@ def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False
         base_key = jax.random.key(config.seed)
         prod = None
         if producer:
-            config.train.steps = steps
             prod = rp.start_producer(
                 rollout=rollout,
                 data_iter=it,
@@ -301,15 +291,8 @@ def test_learner_batch_teacher_forces_anchors_and_recomputation():
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     with jax.set_mesh(mesh), sharding.use_rules():
         params = sharding.shard_params(init_params(cfg, jax.random.key(0)), mesh)
-        tx, _ = make_optimizer(common.base().optim, 1)
-        _, shardings = init_state(params, tx, mesh)
-        steps = build_steps(
-            mesh=mesh,
-            cfg=cfg,
-            obj_cfg=obj.ObjectiveConfig(),
-            tx=tx,
-            state_shardings=shardings,
-            train_cfg=common.base().train,
+        _, steps = build_learner(
+            common.base(), mesh=mesh, cfg=cfg, obj_cfg=obj.ObjectiveConfig(), params=params
         )
         groups = make_groups([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], S=3, N=4)
         groups.is_anchor_PxG[:, 2] = True
