@@ -222,3 +222,52 @@ def local_rows(x: jax.Array, layout: RowLayout) -> np.ndarray:
     n = x.shape[0]
     pieces = {s.index[0].indices(n)[0]: s.data for s in x.addressable_shards}
     return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)])
+
+
+class RowTransfer:
+    """A batch's rows between this process's host and the global arrays on the mesh.
+
+    Per-sequence arrays (`*_BxS`, `*_BxT`) hold this process's block of rows (`layout`);
+    group-level arrays (`*_PxG`) are all-gathered and replicated, so every normalizer of the
+    update is computed over the whole batch. With one process these are plain transfers.
+    """
+
+    def __init__(self, batch_sharding: NamedSharding):
+        self.layout = RowLayout(batch_sharding)
+        self.batch_sharding = batch_sharding
+        self.replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
+
+    def put_batch(self, arrays: Mapping[str, np.ndarray]) -> dict[str, jax.Array]:
+        """This process's host arrays -> the global batch on the devices."""
+        out = {}
+        for k, v in arrays.items():
+            if k.endswith(("_BxS", "_BxT")):
+                out[k] = self.put_rows(v)
+            elif k.endswith("_PxG"):
+                out[k] = put_global(self.gather_rows(v), self.replicated.mesh)
+            else:
+                out[k] = put_global(v, self.replicated.mesh)
+        return out
+
+    def put_rows(self, x: np.ndarray) -> jax.Array:
+        """This process's rows -> the global array sharded over the batch axes."""
+        return put_rows(x, self.layout)
+
+    def local_rows(self, x: jax.Array) -> np.ndarray:
+        """A global row-sharded array -> this process's rows on the host."""
+        return local_rows(x, self.layout)
+
+    def gather_rows(self, x: np.ndarray) -> np.ndarray:
+        """This process's rows of a host array -> every process's, in batch order."""
+        return gather_rows(x, self.layout)
+
+    def put_full(self, x: np.ndarray) -> jax.Array:
+        """A whole batch every process holds (held-out prompts) -> the global array."""
+        if self.layout.count == 1:
+            return x
+        per = x.shape[0] // self.layout.count
+        return self.put_rows(x[self.layout.block * per : (self.layout.block + 1) * per])
+
+    def pull_full(self, x: jax.Array) -> np.ndarray:
+        """A global row-sharded array -> all of its rows on every process's host."""
+        return self.gather_rows(self.local_rows(x))

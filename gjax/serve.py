@@ -28,6 +28,7 @@ from gjax import cli, sharding
 from gjax.config import ConfigError, check_model, validate
 from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
+from gjax.rollout.backend import rollout_sampling
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -58,7 +59,6 @@ def parse_address(address: str) -> tuple[str, int]:
 def build_server(config, workdir: str, *, sampling: str = "rollout"):
     """Starts the server; returns (server, watcher)."""
     from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
-    from gjax.rollout.jetstream_backend import run_sampling
     from gjax.rollout.weight_push import WeightWatcher
 
     host, port = parse_address(config.rollout.server_address)
@@ -68,7 +68,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     model_path = check_model(config, resolve_model_path(config.model.path))
     cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
     holder = ParamsHolder(params, version=0)
-    run = run_sampling(config, cfg, tok)
+    run = rollout_sampling(config, cfg, tok)
     if sampling == "eval":
         run = dataclasses.replace(
             run, temperature=config.rollout.eval_temperature, top_k=0, top_p=1.0

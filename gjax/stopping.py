@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import signal
 import sys
+from collections.abc import Callable
 
 
 def on_stop_signal(stop: dict, signum: int, frame) -> None:
@@ -26,7 +27,16 @@ def on_stop_signal(stop: dict, signum: int, frame) -> None:
     )
 
 
-def install(stop: dict) -> None:
-    """From here on SIGTERM and SIGINT set `stop["signal"]` instead of ending the process."""
-    for signum in (signal.SIGTERM, signal.SIGINT):
+def install(stop: dict) -> Callable[[], None]:
+    """From here on SIGTERM and SIGINT set `stop["signal"]` instead of ending the process;
+    returns the function that puts the previous handlers back (a run inside a longer-lived
+    process, e.g. a test, leaves them as it found them)."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for signum in previous:
         signal.signal(signum, functools.partial(on_stop_signal, stop))
+
+    def restore() -> None:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+    return restore

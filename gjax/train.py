@@ -16,6 +16,7 @@ intact checkpoint is named and kept.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -38,13 +39,14 @@ from gjax.config import ConfigError, check_model, validate
 from gjax.data.loading import PromptIterator, build_prompt_data, build_sharded_prompts
 from gjax.embedded import resolve_model_path
 from gjax.health import CollapseWatch, Diverged
+from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
-from gjax.rollout import LocalSampler, RolloutBackend
-from gjax.rollout import pipeline as rollout_pipeline
-from gjax.trainer import Rollout, build_learner
+from gjax.rollout.backend import make_backend
+from gjax.rollout.collect import Rollout
+from gjax.rollout.producer import make_producer
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -85,29 +87,6 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     }
 
 
-def make_backend(
-    config, cfg, params=None, *, mesh=None, workdir=None, tokenizer=None
-) -> RolloutBackend:
-    if config.rollout.backend == "local":
-        return LocalSampler(cfg)
-    if jax.process_count() > 1:
-        raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
-            "a multi-process run samples with 'local' (each host its own rows)"
-        )
-    try:
-        from gjax.rollout import jetstream_backend
-    except ImportError as e:
-        raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); install "
-            "it with `pip install --no-deps google-jetstream==0.2.2` on top of the test extra "
-            "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
-        ) from e
-    return jetstream_backend.from_config(
-        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
-    )
-
-
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -118,30 +97,32 @@ def main(argv) -> None:
     config = _CONFIG.value
     # Local (relative or absolute) or gs://; every file below is written through epath.
     workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
+    signum = train(config, workdir)
+    if signum is not None:
+        sys.exit(128 + signum)
 
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> int | None:
+    """Trains (or resumes) the run of `config` in `workdir`; returns the number of the signal
+    that stopped it early (SIGTERM / SIGINT, checkpoint saved), or None once it is done."""
+    with contextlib.ExitStack() as scope:  # closed in reverse order, on errors too
+        return _train(config, workdir, scope)
+
+
+def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.ExitStack):
     # --- config -------------------------------------------------------------------------
     mesh_shape = validate(config, jax.device_count())
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
     obj_cfg = common.to_objective_config(config.objective)
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
-    try:
-        if multihost.is_primary():
-            paths.write_text(
-                os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2)
-            )
-    except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
-        hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
-        raise ConfigError(
-            f"--workdir {workdir!r} is not writable{hint}: {type(e).__name__}: {e}"
-        ) from e
+    _write_config(workdir, config)
 
     # --- mesh ---------------------------------------------------------------------------
     mesh, rollout_mesh = sharding.make_meshes(mesh_shape, config.mesh.rollout_devices)
     log.info("mesh %s over %d devices", mesh_shape, jax.device_count())
     # Jitted functions traced from here on see the mesh and the logical-axis rules, so the
     # model's activation sharding constraints take effect.
-    scope = contextlib.ExitStack()
     scope.enter_context(jax.set_mesh(mesh))
     scope.enter_context(sharding.use_rules())
 
@@ -149,12 +130,10 @@ def main(argv) -> None:
     cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
     if multihost.is_primary():
         model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
-    T = config.rollout.max_new_tokens
     # A frozen copy of the initial policy, kept only when the objective has a KL term.
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
 
     # --- data ---------------------------------------------------------------------------
-    P = config.rollout.prompts_per_step
     train_data = build_sharded_prompts(config.data, tok)  # each process templates its share
     heldout = build_prompt_data(config.data, tok, heldout=True)
     if config.anchors.per_group and not train_data.has_demonstrations:
@@ -166,19 +145,144 @@ def main(argv) -> None:
         "data: %d train prompts, %d held-out (%s)", len(train_data), len(heldout), train_data.stats
     )
 
-    # --- rewards ------------------------------------------------------------------------
-    verifier = Verifier(timeout_s=config.reward.timeout_s, num_workers=config.reward.workers)
-    pipeline = build_rewards(config, verifier)
-
-    # --- state: fresh or resumed --------------------------------------------------------
-    state, steps = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
-    steps.layout.check_rows(P, "config.rollout.prompts_per_step")
+    # --- rewards, backend, learner: fresh or resumed ------------------------------------
+    verifier = scope.enter_context(
+        contextlib.closing(
+            Verifier(timeout_s=config.reward.timeout_s, num_workers=config.reward.workers)
+        )
+    )
+    rewards = scope.enter_context(contextlib.closing(build_rewards(config, verifier)))
+    backend = make_backend(config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tok)
+    scope.callback(backend.close)
+    state, learner = build_learner(
+        config,
+        mesh=mesh,
+        cfg=cfg,
+        obj_cfg=obj_cfg,
+        params=params,
+        behaviour_logps=backend.returns_logps,
+    )
+    learner.transfer.layout.check_rows(
+        config.rollout.prompts_per_step, "config.rollout.prompts_per_step"
+    )
     checkpointer = ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         max_to_keep=config.checkpoint.keep,
         save_interval_steps=config.checkpoint.every,
         async_save=config.checkpoint.async_save,
     )
+    state, meta = _restore(checkpointer, state, config, workdir)
+    start = int(state.step)
+    data_iter = PromptIterator(  # this process's block of every global batch
+        train_data,
+        global_batch_size=config.rollout.prompts_per_step,
+        seed=config.data.shuffle_seed,
+        shuffle=config.data.shuffle,
+        state=meta["data"],
+        process_index=learner.transfer.layout.block,
+        process_count=learner.transfer.layout.count,
+    )
+    rollout = Rollout(
+        cfg=cfg,
+        backend=backend,
+        tokenizer=tok,
+        rewards=rewards,
+        transfer=learner.transfer,
+        config=config,
+    )
+    evaluate = functools.partial(
+        _evaluate, config, eval_settings, backend, tok, heldout, verifier, rollout, learner
+    )
+
+    # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
+    stop = {"signal": None}
+    scope.callback(stopping_lib.install(stop))
+
+    # --- held-out accuracy before training ----------------------------------------------
+    if meta["heldout_accuracy_before"] is None:
+        meta["heldout_before"] = evaluate(state.params)
+        meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
+    log.info("held-out before: %s", _fmt_eval(_before(meta)))
+
+    # --- the RL loop --------------------------------------------------------------------
+    recorder = Recorder(config, workdir, checkpointer, meta["history"], start, cfg.vocab_size)
+    base_key = jax.random.key(config.seed)
+    producer = make_producer(
+        rollout=rollout,
+        data_iter=data_iter,
+        params=state.params,
+        base_key=base_key,
+        config=config,
+        start=start,
+        train_mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        backend=backend,
+    )
+    stopping = False  # agreed by every process: a signal may reach only one host
+    for step in range(start, config.train.steps):
+        if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
+            break  # arrived before this run trained a step: nothing new to save
+        checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
+        t0 = time.perf_counter()
+        produced = producer.get(step)
+        t_learn = time.perf_counter()
+        # Before the update is dispatched (a host exchange after it would wait for it).
+        num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()
+        batch = learner.batch(produced.groups, state.params, ref_params)
+        key = jax.random.fold_in(jax.random.fold_in(base_key, step), 10_000)
+        state, metrics = learner.update(state, batch, key)
+        producer.push(state.params, step + 1)
+        recorder.write()  # the previous step's row: pulled to the host one step late
+        host_metrics = produced.metrics
+        host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
+        host_metrics["time/step_s"] = time.perf_counter() - t0
+        host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
+        recorder.add(step + 1, metrics, host_metrics)
+        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
+        last = step + 1 == config.train.steps
+        if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
+            host_metrics.update(evaluate(state.params))
+            recorder.write()
+        if checkpointer.should_save(step + 1) or stopping or last:
+            recorder.flush()  # the metrics a resume keeps are durable before their checkpoint
+            meta.update(
+                data=producer.data_state(),
+                history=recorder.history,
+                fingerprint=fingerprint(config),
+            )
+            checkpointer.save(step + 1, state, meta, force=True)
+        if stopping:
+            break
+    producer.close()
+    checkpointer.wait()
+    recorder.close()  # ends the progress bar's line: what follows has lines of its own
+
+    # --- finish: held-out accuracy after training, or the stop's message -----------------
+    signum = (stop["signal"] or signal.SIGTERM) if stopping else None  # a host that saw none
+    if signum is None:
+        _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate)
+    else:
+        _stopped(signum, checkpointer, int(state.step), start)
+    checkpointer.close()
+    return signum
+
+
+def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+    """WORKDIR/config.json (process 0); an unwritable workdir is the user's error."""
+    try:
+        if multihost.is_primary():
+            paths.write_text(
+                os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2)
+            )
+    except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
+        hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
+        raise ConfigError(
+            f"--workdir {workdir!r} is not writable{hint}: {type(e).__name__}: {e}"
+        ) from e
+
+
+def _restore(checkpointer, state, config, workdir: str):
+    """The latest intact checkpoint's state and meta, or the fresh state and empty meta."""
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
@@ -192,173 +296,54 @@ def main(argv) -> None:
             "to train (raise --config.train.steps to train further).",
             flush=True,
         )
-    data_iter = PromptIterator(  # this process's block of every global batch
-        train_data,
-        global_batch_size=P,
-        seed=config.data.shuffle_seed,
-        shuffle=config.data.shuffle,
-        state=meta["data"],
-        process_index=steps.layout.block,
-        process_count=steps.layout.count,
+    return state, meta
+
+
+def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):
+    """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar."""
+    return eval_lib.heldout_metrics(
+        backend,
+        params,
+        tok,
+        heldout,
+        verifier,
+        settings,
+        max_new_tokens=config.rollout.max_new_tokens,
+        eos=rollout.eos,
+        pad_id=rollout.pad_id,
+        greedy_temperature=config.rollout.eval_temperature,
+        seed=config.seed,
+        rollout_sampling=rollout.sampling,
+        rollout_shape=(config.rollout.prompts_per_step, rollout.G - rollout.A),
+        progress=config.log.progress and multihost.is_primary(),
+        transfer=learner.transfer,
     )
-    backend = make_backend(config, cfg, state.params, mesh=mesh, workdir=workdir, tokenizer=tok)
-    rollout = Rollout(
-        cfg=cfg, backend=backend, tokenizer=tok, pipeline=pipeline, steps=steps, config=config
-    )
 
-    def evaluate(params) -> dict[str, float]:
-        """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar."""
-        return eval_lib.heldout_metrics(
-            backend,
-            params,
-            tok,
-            heldout,
-            verifier,
-            eval_settings,
-            max_new_tokens=T,
-            eos=rollout.eos,
-            pad_id=rollout.pad_id,
-            greedy_temperature=config.rollout.eval_temperature,
-            seed=config.seed,
-            rollout_sampling=rollout.sampling,
-            rollout_shape=(P, config.rollout.num_samples - config.anchors.per_group),
-            progress=config.log.progress and multihost.is_primary(),
-            transfer=steps,
-        )
 
-    # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
-    stop = {"signal": None}
-    stopping_lib.install(stop)
+def _before(meta: dict) -> dict[str, float]:
+    return meta.get("heldout_before") or {"eval/heldout_accuracy": meta["heldout_accuracy_before"]}
 
-    # --- held-out accuracy before training ----------------------------------------------
-    if meta["heldout_accuracy_before"] is None:
-        meta["heldout_before"] = evaluate(state.params)
-        meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
-    before = meta.get("heldout_before") or {
-        "eval/heldout_accuracy": meta["heldout_accuracy_before"]
-    }
-    log.info("held-out before: %s", _fmt_eval(before))
 
-    # --- the RL loop --------------------------------------------------------------------
-    writer = None  # process 0 writes metrics; every process computes the same rows
-    if multihost.is_primary():
-        writer = MetricsWriter(
-            workdir,
-            total_steps=config.train.steps,
-            start_step=start,
-            tensorboard=config.log.tensorboard,
-            progress=config.log.progress,
-            history=meta["history"],
-        )
-    watch = CollapseWatch(cfg.vocab_size)
-    base_key = jax.random.key(config.seed)
-    s = config.sampling
-    pending = None  # (step, device metrics, host metrics): written one step late
-    history = meta["history"]
-    stopping = False  # agreed by every process: a signal may reach only one host
-    producer = None  # rollouts on their own thread (and mesh): gjax.rollout.pipeline
-    if config.rollout.max_staleness > 0 or rollout_mesh is not mesh:
-        producer = rollout_pipeline.start_producer(
-            rollout=rollout,
-            data_iter=data_iter,
-            params=state.params,
-            base_key=base_key,
-            config=config,
-            start=start,
-            train_mesh=mesh,
-            rollout_mesh=rollout_mesh,
-            backend=backend,
-        )
-    for step in range(start, config.train.steps):
-        if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
-            break  # arrived before this run trained a step: nothing new to save
-        checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
-        t0 = time.perf_counter()
-        key = jax.random.fold_in(base_key, step)
-        if producer is None:
-            produced = rollout_pipeline.collect_step(
-                rollout,
-                data_iter,
-                state.params,
-                ref_params,
-                key,
-                P=data_iter.local_batch_size,  # this process's slots of the P
-                sampling=s,
-                allgather=multihost.allgather,
-            )
-        else:
-            produced = producer.get(step)
-        batch_groups, host_metrics = produced.groups, produced.metrics
-        t_learn = time.perf_counter()
-        # Before the update is dispatched (a host exchange after it would wait for it).
-        num_tokens = multihost.allgather(batch_groups.completion_mask_PxGxN.sum()).sum()
-        if producer is None:
-            batch = steps.put_batch(rollout.model_inputs(batch_groups))
-        else:
-            batch = rollout_pipeline.learner_batch(
-                steps, rollout, batch_groups, state.params, ref_params
-            )
-        state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
-        if producer is not None:
-            producer.push(state.params, step + 1)
-        if pending is not None:
-            history.append(_finish(writer, watch, checkpointer, *pending, config=config))
-        host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
-        host_metrics["time/step_s"] = time.perf_counter() - t0
-        host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
-        pending = (step + 1, metrics, host_metrics)
-        eval_now = config.log.eval_every and (step + 1) % config.log.eval_every == 0
-        last = step + 1 == config.train.steps
-        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
-        save_now = checkpointer.should_save(step + 1) or stopping or last
-        if save_now or eval_now:
-            if eval_now:
-                host_metrics.update(evaluate(state.params))
-            history.append(_finish(writer, watch, checkpointer, *pending, config=config))
-            pending = None
-        if save_now:
-            if writer is not None:  # the metrics a resume keeps are durable before their checkpoint
-                writer.flush()
-            data_state = data_iter.state() if producer is None else producer.data_state()
-            meta.update(data=data_state, history=history, fingerprint=fingerprint(config))
-            checkpointer.save(step + 1, state, meta, force=True)
-        if stopping:
-            break
-    if producer is not None:
-        producer.close()
-    checkpointer.wait()
-    if writer is not None:  # ends the progress bar's line: what follows has lines of its own
-        writer.close()
+def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate) -> None:
+    """Held-out accuracy after training (every process samples; process 0 writes)."""
     trained = int(state.step)
-    signum = stop["signal"] or signal.SIGTERM  # a host that saw none stops with the others
-    if stopping:
-        name = signal.Signals(signum).name
-        saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
-        print(
-            f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
-            f"exit status {128 + signum}. Rerun the same command to resume.",
-            file=sys.stderr,
-            flush=True,
-        )
-    else:
-        # --- held-out accuracy after training (every process samples; process 0 writes) --
-        summary_path = os.path.join(workdir, "summary.json")
-        summary = _read_json(summary_path) if trained == start else None
-        stale = summary is None or summary.get("steps") != trained  # else: still true, kept
-        if multihost.any_process(stale):  # every process evaluates, or none
-            after = evaluate(state.params)
-            summary = {
-                "algo": config.algo,
-                "steps": trained,  # what the model was trained for, whatever train.steps says
-                "heldout_size": len(heldout),
-                "heldout_accuracy_before": meta["heldout_accuracy_before"],
-                "heldout_accuracy_after": after["eval/heldout_accuracy"],
-                **_pass_at_k(before, "before"),
-                **_pass_at_k(after, "after"),
-            }
-            if multihost.is_primary():
-                paths.write_text(summary_path, json.dumps(summary, indent=2))
-    if not stopping and multihost.is_primary():
+    summary_path = os.path.join(workdir, "summary.json")
+    summary = _read_json(summary_path) if trained == start else None
+    stale = summary is None or summary.get("steps") != trained  # else: still true, kept
+    if multihost.any_process(stale):  # every process evaluates, or none
+        after = evaluate(state.params)
+        summary = {
+            "algo": config.algo,
+            "steps": trained,  # what the model was trained for, whatever train.steps says
+            "heldout_size": len(heldout),
+            "heldout_accuracy_before": meta["heldout_accuracy_before"],
+            "heldout_accuracy_after": after["eval/heldout_accuracy"],
+            **_pass_at_k(_before(meta), "before"),
+            **_pass_at_k(after, "after"),
+        }
+        if multihost.is_primary():
+            paths.write_text(summary_path, json.dumps(summary, indent=2))
+    if multihost.is_primary():
         print(
             f"\nheld-out accuracy after {trained} steps: "
             f"{summary['heldout_accuracy_before']:.3f} -> {summary['heldout_accuracy_after']:.3f} "
@@ -370,14 +355,17 @@ def main(argv) -> None:
             ),
             flush=True,
         )
-    checkpointer.close()
-    pipeline.close()
-    verifier.close()
-    if hasattr(backend, "close"):
-        backend.close()
-    scope.close()
-    if stopping:
-        sys.exit(128 + signum)
+
+
+def _stopped(signum: int, checkpointer, trained: int, start: int) -> None:
+    name = signal.Signals(signum).name
+    saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
+    print(
+        f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
+        f"exit status {128 + signum}. Rerun the same command to resume.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _read_json(path: str) -> dict | None:
@@ -400,31 +388,62 @@ def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:
     }
 
 
-def _finish(
-    writer: MetricsWriter | None,
-    watch: CollapseWatch,
-    checkpointer: ckpt_lib.Checkpointer,
-    step: int,
-    device_metrics,
-    host_metrics,
-    *,
-    config: ml_collections.ConfigDict,
-) -> dict:
-    """Pulls a step's device metrics, checks them, writes them; returns the row."""
-    row = {**to_host(device_metrics), **host_metrics}
-    bad = [k for k in ("loss/total", "optim/grad_norm") if not np.isfinite(row.get(k, 0.0))]
-    if bad and not config.train.allow_nonfinite:
-        checkpointer.wait()  # so the checkpoint named below is complete
-        raise Diverged(
-            f"step {step}: non-finite {bad} ({ {k: row[k] for k in bad} }). "
-            f"{checkpointer.last_intact()} Lower optim.lr (now {config.optim.lr:g}), check "
-            "the rewards, or set --config.train.allow_nonfinite=True to continue anyway."
-        )
-    if writer is not None:
-        writer.write(step, row)
-        if collapsed := watch(step, row):
-            writer.warn(collapsed)
-    return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
+class Recorder:
+    """A step's metrics, pulled to the host one step late (the device runs ahead), checked
+    for divergence and written by process 0; `history` is what a checkpoint keeps."""
+
+    def __init__(self, config, workdir, checkpointer, history, start: int, vocab_size: int):
+        self.config, self.checkpointer, self.history = config, checkpointer, history
+        self.writer = None  # process 0 writes metrics; every process computes the same rows
+        if multihost.is_primary():
+            self.writer = MetricsWriter(
+                workdir,
+                total_steps=config.train.steps,
+                start_step=start,
+                tensorboard=config.log.tensorboard,
+                progress=config.log.progress,
+                history=history,
+            )
+        self.watch = CollapseWatch(vocab_size)
+        self.pending = None  # (step, device metrics, host metrics)
+
+    def add(self, step: int, device_metrics, host_metrics: dict[str, float]) -> None:
+        """Queues a step's metrics; `write` pulls them (waiting for that step's update)."""
+        self.write()
+        self.pending = (step, device_metrics, host_metrics)
+
+    def write(self) -> None:
+        """Writes the queued step's row, if any."""
+        if self.pending is not None:
+            self.history.append(self._write(*self.pending))
+            self.pending = None
+
+    def flush(self) -> None:
+        """Writes the queued row and makes the file durable (before a checkpoint)."""
+        self.write()
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def _write(self, step: int, device_metrics, host_metrics) -> dict:
+        row = {**to_host(device_metrics), **host_metrics}
+        bad = [k for k in ("loss/total", "optim/grad_norm") if not np.isfinite(row.get(k, 0.0))]
+        config = self.config
+        if bad and not config.train.allow_nonfinite:
+            self.checkpointer.wait()  # so the checkpoint named below is complete
+            raise Diverged(
+                f"step {step}: non-finite {bad} ({ {k: row[k] for k in bad} }). "
+                f"{self.checkpointer.last_intact()} Lower optim.lr (now {config.optim.lr:g}), "
+                "check the rewards, or set --config.train.allow_nonfinite=True to continue anyway."
+            )
+        if self.writer is not None:
+            self.writer.write(step, row)
+            if collapsed := self.watch(step, row):
+                self.writer.warn(collapsed)
+        return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 
 if __name__ == "__main__":

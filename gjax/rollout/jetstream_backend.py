@@ -9,7 +9,7 @@ exponential backoff; after `max_retries` it is dropped: its row comes back empty
 In-process (`JetStreamBackend`), the gjax `Engine` records each generated token's log-prob
 (same definition as the local sampler) and params version, so on-policy rows need no second
 forward. The gRPC reply carries token ids only, so `JetStreamGrpcBackend` returns zeros and
-`returns_logps = False` tells the trainer to recompute them by teacher forcing.
+`returns_logps = False` tells the learner to recompute them by teacher forcing.
 
 Weights: `generate(params, ...)` pushes `params` when they are a new object (after every
 update). In-process this swaps the engine's `ParamsHolder` (no recompilation); over gRPC it
@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from gjax.cli import UserError
+from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
@@ -389,21 +390,6 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self._channel.close()
 
 
-def run_sampling(config, cfg, tokenizer=None) -> SamplingParams:
-    """The run's rollout `SamplingParams` (as `gjax.trainer.Rollout` builds them)."""
-    eos = tuple(cfg.eos_token_id) or ((tokenizer.eos_token_id,) if tokenizer else ())
-    pad = tokenizer.pad_token_id if tokenizer is not None else None
-    r = config.rollout
-    return SamplingParams(
-        max_new_tokens=r.max_new_tokens,
-        temperature=r.temperature,
-        top_k=r.top_k,
-        top_p=r.top_p,
-        stop_token_ids=eos,
-        pad_token_id=pad if pad is not None else (eos[0] if eos else 0),
-    )
-
-
 def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None):
     """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
     r = config.rollout
@@ -419,14 +405,13 @@ def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None)
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
         )
-    from gjax.rollout import LocalSampler
     from gjax.rollout.weight_push import WeightPusher
 
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
     return JetStreamGrpcBackend(
         r.server_address,
         max_prompt_len=config.data.max_prompt_len,
-        server_sampling=run_sampling(config, cfg, tokenizer),
+        server_sampling=rollout_sampling(config, cfg, tokenizer),
         local=LocalSampler(cfg),
         weights=WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
         timeout_s=r.request_timeout_s,

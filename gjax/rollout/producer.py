@@ -1,10 +1,15 @@
-"""Rollouts that overlap training: a producer thread with bounded policy staleness.
+"""Where the learner's batches come from: one `Producer` interface for every mode.
 
-A step's rollout batch is `collect_step`: rollout rounds (sample, score, old/ref log-probs)
-until `select_groups` has P groups (DAPO dynamic sampling, GPG's beta_th carry-over), all
-drawn with one set of params. With `rollout.max_staleness = k = 0` the training loop calls it
-itself (today's synchronous loop). With k > 0 an `AsyncProducer` calls it on its own thread
-while the learner updates, and the learner takes the batches in order with `get(step)`.
+The training loop asks `producer.get(step)` for step j's batch (a `StepBatch` of selected
+groups, from `gjax.rollout.collect.collect_step`) and hands the params back after each update
+with `producer.push(params, version)`; `data_state()` is the data position a checkpoint
+saves. `make_producer` picks the implementation once, at set-up:
+
+* `SyncProducer` (`rollout.max_staleness = 0`, rollouts on the train mesh): `get` collects
+  the batch on the learner's thread from the params pushed last, the learner's own. The
+  degenerate case of the schedule below (k = 0: v(j) = j).
+* `AsyncProducer` (k > 0, or rollouts on devices of their own): a thread collects batches
+  while the learner updates, at most k policy versions behind.
 
 The staleness rule (deterministic on purpose): the batch of step j is sampled with policy
 version
@@ -26,84 +31,80 @@ params (version s). So a resumed run sees exactly the uninterrupted run's data o
 per-step keys; its first k batches are at most as stale as the uninterrupted run's (lag
 j - s instead of k), after which the two schedules agree again.
 
-Weight push: the learner calls `push(params, version)` after every update; the producer's
-`to_rollout` makes the rollout copy (a `jax.device_put` to the rollout mesh's shardings with
-split meshes, a device-side copy when collocated, since the next update donates the train
-state's buffers). A backend that serves its own weights (a versioned holder, e.g. JetStream's)
-receives them through its `push(params)` before it samples with them, so every completion of
-the step comes from that version; the producer records its own version number on them.
+Weight push (`AsyncProducer`): `to_rollout` makes the rollout copy of pushed params (a
+`jax.device_put` to the rollout mesh's shardings with split meshes, a device-side copy when
+collocated, since the next update donates the train state's buffers). A backend that serves
+its own weights (JetStream's versioned holder) receives them through `backend.push` before it
+samples with them, so every completion of the step comes from that version; the producer
+records its own version number on them. (`SyncProducer` hands the learner's params to
+`generate`, which pushes new ones to such a backend itself.)
 
-Teacher-forced passes (old log-probs for anchors or `recompute_old_logps`, reference
-log-probs) run on the learner with its current params (`learner_batch`), so with k > 0 the
-old log-probs are the policy at the start of the update (the PPO proximal policy) and the
-sampler's become `behaviour_logps_BxT` (mismatch metrics, `objective.behaviour_correction`).
+Teacher-forced passes (old log-probs of anchors or with `recompute_old_logps`, reference
+log-probs) are the learner's (`gjax.learner.Learner.batch`), with its params at the start of
+the update: with k > 0 the old log-probs are then the PPO proximal policy and the sampler's
+become `behaviour_logps_BxT` (mismatch metrics, `objective.behaviour_correction`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
-from gjax.experience import Groups, select_groups
+from gjax import multihost, sharding
+from gjax.experience import Groups
+from gjax.rollout.backend import RolloutBackend
+from gjax.rollout.collect import Rollout, StepBatch, collect_step
 
 
-@dataclasses.dataclass
-class StepBatch:
-    """One step's selected groups, the version they were sampled with, and host metrics."""
+class Producer(Protocol):
+    """Step batches for the training loop, which hands params back after each update."""
 
-    step: int
-    version: int
-    groups: Groups
-    metrics: dict[str, float]
-    data_state: dict | None = None  # the data iterator's position after this batch
+    def get(self, step: int) -> StepBatch:
+        """The batch of `step` (blocks until it is ready)."""
+        ...
+
+    def push(self, params, version: int) -> None:
+        """The learner's params after `version` updates (a batch may be sampled with them)."""
+        ...
+
+    def data_state(self) -> dict | None:
+        """The data position after the last batch the learner took (what a checkpoint saves)."""
+        ...
+
+    def close(self) -> None: ...
 
 
-def collect_step(
-    rollout, data_iter, params, ref_params, key, *, P: int, sampling, allgather=None
-) -> StepBatch:
-    """Rollout rounds until `select_groups` fills P groups (or the last allowed round).
+class SyncProducer:
+    """k = 0 on the train mesh: `get(step)` collects on the learner's thread, from the params
+    pushed last (the learner's current ones: version = step)."""
 
-    `sampling` is `config.sampling`; round r uses key `fold_in(key, r)`. In a multi-process
-    run `P` is this process's share and `allgather` (gjax.multihost) makes every process
-    decide on global counts. Returns the batch with `step`/`version` left at -1 (the caller
-    knows them).
-    """
-    min_valid = 1.0 if sampling.dynamic else sampling.min_valid_fraction
-    carried: Groups | None = None
-    host_metrics: dict[str, float] = {}
-    for round_ in range(sampling.max_rollouts_per_step):
-        prompts = next(data_iter)
-        res = rollout(params, ref_params, prompts, jax.random.fold_in(key, round_))
-        host_metrics = {
-            **res.metrics,
-            **{
-                k: v + host_metrics.get(k, 0.0)
-                for k, v in res.metrics.items()
-                if k.startswith("time/")
-            },
-        }
-        candidates = res.groups if carried is None else Groups.concat([carried, res.groups])
-        batch_groups, carried = select_groups(
-            candidates,
-            P,
-            min_valid_fraction=min_valid,
-            drop_zero_variance=sampling.dynamic,
-            final_round=round_ == sampling.max_rollouts_per_step - 1,
-            allgather=allgather,
-        )
-        if batch_groups is not None:
-            break
-    host_metrics["sampling/rollouts"] = round_ + 1
-    return StepBatch(step=-1, version=-1, groups=batch_groups, metrics=host_metrics)
+    def __init__(self, collect: Callable[[int, Any], StepBatch], params, start: int, data_state):
+        self._collect = collect
+        self._params, self._version = params, start
+        self._consumed_data_state = data_state
+
+    def get(self, step: int) -> StepBatch:
+        batch = self._collect(step, self._params)
+        batch.step, batch.version = step, self._version
+        self._consumed_data_state = batch.data_state
+        return batch
+
+    def push(self, params, version: int) -> None:
+        self._params, self._version = params, version  # no copy: used before the next update
+
+    def data_state(self) -> dict | None:
+        return self._consumed_data_state
+
+    def close(self) -> None:
+        pass
 
 
 def tag_version(groups: Groups, version: int) -> None:
@@ -125,30 +126,6 @@ def lag_metrics(groups: Groups, learner_version: int) -> dict[str, float]:
     return {"async/version_lag_mean": float(lag.mean()), "async/version_lag_max": float(lag.max())}
 
 
-def learner_batch(steps, rollout, groups: Groups, params, ref_params) -> dict[str, jax.Array]:
-    """The update's device batch from produced groups, with the teacher-forced passes done here.
-
-    Old log-probs (anchors, or every row with `recompute_old_logps`) come from `params`, the
-    learner's policy at the start of this update; with recomputation the sampler's log-probs
-    go along as `behaviour_logps_BxT`. Reference log-probs come from `ref_params`.
-    """
-    batch = steps.put_batch(rollout.model_inputs(groups))
-    if ref_params is not None:
-        batch["ref_logps_BxT"] = steps.logps(ref_params, batch)
-    if rollout.A > 0 or rollout.recompute_old:
-        old_BxT = steps.logps(params, batch)
-        P, G, T = groups.completion_ids_PxGxN.shape
-        anchor_BxT = np.broadcast_to(groups.is_anchor_PxG.reshape(P * G, 1), (P * G, T))
-        anchor_BxT = jax.device_put(np.ascontiguousarray(anchor_BxT), steps.batch_sharding)
-        behaviour_BxT = jnp.where(anchor_BxT, old_BxT, batch["old_logps_BxT"])
-        if rollout.recompute_old:
-            batch["old_logps_BxT"] = old_BxT
-            batch["behaviour_logps_BxT"] = behaviour_BxT
-        else:
-            batch["old_logps_BxT"] = behaviour_BxT
-    return batch
-
-
 class AsyncProducer:
     """Produces step batches on a thread, at most `max_staleness` versions behind the learner.
 
@@ -167,14 +144,14 @@ class AsyncProducer:
         stop: int,
         to_rollout: Callable[[Any], Any],
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-        backend=None,
+        backend: RolloutBackend | None = None,
     ):
         self.k = max_staleness
         self.start, self.stop = start, stop
         self._produce = produce
         self._to_rollout = to_rollout
         self._context = context
-        self._push_to_backend = getattr(backend, "push", None)
+        self._backend = backend
         self._cv = threading.Condition()
         self._params: dict[int, Any] = {}  # version -> rollout copy
         self._ready: dict[int, StepBatch] = {}  # step -> batch
@@ -252,8 +229,8 @@ class AsyncProducer:
                         params = self._params[version]
                     self.wait_intervals.append((t0, time.perf_counter()))
                     waited = self.wait_intervals[-1][1] - t0
-                    if self._push_to_backend is not None:
-                        self._push_to_backend(params)
+                    if self._backend is not None:  # serves its own copy of the weights
+                        self._backend.push(params)
                     batch = self._produce(step, params, version)
                     batch.step, batch.version = step, version
                     tag_version(batch.groups, version)
@@ -269,31 +246,29 @@ class AsyncProducer:
 
 @contextlib.contextmanager
 def _on_mesh(mesh):
-    from gjax import sharding
-
     with jax.set_mesh(mesh), sharding.use_rules():  # both are per thread
         yield
 
 
-def start_producer(
+def make_producer(
     *,
-    rollout,
+    rollout: Rollout,
     data_iter,
     params,
-    base_key,
+    base_key: jax.Array,
     config,
     start: int,
     train_mesh,
     rollout_mesh,
-    backend=None,
-) -> AsyncProducer:
-    """An `AsyncProducer` for `gjax.train`: `collect_step` on the rollout mesh, step keys
-    `fold_in(base_key, step)` as the synchronous loop uses, teacher-forced passes deferred to
-    the learner (`learner_batch`), pushes copied (collocated) or resharded (split meshes)."""
-    from gjax import sharding
-
-    rollout.defer_teacher_forced = True
-    if rollout_mesh is train_mesh:
+    backend: RolloutBackend,
+) -> Producer:
+    """The run's producer, started: synchronous for k = 0 on the train mesh, else an
+    `AsyncProducer` on the rollout mesh. Step j's batch is `collect_step` with key
+    `fold_in(base_key, j)` on this process's share of the prompts in either case."""
+    k = config.rollout.max_staleness
+    if k == 0 and rollout_mesh is train_mesh:
+        to_rollout = None
+    elif rollout_mesh is train_mesh:
 
         def to_rollout(p):
             return jax.tree.map(jnp.copy, p)  # the next update donates the learner's buffers
@@ -306,23 +281,23 @@ def start_producer(
         # The same key bits, replicated on the rollout devices (keys feed the sampler there).
         base_key = jax.device_put(base_key, jax.sharding.NamedSharding(rollout_mesh, PS()))
 
-    def produce(step, rollout_params, version):
+    def collect(step, rollout_params, version=None):
         del version
-        batch = collect_step(
+        return collect_step(
             rollout,
             data_iter,
             rollout_params,
-            None,  # reference log-probs: on the learner
             jax.random.fold_in(base_key, step),
-            P=config.rollout.prompts_per_step,
+            P=data_iter.local_batch_size,  # this process's slots of the P
             sampling=config.sampling,
+            allgather=multihost.allgather,
         )
-        batch.data_state = dict(data_iter.state())
-        return batch
 
+    if to_rollout is None:
+        return SyncProducer(collect, params, start, dict(data_iter.state()))
     producer = AsyncProducer(
-        produce,
-        max_staleness=config.rollout.max_staleness,
+        collect,
+        max_staleness=k,
         start=start,
         stop=config.train.steps,
         to_rollout=to_rollout,

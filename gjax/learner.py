@@ -1,0 +1,354 @@
+"""The learner: the pure, jitted device steps of RL training and the batch they take.
+
+  * `policy_logps` : teacher-forced per-token log-probs of completions (old / reference);
+  * `update`       : `gjax.objective.prepare` on the full rollout batch, then
+                     num_iterations x minibatches optax updates inside one jit (`lax.scan`),
+                     each accumulating gradients over microbatches. Normalizers are global:
+                     per minibatch when a rollout batch feeds several updates, never per
+                     microbatch, so the update is independent of the accumulation split.
+  * `Learner.batch`: a rollout's groups -> the update's device batch, with the teacher-forced
+                     passes (old log-probs of anchors, reference log-probs) done on device.
+
+Array naming: `*_BxS` are full sequences (prompt ++ completion, S = S_prompt + T), `*_BxT`
+are aligned with the T completion tokens (hidden[t] predicts targets[t]), `*_PxG` per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from gjax import multihost, sharding
+from gjax import objective as obj
+from gjax.experience import Groups, to_model_inputs
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import forward, lm_head_kernel
+from gjax.objective.aggregation import minibatch_scale_MxB
+from gjax.objective.logprobs import token_logps_BxT
+
+# ----------------------------------------------------------------------------------- state
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def make_optimizer(
+    optim, total_steps: int, updates_per_step: int = 1
+) -> tuple[optax.GradientTransformation, Callable]:
+    """AdamW after global-norm clipping, with a linear warmup into constant or cosine.
+
+    The schedule (returned) counts RL steps, as `optim.warmup_steps` and `total_steps` do;
+    one RL step makes `updates_per_step` optimizer updates (minibatches x num_iterations),
+    which all use that step's learning rate. Warmup over W steps gives step k (0-based) the
+    rate lr * (k + 1) / W: the first step already learns (at lr / W) and step W - 1 reaches lr,
+    so no step is spent at a rate of 0. Cosine then decays over the remaining steps, never to
+    0 within the run.
+    """
+    warmup = max(int(optim.warmup_steps), 0)
+    if optim.schedule == "cosine":
+        # One step longer than the run, so the last step's rate is not 0.
+        base = optax.warmup_cosine_decay_schedule(
+            0.0, optim.lr, max(warmup, 1), max(total_steps, warmup) + 1
+        )
+    elif warmup:
+        base = optax.linear_schedule(0.0, optim.lr, warmup)  # holds optim.lr afterwards
+    else:
+        base = optax.constant_schedule(optim.lr)
+
+    def schedule(step):  # the rate at the end of optax's ramp step: step 0 gets lr / W, not 0
+        return base(step + 1)
+
+    def per_update(count):
+        return schedule(count // updates_per_step)
+
+    tx = optax.chain(
+        optax.clip_by_global_norm(optim.clip_norm),
+        optax.adamw(per_update, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay),
+    )
+    return tx, schedule
+
+
+def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, TrainState]:
+    """The initial train state and its shardings, built on the mesh (never on one device).
+
+    Optimizer moments follow their parameters' shardings (`optax.tree_utils.tree_map_params`);
+    scalars (step, counts) are replicated.
+    """
+    replicated = NamedSharding(mesh, PartitionSpec())
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    opt_shardings = optax.tree_utils.tree_map_params(
+        tx,
+        lambda _, s: s,
+        jax.eval_shape(tx.init, params),
+        param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
+    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    return TrainState(step=step, params=params, opt_state=opt_state), shardings
+
+
+# ------------------------------------------------------------------------------ device steps
+
+
+def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
+    """Final hidden states at the T positions that predict the completion tokens."""
+    t = batch["targets_BxT"].shape[1]
+    hidden_BxSxD = forward(
+        params, cfg, batch["input_ids_BxS"], batch["positions_BxS"], batch["segment_ids_BxS"]
+    )
+    s = hidden_BxSxD.shape[1]
+    return hidden_BxSxD[:, s - t - 1 : s - 1]
+
+
+def policy_logps(params, batch, *, cfg: ModelConfig, temperature: float) -> jax.Array:
+    """log pi(y_t | prompt, y_<t) / temperature-scaled, for every completion token; 0 on padding."""
+    hidden_BxTxD = completion_hidden(params, cfg, batch)
+    logps_BxT, _ = token_logps_BxT(
+        hidden_BxTxD,
+        lm_head_kernel(params, cfg),
+        batch["targets_BxT"],
+        temperature=temperature,
+        with_entropy=False,
+    )
+    return jnp.where(batch["loss_mask_BxT"], logps_BxT, 0.0)
+
+
+def split_rows(tree, n: int):
+    """[B, ...] -> [n, B/n, ...] with row b in piece b % n (strided).
+
+    Strided pieces keep every piece spread over all data-parallel devices when B is sharded
+    contiguously; advantages are already per row, so groups may straddle pieces.
+    """
+    return jax.tree.map(
+        lambda x: jnp.swapaxes(x.reshape(x.shape[0] // n, n, *x.shape[1:]), 0, 1), tree
+    )
+
+
+def minibatch_weight_scale(mask_MxBxT: jax.Array, aggregation: str) -> jax.Array:
+    """Per-minibatch factor turning full-batch aggregation weights into minibatch ones.
+
+    `prepare` normalizes by the full rollout batch (tokens for token_mean, valid sequences for
+    the sequence modes); an update on minibatch m must normalize by m's own count, so its
+    weights are scaled by count(full) / count(m). Exact for all three modes.
+    """
+    if aggregation == "token_mean":
+        count_M = mask_MxBxT.sum(axis=(1, 2))
+    else:
+        count_M = (mask_MxBxT.sum(axis=2) > 0).sum(axis=1).astype(jnp.float32)
+    return count_M.sum() / jnp.maximum(count_M, 1.0)
+
+
+_BATCH_KEYS_FOR_LOSS = ("targets_BxT", "old_logps_BxT", "ref_logps_BxT")
+_MODEL_KEYS = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS")
+
+
+def update(
+    state: TrainState,
+    batch: dict[str, jax.Array],
+    rng: jax.Array,
+    *,
+    cfg: ModelConfig,
+    obj_cfg: obj.ObjectiveConfig,
+    tx: optax.GradientTransformation,
+    minibatches: int,
+    microbatches: int,
+    num_iterations: int,
+    schedule: Callable | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One RL update on a rollout batch: advantages once, then the optimizer updates.
+
+    `schedule` (the optimizer's learning-rate schedule) only adds `optim/lr` to the metrics,
+    computed here so the host never waits on the device for it.
+    """
+    prep, prep_metrics = obj.prepare(batch, obj_cfg, rng)  # reads only the keys it needs
+    rows = {k: batch[k] for k in _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS if k in batch}
+    rows_M = split_rows(rows, minibatches)
+    prep_M = split_rows(prep, minibatches)
+    if obj_cfg.aggregation == "group_token_mean":  # per-row: groups straddle minibatches
+        p, g = batch["rewards_PxG"].shape
+        group_MxB = split_rows(jnp.arange(p * g, dtype=jnp.int32) // g, minibatches)
+        prep_M["weight_BxT"] = (
+            prep_M["weight_BxT"]
+            * minibatch_scale_MxB(obj_cfg.aggregation, prep_M["mask_BxT"], group_MxB)[:, :, None]
+        )
+    else:
+        scale_M = minibatch_weight_scale(prep_M["mask_BxT"], obj_cfg.aggregation)
+        prep_M["weight_BxT"] = prep_M["weight_BxT"] * scale_M[:, None, None]
+
+    def loss_fn(params, micro):
+        mb, mprep = micro
+        hidden_BxTxD = completion_hidden(params, cfg, mb)
+        return obj.micro_batch_loss(hidden_BxTxD, lm_head_kernel(params, cfg), mb, mprep, obj_cfg)
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def one_update(carry, minibatch):
+        params, opt_state = carry
+        micro_K = split_rows(minibatch, microbatches)
+
+        def accumulate(grads, micro):
+            (_, sums), g = grad_fn(params, micro)
+            return jax.tree.map(jnp.add, grads, g), sums
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, sums_K = jax.lax.scan(accumulate, zeros, micro_K)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        return (params, opt_state), (grad_norm, jax.tree.map(lambda x: x.sum(0), sums_K))
+
+    def one_pass(carry, _):  # one pass over the rollout batch (GRPO's mu passes in all)
+        return jax.lax.scan(one_update, carry, (rows_M, prep_M))
+
+    (params, opt_state), (gnorm_IxM, sums_IxM) = jax.lax.scan(
+        one_pass, (state.params, state.opt_state), None, length=num_iterations
+    )
+    updates = minibatches * num_iterations
+    policy = obj.finalize_metrics(jax.tree.map(lambda x: x.sum((0, 1)), sums_IxM))
+    gnorm = gnorm_IxM.reshape(-1)
+    metrics = {
+        **prep_metrics,
+        # Loss parts are per update (each minibatch is normalized on its own), averaged.
+        **{k: v / updates for k, v in policy.items() if k.startswith("loss/")},
+        **{f"policy/{k}": v for k, v in policy.items() if not k.startswith("loss/")},
+        "optim/grad_norm": gnorm.mean(),
+        "optim/grad_norm_max": gnorm.max(),
+        "optim/updates": jnp.asarray(updates, jnp.float32),
+    }
+    if schedule is not None:
+        metrics["optim/lr"] = schedule(state.step)
+    new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+
+# ---------------------------------------------------------------------------------- learner
+
+
+@dataclasses.dataclass
+class Learner:
+    """The jitted device functions of a run (compiled once each) and the batch they take.
+
+    `batch(groups, params, ref_params)` is the one place a rollout batch becomes the update's
+    device batch, in every mode (synchronous, overlapped, split meshes, several processes):
+    the teacher-forced passes run here, on the learner's devices, with the params the update
+    starts from. Old log-probs are the sampler's (the behaviour policy's: same params and
+    temperature) for on-policy rows; anchors (DaGRPO) are teacher-forced, and so is every row
+    with `recompute_old`, in which case the sampler's go along as `behaviour_logps_BxT`
+    (mismatch metrics, `objective.behaviour_correction`) when the backend returned any.
+    """
+
+    logps: Callable
+    update: Callable
+    transfer: multihost.RowTransfer
+    anchors: bool = False  # DaGRPO: groups end in teacher-forced demonstrations
+    recompute_old: bool = False
+    behaviour_logps: bool = True  # the backend returns the sampler's log-probs
+    overlong_filter: bool = False  # DAPO: truncated completions get no loss
+
+    def batch(self, groups: Groups, params, ref_params) -> dict[str, jax.Array]:
+        """The update's device batch; `ref_params` None: no KL term, no reference pass."""
+        batch = self.transfer.put_batch(
+            to_model_inputs(groups, drop_truncated=self.overlong_filter)
+        )
+        if ref_params is not None:
+            batch["ref_logps_BxT"] = self.logps(ref_params, batch)
+        if self.anchors or self.recompute_old:
+            old_BxT = self.logps(params, batch)
+            P, G, T = groups.completion_ids_PxGxN.shape
+            anchor_BxT = np.broadcast_to(groups.is_anchor_PxG.reshape(P * G, 1), (P * G, T))
+            anchor_BxT = self.transfer.put_rows(np.ascontiguousarray(anchor_BxT))
+            behaviour_BxT = jnp.where(anchor_BxT, old_BxT, batch["old_logps_BxT"])
+            if not self.recompute_old:
+                batch["old_logps_BxT"] = behaviour_BxT
+            else:
+                batch["old_logps_BxT"] = old_BxT
+                if self.behaviour_logps:
+                    batch["behaviour_logps_BxT"] = behaviour_BxT
+        return batch
+
+
+def build_learner(
+    config,
+    *,
+    mesh: jax.sharding.Mesh,
+    cfg: ModelConfig,
+    obj_cfg: obj.ObjectiveConfig,
+    params,
+    behaviour_logps: bool = True,
+) -> tuple[TrainState, Learner]:
+    """The fresh train state on `mesh` and the learner of a run's `config`: the optimizer and
+    its schedule over `config.train.steps` steps of minibatches x num_iterations updates.
+    `behaviour_logps`: whether the rollout backend returns the sampler's log-probs (if not,
+    old log-probs are always recomputed). `gjax.train` builds its learner here, and so do
+    the tools that drive a run by hand."""
+    t = config.train
+    tx, schedule = make_optimizer(
+        config.optim, t.steps, updates_per_step=t.minibatches * t.num_iterations
+    )
+    state, state_shardings = init_state(params, tx, mesh)
+    learner = make_learner(
+        mesh=mesh,
+        cfg=cfg,
+        obj_cfg=obj_cfg,
+        tx=tx,
+        state_shardings=state_shardings,
+        train_cfg=t,
+        schedule=schedule,
+        anchors=config.anchors.per_group > 0,
+        recompute_old=config.rollout.recompute_old_logps or not behaviour_logps,
+        behaviour_logps=behaviour_logps,
+        overlong_filter=config.sampling.overlong_filter,
+    )
+    return state, learner
+
+
+def make_learner(
+    *,
+    mesh: jax.sharding.Mesh,
+    cfg: ModelConfig,
+    obj_cfg: obj.ObjectiveConfig,
+    tx: optax.GradientTransformation,
+    state_shardings: Any,
+    train_cfg,
+    schedule: Callable | None = None,
+    **options,
+) -> Learner:
+    """`Learner` with `policy_logps` and `update` jitted for `mesh` (options: its flags)."""
+    batch_sharding = sharding.activation_sharding(mesh, ("batch",))
+    replicated = NamedSharding(mesh, PartitionSpec())
+    logps = jax.jit(
+        functools.partial(policy_logps, cfg=cfg, temperature=obj_cfg.temperature),
+        out_shardings=batch_sharding,
+    )
+    upd = jax.jit(
+        functools.partial(
+            update,
+            cfg=cfg,
+            obj_cfg=obj_cfg,
+            tx=tx,
+            minibatches=train_cfg.minibatches,
+            microbatches=train_cfg.microbatches,
+            num_iterations=train_cfg.num_iterations,
+            schedule=schedule,
+        ),
+        out_shardings=(state_shardings, replicated),
+        donate_argnums=(0,),
+    )
+    return Learner(
+        logps=logps, update=upd, transfer=multihost.RowTransfer(batch_sharding), **options
+    )

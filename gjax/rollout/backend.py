@@ -1,0 +1,127 @@
+"""The rollout backend seam: what samples completions for the trainer, declared whole.
+
+A backend draws G completions per prompt from given params (`generate`), may serve its own
+copy of the weights (`push`), reports per-batch serving figures (`metrics`) and holds
+resources until `close`. `returns_logps` says whether `SampleOutput.logps_BxN` are the
+behaviour policy's log-probs (the local sampler's and the in-process JetStream engine's are;
+a gRPC reply carries token ids only, so the learner recomputes them by teacher forcing).
+
+`make_backend` chooses one from `config.rollout.backend` once, at set-up; `stop_and_pad` and
+`rollout_sampling` are the one definition of the run's stop ids, pad id and sampling.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import jax
+
+from gjax.config import ConfigError
+from gjax.models.config import ModelConfig
+from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Draws G completions per prompt from the policy (B = P*G rows, prompt-major)."""
+
+    returns_logps: bool  # SampleOutput.logps_BxN are the behaviour policy's log-probs
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_PxS: jax.Array,
+        prompt_mask_PxS: jax.Array,
+        rng: jax.Array,
+        *,
+        num_samples: int,
+        sampling: SamplingParams,
+    ) -> SampleOutput: ...
+
+    def push(self, params) -> int | None:
+        """Serves `params` from now on (a backend holding weights of its own); returns the
+        version it serves them as, or None where `generate`'s params are used directly."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """The last batch's serving figures, for the step's metrics row ({} if none)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalSampler:
+    """`RolloutBackend` running `gjax.rollout.sampler.generate` in-process on the mesh."""
+
+    returns_logps = True
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+
+    def generate(
+        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
+    ) -> SampleOutput:
+        return generate(
+            params,
+            self.cfg,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples=num_samples,
+            sampling=sampling,
+        )
+
+    def push(self, params) -> None:
+        del params  # `generate` samples with the params it is given
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def stop_and_pad(cfg: ModelConfig, tokenizer) -> tuple[tuple[int, ...], int]:
+    """(stop ids, pad id) of every rollout and evaluation: the model's EOS ids (its
+    generation config's), else the tokenizer's; pad is the tokenizer's, else the first stop."""
+    eos = tuple(cfg.eos_token_id) or (tokenizer.eos_token_id,)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    return eos, pad
+
+
+def rollout_sampling(config, cfg: ModelConfig, tokenizer) -> SamplingParams:
+    """The training rollout's `SamplingParams` (`config.rollout`)."""
+    eos, pad = stop_and_pad(cfg, tokenizer)
+    r = config.rollout
+    return SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        stop_token_ids=eos,
+        pad_token_id=pad,
+    )
+
+
+def make_backend(
+    config, cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
+) -> RolloutBackend:
+    """The backend `config.rollout.backend` names: local | jetstream | jetstream_grpc."""
+    if config.rollout.backend == "local":
+        return LocalSampler(cfg)
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
+            "a multi-process run samples with 'local' (each host its own rows)"
+        )
+    try:  # optional dependency: google-jetstream (the jetstream extra)
+        from gjax.rollout import jetstream_backend
+    except ImportError as e:
+        raise ConfigError(
+            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); install "
+            "it with `pip install --no-deps google-jetstream==0.2.2` on top of the test extra "
+            "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
+        ) from e
+    return jetstream_backend.from_config(
+        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
+    )
