@@ -5,8 +5,9 @@ collocated and on split rollout/train meshes.
         [--new-tokens 32] [--iterations 1] [--ks 0,1,2]
 
 Each run trains the embedded policy (gjax/assets/tiny_qwen2) on the synthetic task through
-the production pieces of `gjax.train`'s loop (`collect_step` or `AsyncProducer.get`,
-`learner_batch`, the jitted update, `push`), after one warm-up step that compiles everything.
+the production pieces of `gjax.train`'s loop (`make_producer`, `producer.get`,
+`learner.batch`, the jitted update, `producer.push`), after one warm-up step that compiles
+everything.
 Per run one JSON line: steps/s, completion tokens/s, mean rollout and update times, the
 learner-idle fraction (time the learner waited for data / wall) and the rollout-idle fraction
 (time the producer waited for weights / wall; for the synchronous loop, the update's share,
@@ -57,11 +58,13 @@ from configs import common  # noqa: E402
 from gjax import sharding  # noqa: E402
 from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
+from gjax.learner import build_learner  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
-from gjax.rollout import pipeline as rp  # noqa: E402
-from gjax.trainer import Rollout, build_learner  # noqa: E402
+from gjax.rollout import LocalSampler  # noqa: E402
+from gjax.rollout.collect import Rollout  # noqa: E402
+from gjax.rollout.producer import AsyncProducer, make_producer  # noqa: E402
 
 
 def config(k: int):
@@ -86,7 +89,7 @@ def run(k: int, split: bool, verifier) -> dict:
         cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
         tok = hf_io.load_tokenizer(path)
         rewards = build_rewards(c, verifier)
-        state, steps = build_learner(c, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
+        state, learner = build_learner(c, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(
             build_prompt_data(c.data, tok),
             global_batch_size=c.rollout.prompts_per_step,
@@ -94,20 +97,28 @@ def run(k: int, split: bool, verifier) -> dict:
             process_index=0,
             process_count=1,
         )
-        rollout = Rollout(cfg=cfg, tokenizer=tok, pipeline=rewards, steps=steps, config=c)
+        backend = LocalSampler(cfg)
+        rollout = Rollout(
+            cfg=cfg,
+            backend=backend,
+            tokenizer=tok,
+            rewards=rewards,
+            transfer=learner.transfer,
+            config=c,
+        )
         base_key = jax.random.key(c.seed)
-        producer = None
-        if k > 0 or split:
-            producer = rp.start_producer(
-                rollout=rollout,
-                data_iter=it,
-                params=state.params,
-                base_key=base_key,
-                config=c,
-                start=0,
-                train_mesh=mesh,
-                rollout_mesh=rollout_mesh,
-            )
+        producer = make_producer(
+            rollout=rollout,
+            data_iter=it,
+            params=state.params,
+            base_key=base_key,
+            config=c,
+            start=0,
+            train_mesh=mesh,
+            rollout_mesh=rollout_mesh,
+            backend=backend,
+        )
+        overlapped = isinstance(producer, AsyncProducer)
         acc = {"learner_idle": 0.0, "rollout_idle": 0.0, "tokens": 0, "rollout": [], "update": []}
         t_start = None
         for step in range(ARGS.steps + 1):
@@ -116,31 +127,22 @@ def run(k: int, split: bool, verifier) -> dict:
                 acc.update(learner_idle=0.0, rollout_idle=0.0, tokens=0, rollout=[], update=[])
             key = jax.random.fold_in(base_key, step)
             t0 = time.perf_counter()
-            if producer is None:
-                got = rp.collect_step(
-                    rollout, it, state.params, None, key, P=ARGS.prompts, sampling=c.sampling
-                )
-                acc["learner_idle"] += time.perf_counter() - t0
-                batch = steps.put_batch(rollout.model_inputs(got.groups))
-            else:
-                got = producer.get(step)
-                acc["learner_idle"] += got.metrics["time/learner_wait_s"]
-                batch = rp.learner_batch(steps, rollout, got.groups, state.params, None)
+            got = producer.get(step)  # synchronous: the rollout itself; else the wait for it
+            acc["learner_idle"] += time.perf_counter() - t0
+            batch = learner.batch(got.groups, state.params, None)
             acc["rollout"].append(got.metrics["time/rollout_s"])
             t1 = time.perf_counter()
-            state, metrics = steps.update(state, batch, jax.random.fold_in(key, 10_000))
-            if producer is not None:
-                producer.push(state.params, step + 1)
+            state, metrics = learner.update(state, batch, jax.random.fold_in(key, 10_000))
+            producer.push(state.params, step + 1)
             jax.block_until_ready(metrics)
             acc["update"].append(time.perf_counter() - t1)
-            if producer is None:
+            if not overlapped:  # nothing samples during the update
                 acc["rollout_idle"] += acc["update"][-1]
             acc["tokens"] += int(got.groups.completion_mask_PxGxN.sum())
         t_end = time.perf_counter()
         wall = t_end - t_start
-        if producer is not None:
-            producer.close()
-            # Producer waits for weights, clipped to the timed window.
+        producer.close()
+        if overlapped:  # producer waits for weights, clipped to the timed window
             acc["rollout_idle"] = sum(
                 max(0.0, min(b, t_end) - max(a, t_start)) for a, b in producer.wait_intervals
             )

@@ -19,7 +19,7 @@ verifier -> (old/reference log-probs) -> GRPO loss -> one optimizer update. Both
 * the SAME reward: gjax's math-verify `Verifier` (one process pool shared by both sides).
 
 gjax's step is built from gjax's own pieces exactly as `gjax/train.py` builds it
-(`build_steps` + `Rollout` + `select_groups` + `Steps.put_batch` + `Steps.update`), with the
+(`make_learner` + `Rollout` + `select_groups` + `Learner.batch` + `Learner.update`), with the
 step's outputs blocked on. TRL's step is timed with a `TrainerCallback` from
 `on_step_begin` (before generation) to `on_step_end` (after the optimizer step).
 Compile / warm-up steps are excluded on both sides (`--warmup` each); the medians of
@@ -27,7 +27,7 @@ Compile / warm-up steps are excluded on both sides (`--warmup` each); the median
 step, run from the TRL callback outside TRL's timing), so drifting contention on a shared
 machine hits both sides alike; compare the ratio within one run. Process CPU time is reported
 too (`*_cpu_s`; the verifier's worker processes are outside it on both sides), and the step
-is broken down (gjax: sample / rollout incl. old+ref log-probs and rewards / update; TRL:
+is broken down (gjax: sample / rollout incl. rewards / update incl. ref log-probs; TRL:
 generate / reward).
 
     python benchmarks/train_step.py    # P=16 x G=8, 32 + 48 tokens; ~5 min on a busy 2-core CPU
@@ -69,10 +69,12 @@ from gjax.config import validate  # noqa: E402
 from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.experience import select_groups  # noqa: E402
+from gjax.learner import init_state, make_learner, make_optimizer  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
-from gjax.trainer import Rollout, build_steps, init_state, make_optimizer  # noqa: E402
+from gjax.rollout import LocalSampler  # noqa: E402
+from gjax.rollout.collect import Rollout  # noqa: E402
 
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
 
@@ -140,7 +142,7 @@ class GjaxStep:
         t = config.train
         tx, _ = make_optimizer(config.optim, t.steps, t.minibatches * t.num_iterations)
         self.state, state_shardings = init_state(params, tx, self.mesh)
-        self.steps = build_steps(
+        self.learner = make_learner(
             mesh=self.mesh,
             cfg=self.cfg,
             obj_cfg=obj_cfg,
@@ -151,9 +153,10 @@ class GjaxStep:
         self.pipeline = build_rewards(config, verifier)
         self.rollout = Rollout(
             cfg=self.cfg,
+            backend=LocalSampler(self.cfg),
             tokenizer=self.tok,
-            pipeline=self.pipeline,
-            steps=self.steps,
+            rewards=self.pipeline,
+            transfer=self.learner.transfer,
             config=config,
         )
         # Full-length completions (no EOS stop), as on the TRL side.
@@ -167,13 +170,15 @@ class GjaxStep:
         t0, c0 = time.perf_counter(), time.process_time()
         key = jax.random.fold_in(self.base_key, self.i)
         self.i += 1
-        res = self.rollout(self.state.params, self.ref_params, next(self.data_iter), key)
+        res = self.rollout(self.state.params, next(self.data_iter), key)
         groups, _ = select_groups(
             res.groups, self.P, min_valid_fraction=0.0, drop_zero_variance=False, final_round=True
         )
         t1 = time.perf_counter()
-        batch = self.steps.put_batch(self.rollout.model_inputs(groups))
-        self.state, metrics = self.steps.update(self.state, batch, jax.random.fold_in(key, 10_000))
+        batch = self.learner.batch(groups, self.state.params, self.ref_params)
+        self.state, metrics = self.learner.update(
+            self.state, batch, jax.random.fold_in(key, 10_000)
+        )
         jax.block_until_ready((self.state, metrics))
         t2 = time.perf_counter()
         lengths = groups.completion_mask_PxGxN.sum(-1)

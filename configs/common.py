@@ -158,7 +158,7 @@ def base() -> ml_collections.ConfigDict:
     # serving engine in another dtype). Anchors are always teacher-forced.
     c.rollout.recompute_old_logps = False
     # k: rollouts overlap training, sampled from params at most k updates old (0: the
-    # synchronous loop). Schedule and resume rule: gjax.rollout.pipeline.
+    # synchronous loop). Schedule and resume rule: gjax.rollout.producer.
     c.rollout.max_staleness = 0
 
     c.objective = objective("grpo")

@@ -1,11 +1,11 @@
-"""Rollouts overlapping training (gjax.rollout.pipeline), driven through the production pieces
-on the embedded policy: k = 0 through the producer is the synchronous loop bit for bit, k = 1
-keeps every batch within its version bound (DAPO dynamic sampling on produced groups), and
-split rollout/train meshes (4 + 4 CPU devices) train exactly like one mesh.
+"""Rollouts overlapping training (gjax.rollout.producer), driven through the production pieces
+on the embedded policy: k = 1 keeps every batch within its version bound (DAPO dynamic
+sampling on produced groups), and split rollout/train meshes (4 + 4 CPU devices, the
+asynchronous producer at k = 0) train bit for bit like one mesh (the synchronous producer).
 
-The loop below is `gjax.train.main`'s step loop with the same calls (collect_step or
-producer.get, learner_batch, update, push); the CLI path and the resume rule are covered by
-the slow end-to-end tests at the bottom.
+The loop below is `gjax.train`'s step loop with the same calls (producer.get, learner.batch,
+learner.update, producer.push); the CLI path and the resume rule are covered by the slow
+end-to-end tests at the bottom.
 """
 
 import json
@@ -22,12 +22,12 @@ from configs import common
 from gjax import sharding
 from gjax.data.loading import PromptIterator, build_prompt_data
 from gjax.embedded import resolve_model_path
+from gjax.learner import build_learner
 from gjax.metrics import to_host
 from gjax.models import hf_io
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
-from gjax.rollout import pipeline as rp
-from gjax.trainer import Rollout, build_learner
+from gjax.rollout import LocalSampler, collect, producer
 from tests.test_experience import make_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,7 +52,7 @@ def verifier():
     v.close()
 
 
-def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False):
+def train(config, verifier, *, steps, devices, rollout_devices=0):
     """Returns (final params on host, per-step rows, per-step policy versions)."""
     shape = {"data": -1, "fsdp": 1, "tensor": 1}
     mesh, rollout_mesh = sharding.make_meshes(shape, rollout_devices, devices)
@@ -65,7 +65,7 @@ def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False
         data = build_prompt_data(config.data, tok)
         rewards = build_rewards(config, verifier)
         config.train.steps = steps
-        state, jit_steps = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
+        state, learner = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(
             data,
             global_batch_size=config.rollout.prompts_per_step,
@@ -74,39 +74,38 @@ def train(config, verifier, *, steps, devices, rollout_devices=0, producer=False
             process_index=0,
             process_count=1,
         )
-        rollout = Rollout(cfg=cfg, tokenizer=tok, pipeline=rewards, steps=jit_steps, config=config)
+        backend = LocalSampler(cfg)
+        rollout = collect.Rollout(
+            cfg=cfg,
+            backend=backend,
+            tokenizer=tok,
+            rewards=rewards,
+            transfer=learner.transfer,
+            config=config,
+        )
         base_key = jax.random.key(config.seed)
-        prod = None
-        if producer:
-            prod = rp.start_producer(
-                rollout=rollout,
-                data_iter=it,
-                params=state.params,
-                base_key=base_key,
-                config=config,
-                start=0,
-                train_mesh=mesh,
-                rollout_mesh=rollout_mesh,
-            )
+        prod = producer.make_producer(
+            rollout=rollout,
+            data_iter=it,
+            params=state.params,
+            base_key=base_key,
+            config=config,
+            start=0,
+            train_mesh=mesh,
+            rollout_mesh=rollout_mesh,
+            backend=backend,
+        )
         rows, versions = [], []
         for step in range(steps):
             key = jax.random.fold_in(base_key, step)
-            if prod is None:
-                got = rp.collect_step(
-                    rollout, it, state.params, ref, key, P=4, sampling=config.sampling
-                )
-                batch = jit_steps.put_batch(rollout.model_inputs(got.groups))
-            else:
-                got = prod.get(step)
-                batch = rp.learner_batch(jit_steps, rollout, got.groups, state.params, ref)
-            state, metrics = jit_steps.update(state, batch, jax.random.fold_in(key, 10_000))
-            if prod is not None:
-                prod.push(state.params, step + 1)
+            got = prod.get(step)
+            batch = learner.batch(got.groups, state.params, ref)
+            state, metrics = learner.update(state, batch, jax.random.fold_in(key, 10_000))
+            prod.push(state.params, step + 1)
             host = {k: v for k, v in got.metrics.items() if not k.startswith(("time/", "rew"))}
             rows.append({**to_host(metrics), **host, "reward/mean": got.metrics["reward/mean"]})
             versions.append(got.groups.policy_version_PxG)
-        if prod is not None:
-            prod.close()
+        prod.close()
         rewards.close()
         return jax.device_get(state.params), rows, versions
 
@@ -120,9 +119,9 @@ def fake_producer(k, *, fail_at=None, start=0, stop=7):
             raise ValueError("sampler exploded")
         seen.append((step, params["v"]))
         time.sleep(0.01)
-        return rp.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
+        return collect.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
 
-    prod = rp.AsyncProducer(
+    prod = producer.AsyncProducer(
         produce, max_staleness=k, start=start, stop=stop, to_rollout=lambda p: dict(p)
     )
     return prod, seen
@@ -164,7 +163,7 @@ def assert_same_params(a, b):
 def test_k1_versions_within_bound_with_dynamic_sampling(verifier):
     config = tiny_config("dapo", max_staleness=1)
     config.sampling.max_rollouts_per_step = 2
-    _, rows, versions = train(config, verifier, steps=3, devices=jax.devices()[:1], producer=True)
+    _, rows, versions = train(config, verifier, steps=3, devices=jax.devices()[:1])
     for step, (row, v) in enumerate(zip(rows, versions)):
         sampled = v[v >= 0]
         assert sampled.size == 16  # P x G, all sampled (no anchors)
@@ -184,7 +183,7 @@ def test_split_meshes_train_like_one_mesh(verifier):
     assert len(devs) == 8
     p_one, rows_one, _ = train(tiny_config(), verifier, steps=2, devices=devs[:4])
     p_split, rows_split, versions = train(
-        tiny_config(), verifier, steps=2, devices=devs, rollout_devices=4, producer=True
+        tiny_config(), verifier, steps=2, devices=devs, rollout_devices=4
     )
     assert [int(v.max()) for v in versions] == [0, 1]  # k = 0: always the newest params
     assert_same_params(p_one, p_split)
@@ -278,22 +277,26 @@ def test_split_mesh_shapes():
 
 def test_learner_batch_teacher_forces_anchors_and_recomputation():
     """Anchors' old log-probs (and with recompute_old_logps every row's) come from the
-    learner's params; the sampler's go along as behaviour_logps_BxT when recomputed."""
-    import types
+    learner's params; the sampler's go along as behaviour_logps_BxT when recomputed, unless
+    the backend returned none (JetStream over gRPC)."""
+    import dataclasses
 
     from gjax import objective as obj
     from gjax.experience import to_model_inputs
+    from gjax.learner import policy_logps
     from gjax.models.transformer import init_params
-    from gjax.trainer import policy_logps
     from tests.test_model import tiny_cfg
 
     cfg = tiny_cfg(vocab_size=64, intermediate_size=64, max_position_embeddings=64)
     mesh = sharding.make_mesh({"data": 1}, jax.devices()[:1])
     with jax.set_mesh(mesh), sharding.use_rules():
         params = sharding.shard_params(init_params(cfg, jax.random.key(0)), mesh)
-        _, steps = build_learner(
-            common.base(), mesh=mesh, cfg=cfg, obj_cfg=obj.ObjectiveConfig(), params=params
+        config = common.base()
+        config.anchors.per_group = 1
+        _, learner = build_learner(
+            config, mesh=mesh, cfg=cfg, obj_cfg=obj.ObjectiveConfig(), params=params
         )
+        assert learner.anchors and not learner.recompute_old
         groups = make_groups([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], S=3, N=4)
         groups.is_anchor_PxG[:, 2] = True
         sampler_PxGxN = np.full((2, 3, 4), -0.5, np.float32)
@@ -303,16 +306,16 @@ def test_learner_batch_teacher_forces_anchors_and_recomputation():
         anchor_B = groups.is_anchor_PxG.reshape(-1)
         want_beh = np.where(anchor_B[:, None], tf_BxT, sampler_PxGxN.reshape(6, 4))
         assert np.all(tf_BxT[anchor_B] != -0.5)
-        for recompute in (False, True):
-            rollout = types.SimpleNamespace(
-                A=1, recompute_old=recompute, model_inputs=lambda g: to_model_inputs(g)
-            )
-            batch = rp.learner_batch(steps, rollout, groups, params, None)
+        for recompute, behaviour in ((False, True), (True, True), (True, False)):
+            mode = dataclasses.replace(learner, recompute_old=recompute, behaviour_logps=behaviour)
+            batch = mode.batch(groups, params, None)
             old = np.asarray(batch["old_logps_BxT"])
             if recompute:
                 np.testing.assert_allclose(old, tf_BxT, rtol=1e-6)
+            else:
+                np.testing.assert_allclose(old, want_beh, rtol=1e-6)
+            if recompute and behaviour:
                 beh = np.asarray(batch["behaviour_logps_BxT"])
                 np.testing.assert_allclose(beh, want_beh, rtol=1e-6)
             else:
-                np.testing.assert_allclose(old, want_beh, rtol=1e-6)
                 assert "behaviour_logps_BxT" not in batch

@@ -13,15 +13,15 @@ from configs import common
 from gjax import objective as obj
 from gjax import sharding
 from gjax.experience import to_model_inputs
-from gjax.models.transformer import init_params
-from gjax.trainer import (
+from gjax.learner import (
     TrainState,
-    build_steps,
     init_state,
+    make_learner,
     make_optimizer,
     policy_logps,
     update,
 )
+from gjax.models.transformer import init_params
 from tests.test_experience import make_groups
 from tests.test_model import tiny_cfg
 
@@ -146,8 +146,8 @@ def test_each_minibatch_is_normalized_on_its_own(aggregation):
         sub_prep["weight_BxT"] = obj.AGGREGATIONS.get(aggregation)(
             mask, constant=oc.aggregation_constant, group_B=group_B
         ) * (sub_prep["weight_BxT"] > 0)
+        from gjax.learner import completion_hidden
         from gjax.models.transformer import lm_head_kernel
-        from gjax.trainer import completion_hidden
 
         hidden = completion_hidden(params, CFG, rows)
         loss, _ = obj.micro_batch_loss(hidden, lm_head_kernel(params, CFG), rows, sub_prep, oc)
@@ -164,7 +164,7 @@ def test_update_compiles_once_and_runs_sharded():
     tx, schedule = make_optimizer(oc_warm, 10, updates_per_step=4)  # 2 minibatches x 2 passes
     state, shardings = init_state(params, tx, mesh)
     train_cfg = ml_collections.ConfigDict(dict(minibatches=2, microbatches=2, num_iterations=2))
-    steps = build_steps(
+    learner = make_learner(
         mesh=mesh,
         cfg=CFG,
         obj_cfg=oc,
@@ -175,12 +175,12 @@ def test_update_compiles_once_and_runs_sharded():
     )
     for i in range(3):
         host = batch_for(jax.device_get(state.params), P=8, G=4, seed=i)
-        batch = steps.put_batch({k: np.asarray(v) for k, v in host.items()})
-        state, metrics = steps.update(state, batch, jax.random.key(i))
+        batch = learner.transfer.put_batch({k: np.asarray(v) for k, v in host.items()})
+        state, metrics = learner.update(state, batch, jax.random.key(i))
         assert np.isfinite(float(metrics["loss/total"]))
         # The learning rate of this step's updates: linear warmup lr/2, then lr.
         assert float(metrics["optim/lr"]) == pytest.approx([5e-3, 1e-2, 1e-2][i])
     assert int(state.step) == 3
-    assert steps.update._cache_size() == 1, "the update recompiled after the first step"
+    assert learner.update._cache_size() == 1, "the update recompiled after the first step"
     q = state.params["layers"]["attn"]["q"]["kernel"]
     assert q.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", "tensor")
