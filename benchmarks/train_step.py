@@ -387,8 +387,8 @@ def main():
                 if timed:
                     trl_times.append(rec)
         compiles = {
-            "update": gjax_step.steps.update._cache_size(),
-            "logps": gjax_step.steps.logps._cache_size(),
+            "update": gjax_step.learner.update._cache_size(),
+            "logps": gjax_step.learner.logps._cache_size(),
         }
         gjax_step.close()
 
