@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from gjax import integrity, paths
-from gjax.cli import UserError
+from gjax.errors import UserError
 from gjax.health import Diverged
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from gjax.cli import UserError
+from gjax.errors import UserError
 
 
 class DistributedError(UserError, RuntimeError):

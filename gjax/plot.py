@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from gjax.cli import UserError, format_user_error
+from gjax.errors import UserError, format_user_error
 from gjax.metrics import read_jsonl
 
 PANELS = (

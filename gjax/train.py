@@ -34,17 +34,23 @@ from gjax import checkpoint as ckpt_lib
 from gjax import cli, model_record, multihost, paths, sharding
 from gjax import eval as eval_lib
 from gjax import stopping as stopping_lib
-from gjax.config import ConfigError, check_model, validate
+from gjax.config import check_model, validate
+from gjax.data import loading as data_loading
 from gjax.data.loading import PromptIterator, build_prompt_data, build_sharded_prompts
 from gjax.embedded import resolve_model_path
+from gjax.errors import ConfigError
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
+from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, RolloutBackend
 from gjax.rollout import pipeline as rollout_pipeline
 from gjax.trainer import Rollout, build_learner
+
+# The subsystems' config hooks `validate` asks, before anything loads or is written.
+CONFIG_CHECKS = (data_loading.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -95,7 +101,7 @@ def make_backend(
             f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
             "a multi-process run samples with 'local' (each host its own rows)"
         )
-    try:
+    try:  # JetStream is an optional dependency (the jetstream extra)
         from gjax.rollout import jetstream_backend
     except ImportError as e:
         raise ConfigError(
@@ -120,7 +126,7 @@ def main(argv) -> None:
     workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
 
     # --- config -------------------------------------------------------------------------
-    mesh_shape = validate(config, jax.device_count())
+    mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
     obj_cfg = common.to_objective_config(config.objective)
@@ -218,7 +224,7 @@ def main(argv) -> None:
             max_new_tokens=T,
             eos=rollout.eos,
             pad_id=rollout.pad_id,
-            greedy_temperature=config.rollout.eval_temperature,
+            greedy_temperature=config.eval.greedy_temperature,
             seed=config.seed,
             rollout_sampling=rollout.sampling,
             rollout_shape=(P, config.rollout.num_samples - config.anchors.per_group),

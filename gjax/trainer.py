@@ -36,6 +36,7 @@ from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
 from gjax.objective.aggregation import minibatch_scale_MxB
 from gjax.objective.logprobs import token_logps_BxT
+from gjax.rewards.registry import soft_overlong_penalty
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
 
 # ----------------------------------------------------------------------------------- state
@@ -522,8 +523,6 @@ class Rollout:
             groups.scores_PxG = grouped["scores_PxG"].astype(np.float32)
         accuracy = groups.rewards_PxG.copy()
         if self.overlong_buffer:
-            from gjax.rewards.registry import soft_overlong_penalty
-
             pen = soft_overlong_penalty(
                 lengths, max_length=self.T, cache_length=self.overlong_buffer
             )

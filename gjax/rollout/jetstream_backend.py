@@ -27,10 +27,12 @@ import time
 
 import numpy as np
 
-from gjax.cli import UserError
+from gjax.errors import UserError
+from gjax.rollout import LocalSampler
 from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
+from gjax.rollout.weight_push import WeightPusher
 
 log = logging.getLogger("gjax")
 
@@ -419,9 +421,6 @@ def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None)
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
         )
-    from gjax.rollout import LocalSampler
-    from gjax.rollout.weight_push import WeightPusher
-
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
     return JetStreamGrpcBackend(
         r.server_address,

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as PS
 
+from gjax import sharding
 from gjax.experience import Groups, select_groups
 
 
@@ -269,8 +270,6 @@ class AsyncProducer:
 
 @contextlib.contextmanager
 def _on_mesh(mesh):
-    from gjax import sharding
-
     with jax.set_mesh(mesh), sharding.use_rules():  # both are per thread
         yield
 
@@ -290,8 +289,6 @@ def start_producer(
     """An `AsyncProducer` for `gjax.train`: `collect_step` on the rollout mesh, step keys
     `fold_in(base_key, step)` as the synchronous loop uses, teacher-forced passes deferred to
     the learner (`learner_batch`), pushes copied (collocated) or resharded (split meshes)."""
-    from gjax import sharding
-
     rollout.defer_teacher_forced = True
     if rollout_mesh is train_mesh:
 
