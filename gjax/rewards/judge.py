@@ -631,7 +631,7 @@ class OpenAIJudge:
         with self._loops_lock:
             state = self._loops.get(loop)
             if state is None:
-                import openai
+                import openai  # imported on use: slow to import, only an OpenAI judge needs it
 
                 client = openai.AsyncOpenAI(
                     api_key=self._api_key.get(),
@@ -712,7 +712,7 @@ class OpenAIJudge:
 
     async def _request(self, state: _LoopState, messages: list[dict[str, str]]) -> float | None:
         """One item: HTTP attempts with retries. Never raises (except cancellation)."""
-        import openai
+        import openai  # imported on use (see above)
 
         for attempt in range(self.max_retries + 1):
             retry_after = None

@@ -325,7 +325,7 @@ class JetStreamGrpcBackend(_JetStreamClient):
         backoff_s: float = 1.0,
         max_workers: int = 256,
     ):
-        import grpc
+        import grpc  # optional dependency (the jetstream extra): only the gRPC client needs it
 
         super().__init__(
             max_prefill_length=prefill_bucket(max_prompt_len),
