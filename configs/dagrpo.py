@@ -27,12 +27,12 @@ def get_config(arg=None):
     c.rollout.num_samples = 8
     c.rollout.max_new_tokens = 8192
     c.anchors.per_group = 1
-    c.reward.judge = "openai"
-    c.reward.judge_model = "gpt-4o"
+    c.reward.judge.name = "openai"
+    c.reward.judge.model = "gpt-4o"
     c.train.minibatches = 2
     c.train.steps = 500
     c.optim.lr = 1e-6
     if arg == "tiny":
         c = common.tiny(c)
-        c.reward.judge = "rule"
+        c.reward.judge.name = "rule"
     return c

@@ -28,9 +28,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from gjax import integrity, paths
-from gjax.cli import UserError
+from gjax.errors import UserError
 from gjax.health import Diverged
 
 log = logging.getLogger(__name__)
@@ -229,8 +230,6 @@ class Checkpointer:
                     ) from e
                 log.warning("moved the damaged checkpoint of step %s aside to %s", s, dst)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("gjax_checkpoint_move_aside")
         self._mngr.reload()
 

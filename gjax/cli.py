@@ -1,14 +1,13 @@
 """What every gjax command does with errors, help and noise.
 
-`UserError` is the base of every error that a user can fix by changing what they passed in
-(a flag, a config value, a data file, a path, a checkpoint of another run). `run(main)` runs an
-absl `main` and turns a `UserError` into one short paragraph on stderr (what was wrong, where,
+`run(main)` runs an absl `main` and turns a `gjax.errors.UserError` (an error the user fixes
+by changing what they passed in) into one short paragraph on stderr (what was wrong, where,
 what to do) and exit status 2; anything else is a bug in gjax and keeps its traceback.
 
 `run` parses the flags itself, so a flag or config-override mistake (an unknown flag, an
 unknown `--config.x.y`, a value of the wrong type, a missing config file) is a `UserError`
 too, reported before `main` starts. For a command with a config flag, `--help` also lists
-every config field with its type, value and meaning (`configs.common.FIELDS`), and
+every config field with its type, value and meaning (`gjax.schema.FIELDS`), and
 `--print_config` prints that list alone; both exit 0.
 
 Importing this module quiets what is expected on a CPU machine (jax's `Unable to initialize
@@ -21,32 +20,23 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import textwrap
 
 # transformers prints advice (e.g. "PyTorch was not found. Models won't be available") at
 # import; gjax never needs torch. Read when the advice is logged, so set before any import.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+import ml_collections  # noqa: E402
 from absl import app, flags  # noqa: E402
+from ml_collections.config_flags import config_flags  # noqa: E402
+
+from gjax.errors import UserError, format_user_error  # noqa: E402
+from gjax.schema import FIELDS, RENAMED, unknown_field  # noqa: E402
 
 # Libraries whose INFO lines are noise in a gjax run (jax's backend probing on a machine
 # without a TPU, orbax's per-save steps through absl, datasets' start-up notes).
 QUIET_LOGGERS = ("absl", "jax", "datasets", "orbax")
 _HELP_ARGS = ("--help", "-help", "-h", "--helpshort", "-helpshort", "-?")
 _PRINT_CONFIG_ARGS = ("--print_config", "-print_config")
-
-
-class UserError(Exception):
-    """An error the user fixes by changing their input; its message says what, where and how."""
-
-
-def format_user_error(err: BaseException) -> str:
-    """The one-paragraph form of a user error: `gjax: <message>`, wrapped for a terminal."""
-    lines = str(err).strip().splitlines() or [type(err).__name__]
-    head = textwrap.fill(
-        lines[0], width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
-    )
-    return "\n".join([f"gjax: {head}", *lines[1:]])
 
 
 def _fail(err: BaseException) -> None:
@@ -70,8 +60,6 @@ def quiet_libraries() -> None:
 
 
 def _config_flags() -> list[str]:
-    from ml_collections.config_flags import config_flags
-
     return [name for name, f in flags.FLAGS._flags().items() if config_flags.is_config_flag(f)]
 
 
@@ -98,8 +86,6 @@ def _overrides(name: str, argv: list[str]) -> list[str]:
 
 def load_config(name: str, value: str):
     """The ConfigDict of `--<name>=path[:arg]`, or a UserError saying why it cannot be built."""
-    from ml_collections.config_flags import config_flags
-
     path = value.split(":", 1)[0]
     if not os.path.isfile(path):
         raise UserError(
@@ -118,8 +104,6 @@ def load_config(name: str, value: str):
 
 
 def _leaves(cfg, prefix: str = ""):
-    import ml_collections
-
     for key, value in cfg.items():
         if isinstance(value, ml_collections.ConfigDict):
             yield from _leaves(value, f"{prefix}{key}.")
@@ -129,8 +113,6 @@ def _leaves(cfg, prefix: str = ""):
 
 def _diagnose(argv: list[str]) -> UserError | None:
     """Why parsing a config flag or one of its overrides failed, as a UserError (or None)."""
-    from gjax.config import unknown_field
-
     for name in _config_flags():
         value = _given(name, argv)
         if value is None:
@@ -143,8 +125,10 @@ def _diagnose(argv: list[str]) -> UserError | None:
         sections = {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
         for arg in _overrides(name, argv):
             path = arg.lstrip("-").split("=", 1)[0].split(".", 1)[1]
-            if path not in known | sections:
-                return unknown_field(path, known, how=f" (from {arg})")
+            if path in RENAMED or path not in known | sections:
+                # The flag, not its value: a value may be a secret pasted in the wrong place.
+                flag = arg.split("=", 1)[0]
+                return unknown_field(path, known, how=f" (from {flag})")
     return None
 
 
@@ -158,10 +142,9 @@ def _flag_error(err: Exception) -> UserError:
     return UserError(f"{msg}{end} Run with --help to see the flags{fields}.")
 
 
-def describe_config(config, fields: dict | None = None) -> str:
-    """Every field of `config`: name, type, value and meaning, grouped as in the schema."""
-    if fields is None:
-        from configs.common import FIELDS as fields
+def describe_config(config, fields: dict = FIELDS) -> str:
+    """Every field of `config`: name, type, value and meaning, grouped as in the schema
+    (`fields`: dotted path -> `gjax.schema.Field`)."""
     order = {path: i for i, path in enumerate(fields)}
 
     def parent_doc(path):  # objective.advantage_kwargs.eps -> objective.advantage_kwargs
@@ -182,7 +165,9 @@ def describe_config(config, fields: dict | None = None) -> str:
             parent = parent[k]
         value = parent[key]
         kind = parent.get_type(key).__name__ if value is None else type(value).__name__
-        doc, valid = fields.get(path) or (fields.get(parent_doc(path), ("", None))[0], None)
+        field = fields.get(path)
+        doc = field.doc if field else (fields[parent_doc(path)].doc if parent_doc(path) else "")
+        valid = field.valid if field else None
         if path != parent_doc(path) and parent_doc(path):
             doc = f"{doc}: {key}"
         rng = f"; valid: {valid}" if valid is not None else ""
@@ -232,14 +217,12 @@ def parse_flags(argv: list[str]) -> list[str]:
             if wants == "help":  # e.g. a required flag not given yet: help is what was asked
                 _print_help(names[0] if names else None, None, full=True)
                 sys.exit(0)
-            raise _flag_error(err) from None
+            raise (_diagnose(rest) or _flag_error(err)) from None
         except (AttributeError, KeyError, TypeError, ValueError, OSError, SyntaxError):
             diagnosed = _diagnose(rest)
             if diagnosed is None:
                 raise
             raise diagnosed from None
-        import ml_collections
-
         for name in names:  # a config file that could not be read parses as a stand-in
             value = flags.FLAGS[name].value
             if value is not None and not isinstance(value, ml_collections.ConfigDict):

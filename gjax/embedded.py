@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from gjax.config import ConfigError
+from gjax.errors import ConfigError
 
 PREFIX = "embedded:"
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")

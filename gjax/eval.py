@@ -45,12 +45,19 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 from absl import flags
+from ml_collections import ConfigDict
 
-from gjax import multihost
-from gjax.cli import UserError
+from configs import common
+from gjax import cli, model_record, multihost, sharding
+from gjax.checkpoint import Checkpointer
+from gjax.config import resolve_mesh_shape
+from gjax.data import benchmarks as bench_lib
 from gjax.data.loading import PromptData, left_pad
-from gjax.rewards.verifier import extract_answer
-from gjax.rollout import RolloutBackend, SamplingParams
+from gjax.embedded import resolve_model_path
+from gjax.errors import ConfigError, UserError
+from gjax.models import hf_io
+from gjax.rewards.verifier import Verifier, extract_answer
+from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams
 
 log = logging.getLogger("gjax.eval")
 
@@ -315,8 +322,6 @@ class HeldoutEval:
 
     @classmethod
     def from_config(cls, eval_cfg) -> HeldoutEval:
-        from gjax.config import ConfigError
-
         n = int(eval_cfg.num_samples)
         if n < 0:
             raise ConfigError(f"config.eval.num_samples must be >= 0, got {n}")
@@ -332,6 +337,12 @@ class HeldoutEval:
         except EvalError as e:
             raise ConfigError(str(e)) from e
         return cls(n, float(eval_cfg.temperature), float(eval_cfg.top_p), ks, eval_cfg.max_rows)
+
+
+def check_config(config) -> None:
+    """`config.eval` can work (pass@k against num_samples, the sampling): a hook of
+    `gjax.config.validate`; raises ConfigError naming the field."""
+    HeldoutEval.from_config(config.eval)
 
 
 def heldout_metrics(
@@ -452,9 +463,6 @@ def run_model_source(workdir: str) -> tuple[str, dict[str, Any]]:
     model named by the run's `config.json`, whose architecture and tokenizer it shares."""
     from etils import epath
 
-    from gjax import model_record
-    from gjax.embedded import resolve_model_path
-
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise EvalError(
@@ -494,8 +502,6 @@ def split_checkpoint_path(path: str, step: int | None) -> tuple[str, str, int | 
 def restore_params(ckpt_dir: str, abstract_params, step: int | None = None):
     """(step, params) of a training checkpoint, the params alone (`Checkpointer.restore_params`:
     orbax partial restore into `abstract_params`' shapes and shardings)."""
-    from gjax.checkpoint import Checkpointer
-
     ckpt = Checkpointer(ckpt_dir)
     try:
         return ckpt.restore_params(abstract_params, step=step)
@@ -520,16 +526,10 @@ class _Policy:
 
 def _load_policy(F, mesh_for) -> _Policy:
     """--checkpoint (params restored alone) or --model (an HF dir), placed on the mesh."""
-    from gjax import sharding
-    from gjax.embedded import resolve_model_path
-    from gjax.models import hf_io
-
     if F.checkpoint:
         workdir, ckpt_dir, step = split_checkpoint_path(F.checkpoint, F.step)
         model_path, run = run_model_source(workdir)
     else:
-        from configs import common
-
         tiny = common.tiny(common.base())  # `heldout` with --model: the embedded task's
         model_path, step = resolve_model_path(F.model), None
         run = {"data": tiny.data.to_dict(), "rollout": tiny.rollout.to_dict()}
@@ -561,14 +561,6 @@ def _load_policy(F, mesh_for) -> _Policy:
 
 def main(argv) -> None:
     del argv
-    from ml_collections import ConfigDict
-
-    from gjax import sharding
-    from gjax.config import resolve_mesh_shape
-    from gjax.data import benchmarks as bench_lib
-    from gjax.rewards.verifier import Verifier
-    from gjax.rollout import LocalSampler
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("absl").setLevel(logging.WARNING)
     F = flags.FLAGS
@@ -725,7 +717,5 @@ def _define_flags() -> None:
 
 
 if __name__ == "__main__":
-    from gjax import cli
-
     _define_flags()
     cli.run(main)

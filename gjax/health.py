@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 
-from gjax.cli import UserError
+from gjax.errors import UserError
 
 
 class Diverged(UserError, FloatingPointError):

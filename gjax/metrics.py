@@ -45,7 +45,7 @@ LEGEND = (
 
 def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Device scalars -> python floats (one transfer for the whole dict)."""
-    import jax
+    import jax  # on use: gjax.plot reads metrics files without jax
 
     host = jax.device_get(dict(metrics))
     return {k: float(np.asarray(v)) for k, v in host.items()}
@@ -93,7 +93,7 @@ class MetricsWriter:
         self._file = None if self._remote else open(self.path, "a")  # noqa: SIM115 - for the run
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from tensorboardX import SummaryWriter  # imported only when log.tensorboard is on
 
             # purge_step: TensorBoard drops this directory's earlier events at steps >= it
             # (the steps a killed run wrote past its checkpoint; they are redone).
@@ -146,7 +146,7 @@ class MetricsWriter:
     def _show(self, step: int, metrics: Mapping[str, float]) -> None:
         shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS if k in metrics}
         if self._bar is None:  # started at the first step written: the ETA leaves out compiles
-            from tqdm import tqdm
+            from tqdm import tqdm  # imported only when log.progress is on
 
             tqdm.write(LEGEND, file=sys.stderr)
             self._bar = tqdm(

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 
 from gjax import paths
-from gjax.cli import UserError
 from gjax.embedded import resolve_model_path
+from gjax.errors import UserError
 from gjax.models import hf_io
 from gjax.models.config import ModelConfig
 

@@ -18,9 +18,10 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from gjax.cli import UserError
+from gjax.errors import UserError
 
 
 class DistributedError(UserError, RuntimeError):
@@ -131,8 +132,6 @@ def allgather(x) -> np.ndarray:
     x = np.asarray(x)
     if jax.process_count() == 1:
         return x[None]
-    from jax.experimental import multihost_utils
-
     return np.asarray(multihost_utils.process_allgather(x, tiled=False))
 
 

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from gjax.cli import UserError, format_user_error
+from gjax.errors import UserError, format_user_error
 from gjax.metrics import read_jsonl
 
 PANELS = (
@@ -98,7 +98,7 @@ def load_run(workdir: str) -> tuple[list[dict], dict | None]:
 
 def make_figure(workdirs: list[str], smooth: float = 0.6):
     """The figure (Agg backend): the training panels, then one panel per `eval/*` series."""
-    import matplotlib
+    import matplotlib  # imported on use: slow, and only the figure needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -25,10 +25,17 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import cli, sharding
-from gjax.config import ConfigError, check_model, validate
+from gjax import eval as eval_lib
+from gjax.config import check_model, validate
+from gjax.data import loading
 from gjax.embedded import resolve_model_path
+from gjax.errors import ConfigError
 from gjax.models import hf_io
+from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rollout.backend import rollout_sampling
+
+# The subsystems' config hooks `validate` asks: the run's config is the trainer's.
+CONFIG_CHECKS = (loading.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -38,7 +45,7 @@ _SAMPLING = flags.DEFINE_enum(
     "rollout",
     ["rollout", "eval"],
     "Sample with the run's rollout settings (for a jetstream_grpc trainer) or with "
-    "rollout.eval_temperature (a held-out evaluation server; greedy by default).",
+    "eval.greedy_temperature (a held-out evaluation server; greedy by default).",
 )
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "The trainer's --workdir (for the default push dir WORKDIR/push)."
@@ -58,11 +65,12 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def build_server(config, workdir: str, *, sampling: str = "rollout"):
     """Starts the server; returns (server, watcher)."""
+    # These import JetStream, an optional dependency (the jetstream extra).
     from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
     from gjax.rollout.weight_push import WeightWatcher
 
     host, port = parse_address(config.rollout.server_address)
-    mesh_shape = validate(config, jax.device_count())
+    mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     mesh = sharding.make_mesh(mesh_shape)
     # The policy's config.json checked (found, supported, long enough) before weights load.
     model_path = check_model(config, resolve_model_path(config.model.path))
@@ -71,7 +79,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     run = rollout_sampling(config, cfg, tok)
     if sampling == "eval":
         run = dataclasses.replace(
-            run, temperature=config.rollout.eval_temperature, top_k=0, top_p=1.0
+            run, temperature=config.eval.greedy_temperature, top_k=0, top_p=1.0
         )
     engine = Engine(
         cfg,
@@ -108,7 +116,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
 def start_server(engine, host: str, port: int):
     """JetStream's `server_lib.run` over `engine` (interleaved: one engine prefills and
     generates) on host:port; returns its JetStreamServer (`.stop()` shuts it down)."""
-    from gjax.rollout.jetstream_compat import jetstream
+    from gjax.rollout.jetstream_compat import jetstream  # optional dependency: JetStream
 
     devices = jax.devices()
     server_config = jetstream.server_lib.config_lib.ServerConfig(

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import linen as nn
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -137,8 +138,6 @@ def use_rules(rules: Rules | None = None) -> Iterator[None]:
     Covers gjax's own helpers (`constrain`, `logical_to_spec`, ...) and flax's
     `nn.with_logical_constraint` inside the model. Combine with `jax.set_mesh(mesh)`.
     """
-    from flax import linen as nn
-
     checked = check_rules(DEFAULT_RULES if rules is None else rules)
     previous = getattr(_local, "rules", None)
     _local.rules = checked
@@ -192,8 +191,6 @@ def logical_to_spec(
     replicated instead (activations, whose sizes vary); for parameters divisibility is
     checked, not patched (see `param_shardings`).
     """
-    from flax import linen as nn
-
     rules = current_rules() if rules is None else rules
     for name in logical_axes:
         if name is not None and name not in rules:
@@ -262,7 +259,6 @@ def param_logical_axes(params: Any) -> Any:
     Leaves boxed by flax's logical partitioning (`nn.LogicallyPartitioned`) use their own
     names; plain arrays (or `ShapeDtypeStruct`s) are looked up by path.
     """
-    from flax import linen as nn
 
     def axes(path, leaf):
         if isinstance(leaf, nn.LogicallyPartitioned):
@@ -290,8 +286,6 @@ def param_shardings(params: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     Every dimension must be divisible by the mesh axes its logical axis maps to; all
     violations are reported at once, naming the tensor, the dimension and the mesh axis.
     """
-    from flax import linen as nn
-
     rules = check_rules(current_rules() if rules is None else rules)
     unboxed = nn.unbox(params) if _has_boxes(params) else params
     logical = param_logical_axes(params)
@@ -432,7 +426,5 @@ def _key_name(key) -> str:
 
 
 def _has_boxes(tree) -> bool:
-    from flax import linen as nn
-
     leaves = jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
     return any(isinstance(leaf, nn.LogicallyPartitioned) for leaf in leaves)

@@ -30,23 +30,28 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from configs import common
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, model_record, multihost, paths, sharding
+from gjax import cli, model_record, multihost, paths, schema, sharding
 from gjax import eval as eval_lib
 from gjax import stopping as stopping_lib
-from gjax.config import ConfigError, check_model, validate
+from gjax.config import check_model, validate
+from gjax.data import loading as data_loading
 from gjax.data.loading import PromptIterator, build_prompt_data, build_sharded_prompts
 from gjax.embedded import resolve_model_path
+from gjax.errors import ConfigError
 from gjax.health import CollapseWatch, Diverged
 from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
+from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
-from gjax.rollout.backend import make_backend
 from gjax.rollout.collect import Rollout
+from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
+
+# The subsystems' config hooks `validate` asks, before anything loads or is written.
+CONFIG_CHECKS = (data_loading.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -111,10 +116,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> int | None:
 
 def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.ExitStack):
     # --- config -------------------------------------------------------------------------
-    mesh_shape = validate(config, jax.device_count())
+    mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    obj_cfg = common.to_objective_config(config.objective)
+    obj_cfg = schema.to_objective_config(config.objective)
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     _write_config(workdir, config)
 
@@ -311,7 +316,7 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
         max_new_tokens=config.rollout.max_new_tokens,
         eos=rollout.eos,
         pad_id=rollout.pad_id,
-        greedy_temperature=config.rollout.eval_temperature,
+        greedy_temperature=config.eval.greedy_temperature,
         seed=config.seed,
         rollout_sampling=rollout.sampling,
         rollout_shape=(config.rollout.prompts_per_step, rollout.G - rollout.A),

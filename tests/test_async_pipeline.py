@@ -254,7 +254,8 @@ def test_resume_at_k1_follows_the_documented_rule(tmp_path):
     ],
 )
 def test_config_errors_name_the_field(field, value, match):
-    from gjax.config import ConfigError, validate
+    from gjax.config import validate
+    from gjax.errors import ConfigError
 
     c = tiny_config()
     section, name = field.split(".")

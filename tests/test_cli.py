@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from configs import common
-from gjax import cli
+from gjax import cli, schema
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs gjax.train as `python -m` would, on a machine without torch (as a fresh `pip install
@@ -57,6 +56,13 @@ def assert_one_paragraph(proc, *needles):
             ["--config.optim.clip_norm=-1"],
             ["config.optim.clip_norm=-1.0 is out of range", "> 0"],
         ),
+        (  # a renamed field: refused, naming the new one
+            ["--config.reward.judge=openai"],
+            [
+                "config.reward.judge (from --config.reward.judge) was renamed",
+                "config.reward.judge.name",
+            ],
+        ),
         (  # a name that was checked only after the model and the data had loaded
             ["--config.reward.functions=acuracy"],
             ["config.reward.functions", "'acuracy'", "'accuracy'"],
@@ -77,7 +83,8 @@ def test_help_and_print_config_list_every_field(tmp_path):
     out = proc.stdout
     assert "--workdir" in out and "--config" in out  # absl's flags are still listed
     lines = {line.split()[0]: line for line in out.splitlines() if line.startswith("  ")}
-    for path, (doc, valid) in common.FIELDS.items():
+    for path, field in schema.FIELDS.items():
+        doc, valid = field.doc, field.valid
         if path.endswith("_kwargs"):
             continue  # per-estimator: listed leaf by leaf (below)
         assert path in lines and doc in lines[path], path

@@ -8,7 +8,18 @@ import ml_collections
 import pytest
 
 from configs import common
-from gjax.config import ConfigError, Range, check_schema, resolve_mesh_shape, validate
+from gjax import schema
+from gjax.config import check_schema, resolve_mesh_shape
+from gjax.config import validate as validate_core
+from gjax.errors import ConfigError
+from gjax.schema import Range, walk
+from gjax.train import CONFIG_CHECKS
+
+
+def validate(config, num_devices):
+    """`gjax.config.validate` as training calls it: the core and every subsystem's hook."""
+    return validate_core(config, num_devices, checks=CONFIG_CHECKS)
+
 
 ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo")
 
@@ -39,7 +50,7 @@ def test_paper_settings_are_the_defaults():
     assert d.objective.advantage_kwargs.delta == 3.0 and d.train.steps == 500
     assert d.objective.advantage_kwargs.scale == "none"  # Dr.GRPO setting: no std
     assert d.objective.aggregation == "seq_mean_token_sum_norm" and d.objective.kl_beta == 0
-    assert d.anchors.per_group == 1 and d.reward.judge == "openai"
+    assert d.anchors.per_group == 1 and d.reward.judge.name == "openai"
     g = gpg.get_config()
     assert g.sampling.min_valid_fraction == 0.6 and g.objective.policy_loss == "pg"
 
@@ -69,14 +80,15 @@ def test_wrong_type_is_named():
         ("anchors.per_group", 8, r"anchors\.per_group"),
         ("rollout.top_p", 0.0, r"rollout\.top_p"),
         ("sampling.min_valid_fraction", 1.5, r"sampling\.min_valid_fraction"),
-        ("reward.judge", "gpt", r"reward\.judge"),
+        ("reward.judge.name", "gpt", r"reward\.judge\.name"),
+        ("reward.judge.on_missing", "skip", r"reward\.judge\.on_missing: must be keep\|drop\|fill"),
+        ("eval.pass_k", "1,16", r"config\.eval\.pass_k"),
     ],
 )
 def test_bad_values_are_named(field, value, match):
     c = common.tiny(common.base())
     c.train.minibatches = 2
-    section, key = field.split(".")
-    c[section][key] = value
+    _set(c, field, value)
     with pytest.raises(ConfigError, match=match):
         validate(c, 1)
 
@@ -124,10 +136,8 @@ PER_ESTIMATOR = ("objective.advantage_kwargs", "objective.token_weights_kwargs")
 
 
 def _leaves():
-    from gjax.config import _walk
-
     base = common.base()
-    for path, value in _walk(base):
+    for path, value in walk(base):
         if path.startswith(PER_ESTIMATOR):
             continue
         holder, _, key = path.rpartition(".")
@@ -139,10 +149,10 @@ def _leaves():
 
 def test_every_field_has_a_meaning_and_every_number_a_range():
     paths = {p for p, _, _ in _leaves()}
-    assert sorted(paths - set(common.FIELDS)) == [], "add these fields to configs.common.FIELDS"
-    assert sorted(set(common.FIELDS) - paths - set(PER_ESTIMATOR)) == []
+    assert sorted(paths - set(schema.FIELDS)) == [], "add these fields to gjax.schema.SCHEMA"
+    assert sorted(set(schema.FIELDS) - paths - set(PER_ESTIMATOR)) == []
     for path, value, kind in _leaves():
-        doc, valid = common.FIELDS[path]
+        doc, valid = schema.FIELDS[path].doc, schema.FIELDS[path].valid
         assert doc.strip() and "\n" not in doc, path
         numeric = kind in (int, float) and not isinstance(value, bool)
         assert (valid is not None) == numeric, f"{path}: a number needs a Range, else None"
@@ -175,9 +185,9 @@ def _set(c, path, value):
     return value
 
 
-@pytest.mark.parametrize("path", [p for p, (_, r) in common.FIELDS.items() if r is not None])
+@pytest.mark.parametrize("path", [p for p, f in schema.FIELDS.items() if f.valid is not None])
 def test_every_numeric_field_is_range_checked(path):
-    valid = common.FIELDS[path][1]
+    valid = schema.FIELDS[path].valid
     for bad in _bad_values(valid):
         c = common.tiny(common.base())
         bad = _set(c, path, bad)
@@ -216,6 +226,7 @@ def test_harmful_values_are_rejected(path, value, match):
     [  # names checked in validate, before the model and the data load (13.6)
         ("reward.functions", "accuracy,formt", r"reward function 'formt'.*'format'"),
         ("reward.functions", "accuracy:heavy", r"weight of 'accuracy'"),
+        ("reward.functions", "accuracy,overlong", r"retired.*config\.sampling\.overlong_buffer"),
         ("data.template", "qwen", r"data\.template: unknown template 'qwen'.*qwen_boxed"),
         ("rollout.backend", "vllm", r"rollout\.backend: must be one of \('local',"),
         ("model.remat", "some", r"model\.remat"),
@@ -234,9 +245,9 @@ def test_names_are_checked_before_anything_loads(path, value, match):
 
 
 def test_unknown_field_names_the_deepest_section_and_close_matches():
-    from gjax.config import _walk, unknown_field
+    from gjax.schema import unknown_field
 
-    known = dict(_walk(common.base()))
+    known = dict(walk(common.base()))
     msg = str(unknown_field("train.stepz", known))
     assert "'config.train.steps'" in msg and "config.train are: allow_nonfinite" in msg
     msg = str(unknown_field("trian.steps", known))
@@ -269,3 +280,48 @@ def test_model_path_and_lengths_are_checked_before_any_weight_loads(tmp_path):
     c.rollout.max_new_tokens = 10**6
     with pytest.raises(ConfigError, match=r"rollout\.max_new_tokens.*max_position_embeddings"):
         check_model(c, local)
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [
+        ("reward.judge_model", "reward.judge.model"),
+        ("reward.judge_api_key_env", "reward.judge.api_key_env"),
+        ("rollout.eval_temperature", "eval.greedy_temperature"),
+    ],
+)
+def test_a_renamed_field_is_refused_with_its_new_name(old, new):
+    c = common.tiny(common.base())
+    section, key = old.split(".")
+    c[section][key] = 0.0 if "temperature" in key else "x"
+    with pytest.raises(ConfigError, match=rf"config\.{re.escape(old)} was renamed: .*{new}"):
+        validate(c, 1)
+    # The old flat `reward.judge`, now the judge's section: a str where a section is.
+    c = ml_collections.ConfigDict({"reward": {"judge": "openai"}})
+    with pytest.raises(ConfigError, match=r"config\.reward\.judge was renamed.*judge\.name"):
+        check_schema(c, common.base())
+
+
+def test_schema_declares_each_field_once_and_base_is_built_from_it():
+    base = common.base()
+    for path, field in schema.FIELDS.items():
+        if field.default is schema.PRESET:
+            continue  # the objective's defaults come from ObjectiveConfig's presets
+        holder, _, key = path.rpartition(".")
+        parent = base
+        for k in holder.split(".") if holder else ():
+            parent = parent[k]
+        assert parent[key] == field.default, path
+    # The objective's section lists exactly ObjectiveConfig's fields.
+    import dataclasses
+
+    from gjax.objective import ObjectiveConfig
+
+    assert set(schema.SCHEMA["objective"]) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
+    # config.data has the library's keys (gjax.data.loading.DATA_DEFAULTS): one set of names.
+    from gjax.data.loading import DATA_DEFAULTS
+
+    assert set(schema.SCHEMA["data"]) == set(DATA_DEFAULTS)
+    # A renamed field's new name exists, and its old one is gone.
+    for old, new in schema.RENAMED.items():
+        assert new in schema.FIELDS and old not in schema.FIELDS, old

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from gjax import eval as ev
-from gjax.config import ConfigError
+from gjax.errors import ConfigError
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ def test_rejected_credentials_raise_at_once(status, caplog):
     """A wrong key (the server checks the Bearer token) or a 403: `score` raises
     JudgeAuthError (a user error) after one request per item, and every later call raises
     without a request; the key never appears in the message or the log."""
-    from gjax.cli import UserError
+    from gjax.errors import UserError
     from gjax.rewards.judge import JudgeAuthError
 
     caplog.set_level(logging.INFO)
@@ -298,9 +298,9 @@ def test_out_of_range_policy_reaches_the_judge_from_the_config(server):
     server.program("high", ["score:42"])
     c = common.base()
     c.reward.functions = "format"
-    c.reward.judge, c.reward.judge_base_url = "openai", server.base_url
+    c.reward.judge.name, c.reward.judge.base_url = "openai", server.base_url
     for policy, want in (("clamp", 10.0), ("reject", None)):
-        c.reward.judge_out_of_range = policy
+        c.reward.judge.out_of_range = policy
         pipe = build_rewards(c, verifier=None)
         try:
             assert pipe.judge.out_of_range == policy
@@ -311,28 +311,30 @@ def test_out_of_range_policy_reaches_the_judge_from_the_config(server):
 
 def test_a_key_pasted_as_the_env_name_is_refused_unshown(tmp_path):
     from configs import common
-    from gjax.config import ConfigError, validate
+    from gjax.config import validate
+    from gjax.errors import ConfigError
+    from gjax.train import CONFIG_CHECKS
 
     with pytest.raises(ValueError, match="NAME of an environment variable") as err:
         OpenAIJudge(model="m", base_url="http://127.0.0.1:1/v1", api_key_env=KEY)
     assert KEY not in str(err.value)
     c = common.tiny(common.base())
-    c.reward.judge_api_key_env = KEY
-    with pytest.raises(ConfigError, match=r"config\.reward\.judge_api_key_env") as err:
-        validate(c, 1)
+    c.reward.judge.api_key_env = KEY
+    with pytest.raises(ConfigError, match=r"config\.reward\.judge\.api_key_env") as err:
+        validate(c, 1, checks=CONFIG_CHECKS)
     assert KEY not in str(err.value)
     for name in ("OPENAI_API_KEY", "HF_TOKEN", "MY_JUDGE_KEY_2"):  # real names pass
-        c.reward.judge_api_key_env = name
-        validate(c, 1)
-    c.reward.judge_out_of_range = "wrap"
-    with pytest.raises(ConfigError, match=r"judge_out_of_range"):
-        validate(c, 1)
+        c.reward.judge.api_key_env = name
+        validate(c, 1, checks=CONFIG_CHECKS)
+    c.reward.judge.out_of_range = "wrap"
+    with pytest.raises(ConfigError, match=r"judge\.out_of_range"):
+        validate(c, 1, checks=CONFIG_CHECKS)
 
 
 @pytest.mark.slow
 def test_train_refuses_a_pasted_key_before_writing_anything(tmp_path):
-    """`python -m gjax.train` with a key as judge_api_key_env: one paragraph, exit 2, the key
-    neither printed nor written (no config.json)."""
+    """`python -m gjax.train` with a key as reward.judge.api_key_env (or as the field's old
+    name): one paragraph, exit 2, the key neither printed nor written (no config.json)."""
     import os
     import subprocess
     import sys
@@ -341,25 +343,26 @@ def test_train_refuses_a_pasted_key_before_writing_anything(tmp_path):
     env = {**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     wd = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "gjax.train",
-            "--config=configs/grpo.py:tiny",
-            f"--workdir={wd}",
-            f"--config.reward.judge_api_key_env={KEY}",
-        ],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    assert "judge_api_key_env" in proc.stderr and "Traceback" not in proc.stderr
-    assert KEY not in proc.stdout + proc.stderr
-    assert not (wd / "config.json").exists()
+    for field in ("reward.judge.api_key_env", "reward.judge_api_key_env"):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gjax.train",
+                "--config=configs/grpo.py:tiny",
+                f"--workdir={wd}",
+                f"--config.{field}={KEY}",
+            ],
+            cwd=root,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert field in proc.stderr and "Traceback" not in proc.stderr
+        assert KEY not in proc.stdout + proc.stderr
+        assert not (wd / "config.json").exists()
 
 
 def test_slow_replies_time_out_and_are_retried(server):

@@ -18,7 +18,7 @@ TPU = os.path.join(ROOT, "launch", "tpu.sh")
 TPU_VM = os.path.join(ROOT, "launch", "tpu_vm.sh")
 GC = ["gcloud", "compute", "tpus"]
 NAME, ZONE = "gjax-v5p", "us-east5-a"
-OVERRIDES = ["--config.train.steps=10", "--config.reward.judge_model=gpt 4o's"]
+OVERRIDES = ["--config.train.steps=10", "--config.reward.judge.model=gpt 4o's"]
 
 
 def launch(*args, env=None, script=TPU, **kw):

@@ -1,4 +1,5 @@
-"""Reward functions: registry, built-ins (accuracy, format, DAPO overlong), combination, faults."""
+"""Reward functions: registry, built-ins (accuracy, format), DAPO's overlong penalty,
+combination, faults."""
 
 from __future__ import annotations
 
@@ -34,6 +35,30 @@ def _register(name, fn):
     return name
 
 
+def _length_ramp(
+    prompts,
+    completions,
+    answers,
+    *,
+    completion_lengths,
+    max_length: int,
+    cache_length: int,
+    **metadata,
+):
+    """A reward of the lengths, with required config (DAPO's ramp, as a test function)."""
+    del prompts, answers, metadata
+    if completion_lengths is None:
+        raise TypeError("the 'test_length_ramp' reward needs completion_lengths")
+    if len(completion_lengths) != len(completions):
+        raise ValueError(f"{len(completion_lengths)} completion_lengths")
+    return soft_overlong_penalty(
+        completion_lengths, max_length=max_length, cache_length=cache_length
+    )
+
+
+RAMP = _register("test_length_ramp", _length_ramp)
+
+
 def _batch(n=4):
     return ["p"] * n, [rf"\boxed{{{i}}}" for i in range(n)], [str(i) for i in range(n)]
 
@@ -56,12 +81,26 @@ def test_soft_overlong_penalty_golden():
         soft_overlong_penalty([1], max_length=4, cache_length=0)
 
 
-def test_overlong_needs_lengths():
-    reward = build_reward([{"name": "overlong", "max_length": 8, "cache_length": 4}])
+def test_overlong_has_one_entry_point():
+    """DAPO's shaping is set by config.sampling.overlong_*; the retired reward function's name
+    is refused with a pointer there."""
+    from configs import common
+    from gjax.errors import ConfigError
+    from gjax.rewards.pipeline import check_config
+
+    assert "overlong" not in REWARDS
+    c = common.tiny(common.base())
+    c.reward.functions = "accuracy,overlong:1.0"
+    with pytest.raises(ConfigError, match=r"retired.*sampling\.overlong_buffer.*overlong_penalty"):
+        check_config(c)
+
+
+def test_a_reward_of_the_lengths_needs_them():
+    reward = build_reward([{"name": RAMP, "max_length": 8, "cache_length": 4}])
     p, c, a = _batch(3)
     out = reward.compute(p, c, a, completion_lengths=[2, 6, 9])
     np.testing.assert_allclose(out.rewards_B, [0.0, -0.5, -1.0])
-    reward2 = build_reward([{"name": "overlong", "max_length": 8, "cache_length": 4}])
+    reward2 = build_reward([{"name": RAMP, "max_length": 8, "cache_length": 4}])
     with pytest.raises(RewardFunctionError, match="completion_lengths"):
         reward2.compute(p, c, a)  # a programming error on the first call: fail fast
     with pytest.raises(ValueError, match="completion_lengths has shape"):
@@ -108,11 +147,11 @@ def test_weighted_combination_golden(verifier):
         [
             "accuracy",
             ("format", 0.5),
-            {"name": "overlong", "weight": 2.0, "kwargs": {"max_length": 10, "cache_length": 4}},
+            {"name": RAMP, "weight": 2.0, "kwargs": {"max_length": 10, "cache_length": 4}},
         ],
         verifier=verifier,
     )
-    assert reward.names == ["accuracy", "format", "overlong"]
+    assert reward.names == ["accuracy", "format", RAMP]
     completions = [
         r"<think>x</think> \boxed{\dfrac{1}{2}}",  # right, formatted, short
         r"\boxed{3}",  # wrong, formatted, in the ramp: (6 - 8) / 4 = -0.5
@@ -123,7 +162,7 @@ def test_weighted_combination_golden(verifier):
     )
     np.testing.assert_allclose(out.components["accuracy"], [1, 0, 0])
     np.testing.assert_allclose(out.components["format"], [1, 1, 0])
-    np.testing.assert_allclose(out.components["overlong"], [0, -0.5, -1])
+    np.testing.assert_allclose(out.components[RAMP], [0, -0.5, -1])
     np.testing.assert_allclose(out.rewards_B, [1.5, -0.5, -2.0], rtol=0, atol=1e-6)
     assert out.rewards_B.dtype == np.float32 and out.valid_B.all()
     assert out.metrics["rewards/accuracy/mean"] == pytest.approx(1 / 3)
@@ -269,12 +308,12 @@ def test_programming_errors_fail_fast_on_first_call_only():
 
 
 def test_bad_specs_fail_at_build_time(verifier):
-    with pytest.raises(KeyError, match="valid names: .*accuracy.*format.*overlong"):
+    with pytest.raises(KeyError, match="valid names: .*accuracy.*format"):
         build_reward(["acuracy"])
     with pytest.raises(RewardFunctionError, match="needs a Verifier"):
         build_reward(["accuracy"])
     with pytest.raises(RewardFunctionError, match="max_length"):
-        build_reward(["overlong"])  # missing required config
+        build_reward([RAMP])  # missing required config
     with pytest.raises(RewardFunctionError, match="unknown config kwargs"):
         build_reward([{"name": "format", "requires_think": True}])
 
@@ -305,13 +344,13 @@ def test_bad_specs_fail_at_build_time(verifier):
 def test_spec_forms():
     assert RewardSpec.parse("format") == RewardSpec("format", 1.0, {})
     assert RewardSpec.parse(("format", 0.5)) == RewardSpec("format", 0.5, {})
-    assert RewardSpec.parse(("overlong", 1, {"max_length": 3})).kwargs == {"max_length": 3}
+    assert RewardSpec.parse((RAMP, 1, {"max_length": 3})).kwargs == {"max_length": 3}
     cfg = ml_collections.ConfigDict(
-        {"name": "overlong", "weight": 2.0, "max_length": 16, "cache_length": 4}
+        {"name": RAMP, "weight": 2.0, "max_length": 16, "cache_length": 4}
     )
     spec = RewardSpec.parse(cfg)
-    assert spec == RewardSpec("overlong", 2.0, {"max_length": 16, "cache_length": 4})
-    nested = RewardSpec.parse({"name": "overlong", "kwargs": {"max_length": 16}, "cache_length": 4})
+    assert spec == RewardSpec(RAMP, 2.0, {"max_length": 16, "cache_length": 4})
+    nested = RewardSpec.parse({"name": RAMP, "kwargs": {"max_length": 16}, "cache_length": 4})
     assert nested.kwargs == {"max_length": 16, "cache_length": 4}
     with pytest.raises(ValueError, match="no 'name'"):
         RewardSpec.parse({"weight": 1.0})

@@ -275,11 +275,11 @@ def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
 
     with JudgeServer(default="status:500", api_key="right-key") as server:
         judge = [
-            "--config.reward.judge=openai",
-            f"--config.reward.judge_base_url={server.base_url}",
-            "--config.reward.judge_api_key_env=GJAX_E2E_JUDGE_KEY",
-            "--config.reward.judge_max_retries=0",
-            "--config.reward.judge_max_missing_steps=3",
+            "--config.reward.judge.name=openai",
+            f"--config.reward.judge.base_url={server.base_url}",
+            "--config.reward.judge.api_key_env=GJAX_E2E_JUDGE_KEY",
+            "--config.reward.judge.max_retries=0",
+            "--config.reward.judge.max_missing_steps=3",
             "--config.train.steps=4",
         ]
         results = {}

@@ -33,7 +33,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from gjax.data.loading import DataError, FieldMap, PromptData, load_rows, prepare_prompts
+from gjax.data.loading import (
+    DataError,
+    FieldMap,
+    PromptData,
+    build_prompt_data,
+    data_config,
+    load_rows,
+    prepare_prompts,
+)
 from gjax.registry import Registry
 
 
@@ -118,8 +126,6 @@ def load_benchmark(
     ``heldout_data`` is the ``config.data`` whose held-out split ``heldout`` means (the
     run's own, or the embedded task's); its template is used for ``heldout``.
     """
-    from gjax.data.loading import build_prompt_data, data_config
-
     if spec.name == HELDOUT:
         cfg = data_config(heldout_data)
         cfg["max_prompt_len"] = max(cfg["max_prompt_len"], max_prompt_len)

@@ -10,7 +10,7 @@ Three steps, each usable alone::
     it.state()                 # {"epoch": 0, "index": P, ...}: store it in the checkpoint
     PromptIterator(data, global_batch_size=P, seed=0, state=saved)   # same next batches
 
-or all at once from ``config.data`` (keys of ``DATA_DEFAULTS``, as in ``configs/common.py``):
+or all at once from ``config.data`` (keys of ``DATA_DEFAULTS``, as in ``gjax/schema.py``):
 ``build_prompt_iterator(config.data, tok, global_batch_size=P)`` and
 ``build_prompt_data(config.data, tok, heldout=True)`` for held-out evaluation.
 
@@ -53,11 +53,14 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
-from gjax.cli import UserError
+from gjax import multihost
 from gjax.data import synthetic as synthetic_lib
 from gjax.data.templates import TEMPLATES
+from gjax.errors import ConfigError, UserError
+from gjax.models.hf_io import cache_dir
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +198,6 @@ def _cached_copy(url: str) -> str:
     import shutil
 
     from etils import epath
-
-    from gjax.models.hf_io import cache_dir
 
     scheme, rest = url.split("://", 1)
     target = os.path.join(cache_dir(), "remote", scheme, rest)
@@ -592,7 +593,6 @@ def prepare_sharded_prompts(
     after the gather, so no host is left waiting in it.
     """
     render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
-    from gjax import multihost
 
     def codes_of(lo, hi):
         entries = _encode(
@@ -702,8 +702,6 @@ class PromptIterator(Iterator[PromptBatch]):
         state: Mapping[str, Any] | None = None,
     ):
         if process_index is None or process_count is None:
-            import jax
-
             process_index = jax.process_index() if process_index is None else process_index
             process_count = jax.process_count() if process_count is None else process_count
         if not 0 <= process_index < process_count:
@@ -791,7 +789,7 @@ class PromptIterator(Iterator[PromptBatch]):
 
 # --------------------------------------------------------------------------- from a config
 
-# The ``config.data`` schema (the keys of ``configs/common.py``; missing keys take these).
+# The library's defaults of ``config.data`` (the keys of its section in ``gjax/schema.py``).
 DATA_DEFAULTS: dict[str, Any] = {
     "source": SYNTHETIC,  # "synthetic", a local file/dir/glob, or a Hub id
     "subset": None,  # Hub configuration name
@@ -810,6 +808,32 @@ DATA_DEFAULTS: dict[str, Any] = {
     "synthetic": {},  # SyntheticConfig overrides (difficulty knobs)
     "synthetic_seed": 0,  # seed of the synthetic problem stream
 }
+
+
+def check_config(config) -> None:
+    """`config.data` can work (the template exists, the synthetic task is consistent, a local
+    source matches a file): raises ConfigError naming the field. A hook of
+    `gjax.config.validate`, run before anything loads."""
+    d = config.data
+    if d.template not in TEMPLATES:
+        raise ConfigError(
+            f"config.data.template: unknown template {d.template!r}; valid: {sorted(TEMPLATES)}"
+        )
+    if d.source == SYNTHETIC:
+        try:
+            synthetic_lib.SyntheticConfig(**d.synthetic.to_dict())
+        except ValueError as e:
+            raise ConfigError(f"config.data.synthetic: {e}") from None
+    elif (
+        _looks_like_path(d.source)
+        and "://" not in d.source
+        and not glob.glob(os.path.expanduser(d.source))
+    ):
+        raise ConfigError(
+            f"config.data.source: no file or directory matches {d.source!r} (relative to "
+            f"{os.getcwd()}); give a local .jsonl/.parquet/.arrow file or directory, a Hub "
+            "id, or 'synthetic'"
+        )
 
 
 def data_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:

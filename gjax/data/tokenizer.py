@@ -61,7 +61,7 @@ def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     >>> tok.decode(tok("7+5=12")["input_ids"])
     '7+5=12'
     """
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # slow to import: on use
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     byte_char = _bytes_to_unicode()

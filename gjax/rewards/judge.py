@@ -66,7 +66,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from gjax.cli import UserError
+from gjax.errors import ConfigError, UserError
 from gjax.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -631,7 +631,7 @@ class OpenAIJudge:
         with self._loops_lock:
             state = self._loops.get(loop)
             if state is None:
-                import openai
+                import openai  # imported on use: slow to import, only an OpenAI judge needs it
 
                 client = openai.AsyncOpenAI(
                     api_key=self._api_key.get(),
@@ -712,7 +712,7 @@ class OpenAIJudge:
 
     async def _request(self, state: _LoopState, messages: list[dict[str, str]]) -> float | None:
         """One item: HTTP attempts with retries. Never raises (except cancellation)."""
-        import openai
+        import openai  # imported on use (see above)
 
         for attempt in range(self.max_retries + 1):
             retry_after = None
@@ -764,8 +764,8 @@ class OpenAIJudge:
                     )
                     self._auth_error = (
                         f"the judge at {self.base_url} rejected the credentials ({detail}): "
-                        f"check the key in ${self.api_key_env} (config.reward.judge_api_key_env) "
-                        "and the endpoint (config.reward.judge_base_url); no judge score can "
+                        f"check the key in ${self.api_key_env} (config.reward.judge.api_key_env) "
+                        "and the endpoint (config.reward.judge.base_url); no judge score can "
                         "arrive, so the run stops here."
                     )
                 log.warning(
@@ -795,27 +795,37 @@ class OpenAIJudge:
         return value
 
 
-def check_reward_config(reward: Any) -> None:
-    """Validates the judge fields of `config.reward` (gjax.config.validate calls this before
-    anything is written): raises `ConfigError` naming the field, never echoing a key."""
-    from gjax.config import ConfigError
+JUDGE_NAMES = ("none", "openai", "rule")  # config.reward.judge.name
 
-    if looks_like_api_key(reward.judge_api_key_env):
-        raise ConfigError(_refuse_key_as_env_name("config.reward.judge_api_key_env"))
-    if reward.judge_out_of_range not in OUT_OF_RANGE:
+
+def check_config(judge: Any) -> None:
+    """Validates `config.reward.judge` (gjax.config.validate asks it, through the rewards'
+    hook, before anything is written): raises `ConfigError` naming the field, never echoing a
+    key."""
+    if judge.name not in JUDGE_NAMES:
         raise ConfigError(
-            "config.reward.judge_out_of_range: must be clamp|reject, got "
-            f"{reward.judge_out_of_range!r}"
+            f"config.reward.judge.name: must be one of {'|'.join(JUDGE_NAMES)}, got {judge.name!r}"
         )
-    if not 0.0 <= reward.judge_max_missing_fraction <= 1.0:
+    if judge.on_missing not in ON_MISSING:
         raise ConfigError(
-            "config.reward.judge_max_missing_fraction: must be in [0, 1], got "
-            f"{reward.judge_max_missing_fraction}"
+            f"config.reward.judge.on_missing: must be {'|'.join(ON_MISSING)}, got "
+            f"{judge.on_missing!r}"
         )
-    if reward.judge_max_missing_steps < 0:
+    if looks_like_api_key(judge.api_key_env):
+        raise ConfigError(_refuse_key_as_env_name("config.reward.judge.api_key_env"))
+    if judge.out_of_range not in OUT_OF_RANGE:
         raise ConfigError(
-            "config.reward.judge_max_missing_steps: must be >= 0 (0: never stop), got "
-            f"{reward.judge_max_missing_steps}"
+            f"config.reward.judge.out_of_range: must be clamp|reject, got {judge.out_of_range!r}"
+        )
+    if not 0.0 <= judge.max_missing_fraction <= 1.0:
+        raise ConfigError(
+            "config.reward.judge.max_missing_fraction: must be in [0, 1], got "
+            f"{judge.max_missing_fraction}"
+        )
+    if judge.max_missing_steps < 0:
+        raise ConfigError(
+            "config.reward.judge.max_missing_steps: must be >= 0 (0: never stop), got "
+            f"{judge.max_missing_steps}"
         )
 
 

@@ -60,6 +60,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -67,8 +68,17 @@ from typing import Any
 
 import numpy as np
 
-from gjax.cli import UserError
-from gjax.rewards.judge import ON_MISSING, Judge, JudgeAuthError, resolve_missing_scores
+from gjax.errors import ConfigError, UserError
+from gjax.rewards.judge import (
+    ON_MISSING,
+    Judge,
+    JudgeAuthError,
+    OpenAIJudge,
+    resolve_missing_scores,
+)
+from gjax.rewards.judge import check_config as check_judge_config
+from gjax.rewards.registry import REWARDS, RewardSpec, build_reward
+from gjax.rewards.rule_judge import RuleJudge
 
 log = logging.getLogger(__name__)
 
@@ -509,8 +519,8 @@ class RewardPipeline:
                 f"the judge returned no score for more than {self.max_missing_fraction:.0%} of "
                 f"the responses in {run} consecutive batches ({fraction:.0%} in batch {batch}), "
                 "so training would run on substituted scores. Check the judge endpoint "
-                "(config.reward.judge_base_url, its logs above), or loosen "
-                "config.reward.judge_max_missing_fraction / judge_max_missing_steps."
+                "(config.reward.judge.base_url, its logs above), or loosen "
+                "config.reward.judge.max_missing_fraction / max_missing_steps."
             )
 
     def _finalize(self, raw: _Raw, timings: Timings, batch: int) -> PipelineResult:
@@ -608,38 +618,66 @@ class RewardPipeline:
         )
 
 
+def reward_specs(functions: str) -> list[RewardSpec]:
+    """`config.reward.functions` ("name[:weight],...") as specs, each name and weight checked
+    (a `ConfigError` naming the field)."""
+    specs = []
+    for item in functions.split(","):
+        name, _, weight = item.strip().partition(":")
+        if name == "overlong":
+            raise ConfigError(
+                f"config.reward.functions: {functions!r}: the 'overlong' reward function is "
+                "retired; DAPO's soft overlong punishment has one way to be set: "
+                "--config.sampling.overlong_buffer=<L_cache tokens> and "
+                "--config.sampling.overlong_penalty=<its weight> (configs/dapo.py)"
+            )
+        if name not in REWARDS:
+            raise ConfigError(
+                f"config.reward.functions: unknown reward function {name!r} in {functions!r}; "
+                f"valid names: {sorted(REWARDS)}; write a comma list of name[:weight]"
+            )
+        try:
+            w = float(weight) if weight else 1.0
+        except ValueError:
+            w = math.nan
+        if not math.isfinite(w):
+            raise ConfigError(
+                f"config.reward.functions: the weight of {name!r} must be a finite number, got "
+                f"{weight!r} in {functions!r}"
+            )
+        specs.append(RewardSpec(name, w))
+    return specs
+
+
+def check_config(config) -> None:
+    """`config.reward` can work: reward function names and weights, the judge's fields. A hook
+    of `gjax.config.validate`, run before anything is written."""
+    reward_specs(config.reward.functions)
+    check_judge_config(config.reward.judge)
+
+
 def build_rewards(config, verifier) -> RewardPipeline:
     """The run's reward pipeline from `config.reward`: weighted reward functions and judge."""
-    from gjax.rewards.registry import RewardSpec, build_reward
-
-    specs = []
-    for item in config.reward.functions.split(","):
-        name, _, weight = item.strip().partition(":")
-        specs.append(RewardSpec(name, float(weight) if weight else 1.0))
-    reward = build_reward(specs, verifier=verifier)
+    reward = build_reward(reward_specs(config.reward.functions), verifier=verifier)
+    j = config.reward.judge
     judge = None
-    if config.reward.judge == "rule":
-        from gjax.rewards.rule_judge import RuleJudge
-
+    if j.name == "rule":
         judge = RuleJudge()
-    elif config.reward.judge == "openai":
-        from gjax.rewards.judge import OpenAIJudge
-
-        r = config.reward
+    elif j.name == "openai":
         judge = OpenAIJudge(
-            base_url=r.judge_base_url,
-            model=r.judge_model,
-            api_key_env=r.judge_api_key_env,
-            max_concurrency=r.judge_concurrency,
-            timeout_s=r.judge_timeout_s,
-            max_retries=r.judge_max_retries,
-            out_of_range=r.judge_out_of_range,
+            base_url=j.base_url,
+            model=j.model,
+            api_key_env=j.api_key_env,
+            max_concurrency=j.concurrency,
+            timeout_s=j.timeout_s,
+            max_retries=j.max_retries,
+            out_of_range=j.out_of_range,
         )
     return RewardPipeline(
         {"reward": reward},
         judge=judge,
-        on_missing=config.reward.judge_on_missing,
-        fill_value=config.reward.judge_fill_score,
-        max_missing_fraction=config.reward.judge_max_missing_fraction,
-        max_missing_batches=config.reward.judge_max_missing_steps or None,
+        on_missing=j.on_missing,
+        fill_value=j.fill_score,
+        max_missing_fraction=j.max_missing_fraction,
+        max_missing_batches=j.max_missing_steps or None,
     )

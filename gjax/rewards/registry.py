@@ -17,8 +17,8 @@ Every reward function has one signature (sync or async)::
 
 Register your own with ``@REWARDS.register("name")`` and combine by name::
 
-    reward = build_reward([{"name": "accuracy"}, {"name": "overlong", "weight": 1.0,
-                            "max_length": 4096, "cache_length": 512}], verifier=verifier)
+    reward = build_reward([{"name": "accuracy"}, {"name": "format", "weight": 0.1,
+                            "require_think": True}], verifier=verifier)
     out = await reward(prompts, completions, answers, completion_lengths=lengths_B)
     out.rewards_B, out.valid_B, out.metrics
 
@@ -140,7 +140,10 @@ def soft_overlong_penalty(lengths_B, *, max_length: int, cache_length: int) -> n
              = ((L_max - L_cache) - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
              = -1                              if |y| > L_max
 
-    The penalty is added to the accuracy reward (weight 1 in DAPO).
+    The penalty is added to the accuracy reward (weight 1 in DAPO) after `reward/accuracy` is
+    measured: set `config.sampling.overlong_buffer` (L_cache) and `overlong_penalty` (the
+    weight), the one way to shape rewards by length (it was also a reward function named
+    "overlong" until that entry point was retired).
     """
     if not 0 < cache_length <= max_length:
         raise ValueError(f"need 0 < cache_length <= max_length, got {cache_length}, {max_length}")
@@ -149,30 +152,6 @@ def soft_overlong_penalty(lengths_B, *, max_length: int, cache_length: int) -> n
     pen_B = np.where(lengths_B <= free, 0.0, (free - lengths_B) / cache_length)
     pen_B = np.where(lengths_B > max_length, -1.0, pen_B)
     return pen_B.astype(np.float32)
-
-
-@REWARDS.register("overlong")
-def overlong_penalty(
-    prompts,
-    completions,
-    answers,
-    *,
-    completion_lengths,
-    max_length: int,
-    cache_length: int,
-    **metadata,
-):
-    """DAPO soft overlong punishment over ``completion_lengths`` (see soft_overlong_penalty)."""
-    del prompts, answers, metadata
-    if completion_lengths is None:
-        raise TypeError("the 'overlong' reward needs completion_lengths (tokens per completion)")
-    if len(completion_lengths) != len(completions):
-        raise ValueError(
-            f"{len(completion_lengths)} completion_lengths for {len(completions)} completions"
-        )
-    return soft_overlong_penalty(
-        completion_lengths, max_length=max_length, cache_length=cache_length
-    )
 
 
 # --------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ resources until `close`. `returns_logps` says whether `SampleOutput.logps_BxN` a
 behaviour policy's log-probs (the local sampler's and the in-process JetStream engine's are;
 a gRPC reply carries token ids only, so the learner recomputes them by teacher forcing).
 
-`make_backend` chooses one from `config.rollout.backend` once, at set-up; `stop_and_pad` and
-`rollout_sampling` are the one definition of the run's stop ids, pad id and sampling.
+`gjax.rollout.factory.make_backend` chooses one from `config.rollout.backend` once, at set-up;
+`stop_and_pad` and `rollout_sampling` here are the one definition of the run's stop ids, pad
+id and sampling.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
-from gjax.config import ConfigError
 from gjax.models.config import ModelConfig
 from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
 
@@ -100,28 +100,4 @@ def rollout_sampling(config, cfg: ModelConfig, tokenizer) -> SamplingParams:
         top_p=r.top_p,
         stop_token_ids=eos,
         pad_token_id=pad,
-    )
-
-
-def make_backend(
-    config, cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
-) -> RolloutBackend:
-    """The backend `config.rollout.backend` names: local | jetstream | jetstream_grpc."""
-    if config.rollout.backend == "local":
-        return LocalSampler(cfg)
-    if jax.process_count() > 1:
-        raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
-            "a multi-process run samples with 'local' (each host its own rows)"
-        )
-    try:  # optional dependency: google-jetstream (the jetstream extra)
-        from gjax.rollout import jetstream_backend
-    except ImportError as e:
-        raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); install "
-            "it with `pip install --no-deps google-jetstream==0.2.2` on top of the test extra "
-            "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
-        ) from e
-    return jetstream_backend.from_config(
-        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )

@@ -27,11 +27,12 @@ import time
 
 import numpy as np
 
-from gjax.cli import UserError
+from gjax.errors import UserError
 from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
+from gjax.rollout.weight_push import WeightPusher
 
 log = logging.getLogger("gjax")
 
@@ -324,7 +325,7 @@ class JetStreamGrpcBackend(_JetStreamClient):
         backoff_s: float = 1.0,
         max_workers: int = 256,
     ):
-        import grpc
+        import grpc  # optional dependency (the jetstream extra): only the gRPC client needs it
 
         super().__init__(
             max_prefill_length=prefill_bucket(max_prompt_len),
@@ -405,8 +406,6 @@ def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None)
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
         )
-    from gjax.rollout.weight_push import WeightPusher
-
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
     return JetStreamGrpcBackend(
         r.server_address,

@@ -1,0 +1,565 @@
+"""The run config's schema: every field once, with its default, meaning and valid range.
+
+`SCHEMA` declares each field of a run's `config` as a `Field(default, doc, valid)`: the
+default `base()` starts from, the one line `--help` and `--print_config` print (gjax.cli), and
+for a number the `Range` that `gjax.config.validate` enforces. `configs/<algo>.py` compose it:
+`base()`, then what their paper changes. A new field is one line here.
+
+Objective fields take their defaults from `gjax.objective.ObjectiveConfig`'s presets (`PRESET`);
+`objective.*_kwargs` are per-estimator (their docstrings define them). A field renamed in a
+release keeps its old name in `RENAMED`: the unknown-field error then names the new one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import re
+from typing import Any
+
+import ml_collections
+
+from gjax.data.synthetic import SyntheticConfig
+from gjax.errors import ConfigError
+from gjax.objective import ObjectiveConfig
+from gjax.objective.advantages import ADVANTAGES
+from gjax.objective.token_weights import TOKEN_WEIGHTS
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field, written as an interval: `Range("(0, 1]")`.
+
+    `inf` closes an unbounded side; `also` lists values allowed besides the interval (e.g.
+    `-1` for "all remaining devices"). Every value must be finite; `None` is allowed only for
+    fields whose default is `None` (a placeholder meaning "off" or "all").
+    """
+
+    interval: str
+    also: tuple = ()
+
+    def _bounds(self) -> tuple[bool, float, float, bool]:
+        m = re.fullmatch(r"([\[(])\s*(-?inf|[^,]+?)\s*,\s*(-?inf|[^,]+?)\s*([\])])", self.interval)
+        if not m:
+            raise ValueError(f"bad interval {self.interval!r}; write e.g. '[0, 1)' or '(0, inf)'")
+        return m[1] == "[", float(m[2]), float(m[3]), m[4] == "]"
+
+    def __post_init__(self):
+        self._bounds()
+
+    def __contains__(self, value) -> bool:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return False
+        if value in self.also:
+            return True
+        lo_closed, lo, hi, hi_closed = self._bounds()
+        return (
+            math.isfinite(value)
+            and (lo <= value if lo_closed else lo < value)
+            and (value <= hi if hi_closed else value < hi)
+        )
+
+    def __str__(self) -> str:
+        lo_closed, lo, hi, hi_closed = self._bounds()
+        if math.isinf(hi):
+            text = f"{'>=' if lo_closed else '>'} {_num(lo)}"
+        else:
+            text = f"in {self.interval}"
+        return text + "".join(f" or {_num(a)}" for a in self.also)
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+class _Preset:
+    def __repr__(self) -> str:
+        return "PRESET"
+
+
+PRESET = _Preset()  # the default comes from the objective preset (`objective(name)`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One config field: its default, its one-line meaning and, for a number, its Range.
+
+    `kind` is the type of a field whose default is `None` (an unset placeholder: off / all).
+    """
+
+    default: Any
+    doc: str
+    valid: Range | None = None
+    kind: type | None = None
+
+
+_NONNEG, _POS, _COUNT = Range("[0, inf)"), Range("(0, inf)"), Range("[1, inf)")
+_SEED, _PROB = Range("[0, 2147483648)"), Range("[0, 1]")
+_AXIS = Range("[1, inf)", also=(-1,))
+_TEMPERATURE = Range("(0, 100]")
+_SYNTHETIC = SyntheticConfig()
+
+# The whole config, section by section, in the order --help prints it.
+SCHEMA: dict[str, Any] = {
+    "seed": Field(0, "seed of the model's sampling and update randomness", _SEED),
+    "algo": Field(
+        "grpo", "name of the run in logs and the default workdir (the math is in objective)"
+    ),
+    "model": {
+        "path": Field(
+            "Qwen/Qwen2.5-Math-7B",
+            "policy to train: local dir, gs:// dir, Hub id, or embedded:tiny_qwen2",
+        ),
+        "dtype": Field("bfloat16", "compute dtype: float32 | bfloat16 | float16"),
+        "param_dtype": Field("float32", "dtype of the trained parameters and optimizer state"),
+        "remat": Field(
+            "full", "layer recomputation in the backward: none|full|dots|dots_with_no_batch_dims"
+        ),
+    },
+    "mesh": {
+        "data": Field(-1, "devices on the data axis (-1: all not used by the other axes)", _AXIS),
+        "fsdp": Field(
+            1, "devices on the fully sharded data-parallel axis (-1: all the rest)", _AXIS
+        ),
+        "tensor": Field(1, "devices on the tensor-parallel axis (-1: all the rest)", _AXIS),
+        # The train mesh (data x fsdp x tensor) then spans the other devices
+        # (gjax.sharding.make_meshes).
+        "rollout_devices": Field(
+            0, "devices of their own for rollouts (0: rollouts share the train mesh)", _NONNEG
+        ),
+    },
+    # gjax.data.loading.DATA_DEFAULTS has the same keys (the library's defaults).
+    "data": {
+        "source": Field(
+            "hendrycks/competition_math",
+            "prompts: 'synthetic', a local .jsonl/.parquet/.arrow file or dir, or a Hub id",
+        ),
+        "subset": Field(None, "Hub dataset configuration name (None: the default)", kind=str),
+        "split": Field("train", "split of the training prompts"),
+        "heldout_split": Field(
+            "test", "split of the held-out prompts evaluated before and after training"
+        ),
+        "problem_field": Field("problem", "column holding the problem text"),
+        "answer_field": Field("answer", "column holding the reference answer"),
+        "demonstration_field": Field(
+            "", "column holding a worked solution ('': none; DaGRPO anchors)"
+        ),
+        "template": Field("qwen_boxed", "prompt template, a name in gjax.data.templates.TEMPLATES"),
+        "max_prompt_len": Field(
+            512, "longest prompt in tokens; longer ones are skipped and counted", _COUNT
+        ),
+        "shuffle": Field(True, "shuffle the training prompts each epoch"),
+        "shuffle_seed": Field(0, "seed of the per-epoch shuffle", _SEED),
+        "num_examples": Field(
+            None, "training rows to load (None: all; synthetic: 8192)", _COUNT, kind=int
+        ),
+        "heldout_size": Field(500, "held-out rows to evaluate on", _COUNT),
+        "strict": Field(False, "stop at a malformed row instead of skipping and counting it"),
+        "synthetic": {  # defaults: gjax.data.synthetic.SyntheticConfig
+            "min_ops": Field(
+                _SYNTHETIC.min_ops, "synthetic task: fewest operations per problem", _COUNT
+            ),
+            "max_ops": Field(
+                _SYNTHETIC.max_ops, "synthetic task: most operations per problem", _COUNT
+            ),
+            "min_operand": Field(
+                _SYNTHETIC.min_operand, "synthetic task: smallest operand", _NONNEG
+            ),
+            "max_operand": Field(
+                _SYNTHETIC.max_operand, "synthetic task: largest operand", _NONNEG
+            ),
+            "ops": Field(
+                _SYNTHETIC.ops, "synthetic task: operators to draw from (a subset of +-*)"
+            ),
+            "max_value": Field(
+                _SYNTHETIC.max_value, "synthetic task: largest intermediate value", _NONNEG
+            ),
+            "reverse_prob": Field(
+                _SYNTHETIC.reverse_prob,
+                "synthetic task: chance a step puts the operand on the left",
+                _PROB,
+            ),
+            "heldout_fraction": Field(
+                _SYNTHETIC.heldout_fraction,
+                "synthetic task: fraction of expressions held out",
+                Range("(0, 1)"),
+            ),
+        },
+        "synthetic_seed": Field(0, "seed of the synthetic problem stream", _SEED),
+    },
+    "rollout": {
+        "backend": Field(
+            "local",
+            "what samples completions: local (jit sampler) | jetstream (in-process) | "
+            "jetstream_grpc",
+        ),
+        "decode_slots": Field(
+            64, "jetstream*: concurrent decode slots (continuous batching)", _COUNT
+        ),
+        "server_address": Field(
+            "127.0.0.1:9000", "jetstream_grpc: host:port that `python -m gjax.serve` binds"
+        ),
+        "request_timeout_s": Field(
+            600.0,
+            "jetstream*: deadline of one attempt at a batch of requests, seconds",
+            Range("(0, 86400]"),
+        ),
+        "max_retries": Field(
+            3, "jetstream*: retries (with backoff) before a request is dropped", _NONNEG
+        ),
+        "push_dir": Field(
+            "", "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)"
+        ),
+        "prompts_per_step": Field(128, "P: prompts per rollout batch (global)", _COUNT),
+        "num_samples": Field(
+            8,
+            "G: completions per prompt (group-relative advantages need G >= 2)",
+            Range("[2, inf)"),
+        ),
+        "max_new_tokens": Field(2048, "longest completion in tokens", _COUNT),
+        "temperature": Field(
+            1.0, "sampling temperature (the loss scores at the same one)", _TEMPERATURE
+        ),
+        "top_p": Field(1.0, "nucleus sampling mass (1: off)", Range("(0, 1]")),
+        "top_k": Field(0, "sample among the k likeliest tokens (0: off)", _NONNEG),
+        # The sampler's own log-probs are the behaviour policy's (same params, same
+        # temperature); recompute when its numerics differ (e.g. a serving engine in another
+        # dtype). Anchors are always teacher-forced.
+        "recompute_old_logps": Field(
+            False, "recompute old log-probs teacher-forced instead of the sampler's"
+        ),
+        # Schedule and resume rule: gjax.rollout.producer.
+        "max_staleness": Field(
+            0,
+            "k: a trained-on sample is at most k policy versions old (0: synchronous loop)",
+            Range("[0, 16]"),
+        ),
+    },
+    "objective": {  # gjax.objective.ObjectiveConfig
+        "advantage": Field(
+            PRESET, "advantage estimator, a name in gjax.objective.advantages.ADVANTAGES"
+        ),
+        "advantage_kwargs": Field(
+            PRESET, "hyperparameters of the advantage estimator (see its docstring)"
+        ),
+        "token_weights": Field(
+            PRESET, "per-token weighting (cw_gaussian, clip_cov, kl_cov; None: off)", kind=str
+        ),
+        "token_weights_kwargs": Field(
+            PRESET, "hyperparameters of the token weighting (see its docstring)"
+        ),
+        "policy_loss": Field(PRESET, "per-token surrogate: ppo_clip | pg | gspo | luffy"),
+        "eps_low": Field(PRESET, "PPO clip range below 1: ratio >= 1 - eps_low", Range("[0, 1)")),
+        "eps_high": Field(
+            PRESET, "PPO clip range above 1: ratio <= 1 + eps_high (DAPO clip-higher)", _NONNEG
+        ),
+        "dual_clip": Field(
+            PRESET,
+            "dual-clip constant c > 1 for negative advantages (None: off)",
+            Range("(1, inf)"),
+            kind=float,
+        ),
+        "kl_beta": Field(
+            PRESET,
+            "weight of the KL penalty to the frozen initial policy (0: no reference)",
+            _NONNEG,
+        ),
+        "kl_estimator": Field(PRESET, "KL estimator: k1 | k2 | k3"),
+        "entropy_coef": Field(PRESET, "weight of the entropy bonus", _NONNEG),
+        "aggregation": Field(
+            PRESET, "how token losses become one number (gjax.objective.aggregation)"
+        ),
+        "aggregation_constant": Field(
+            PRESET, "Dr.GRPO's constant denominator (None: max_new_tokens)", _POS, kind=float
+        ),
+        "temperature": Field(
+            PRESET, "temperature of the scored log-probs (= rollout.temperature)", _TEMPERATURE
+        ),
+        "anchor_treatment": Field(PRESET, "loss on DaGRPO anchors: ratio | luffy"),
+        "luffy_gamma": Field(PRESET, "LUFFY's shaping gamma in pi / (pi + gamma)", _POS),
+        "behaviour_correction": Field(
+            PRESET, "sampler/trainer mismatch correction: none | tis (truncated IS) | mask"
+        ),
+        "behaviour_level": Field(PRESET, "where the correction ratio is taken: token | sequence"),
+        "behaviour_cap": Field(
+            PRESET, "C: tis caps the ratio at C, mask keeps [1/C, C]", Range("(1, inf)")
+        ),
+        "token_chunk": Field(
+            PRESET, "tokens per chunk of the log-prob kernel (None: its default)", _COUNT, kind=int
+        ),
+        "vocab_tile": Field(
+            PRESET, "vocabulary tile of the log-prob kernel (None: its default)", _COUNT, kind=int
+        ),
+    },
+    "anchors": {
+        "per_group": Field(0, "DaGRPO: demonstrations mixed into each group of G", _NONNEG),
+    },
+    "sampling": {
+        "dynamic": Field(
+            False, "DAPO: drop zero-variance groups and resample until the batch is full"
+        ),
+        "max_rollouts_per_step": Field(3, "most rollout rounds per step when resampling", _COUNT),
+        "min_valid_fraction": Field(
+            0.0, "GPG beta_th: carry valid groups over while below this fraction", _PROB
+        ),
+        "overlong_filter": Field(False, "DAPO: truncated completions get no loss"),
+        # The one way to shape rewards by length (DAPO eq. (13)): added to the rewards after
+        # `reward/accuracy` is measured (gjax.rewards.registry.soft_overlong_penalty).
+        "overlong_buffer": Field(
+            0, "DAPO soft overlong punishment length L_cache in tokens (0: off)", _NONNEG
+        ),
+        "overlong_penalty": Field(
+            1.0, "DAPO soft overlong punishment at the length limit (its weight)", _NONNEG
+        ),
+    },
+    "reward": {
+        "functions": Field("accuracy", "comma list of name[:weight] from gjax.rewards.REWARDS"),
+        "timeout_s": Field(5.0, "verifier deadline per completion, seconds", Range("(0, 3600]")),
+        "workers": Field(2, "verifier worker processes", Range("[1, 1024]")),
+        "judge": {  # gjax.rewards.judge
+            "name": Field("none", "LLM judge of the responses: none | openai | rule"),
+            "base_url": Field(
+                "https://api.openai.com/v1", "OpenAI-compatible endpoint of the judge"
+            ),
+            "model": Field("gpt-4o", "judge model name"),
+            "api_key_env": Field(
+                "OPENAI_API_KEY", "environment variable holding the judge's API key (not the key)"
+            ),
+            "concurrency": Field(32, "most judge requests in flight", _COUNT),
+            "timeout_s": Field(60.0, "judge request timeout, seconds", _POS),
+            "max_retries": Field(4, "retries of a failed judge request", _NONNEG),
+            "on_missing": Field("keep", "a sample the judge did not score: keep | drop | fill"),
+            "fill_score": Field(
+                5.5,
+                "score given to unscored samples under 'fill' (judge scale 1-10)",
+                Range("[1, 10]"),
+            ),
+            "out_of_range": Field("clamp", "a judge score outside [1, 10]: clamp | reject"),
+            "max_missing_fraction": Field(
+                0.5, "a batch with a larger fraction of judge scores missing counts as bad", _PROB
+            ),
+            "max_missing_steps": Field(
+                3, "stop the run after this many bad judge batches in a row (0: never)", _NONNEG
+            ),
+        },
+    },
+    "optim": {
+        "lr": Field(1e-6, "peak learning rate (AdamW)", Range("(0, 1]")),
+        "warmup_steps": Field(0, "steps of linear warmup from 0 to lr", _NONNEG),
+        "schedule": Field("constant", "learning rate after warmup: constant | cosine"),
+        "weight_decay": Field(0.0, "AdamW decoupled weight decay", _NONNEG),
+        "b1": Field(0.9, "AdamW first-moment decay", Range("[0, 1)")),
+        "b2": Field(0.999, "AdamW second-moment decay", Range("[0, 1)")),
+        "clip_norm": Field(
+            1.0, "global gradient-norm clip threshold (a large value: no clipping)", _POS
+        ),
+    },
+    "train": {
+        "steps": Field(500, "RL steps (rollout batches) to train", _COUNT),
+        "minibatches": Field(1, "optimizer updates per rollout batch per pass", _COUNT),
+        "num_iterations": Field(1, "passes over each rollout batch (GRPO's mu)", _COUNT),
+        "microbatches": Field(1, "gradient accumulation pieces per minibatch", _COUNT),
+        "allow_nonfinite": Field(
+            False, "go on after a non-finite loss or gradient norm instead of stopping"
+        ),
+    },
+    "checkpoint": {
+        "every": Field(
+            50, "save a checkpoint every N steps (and at the end or on SIGTERM)", _COUNT
+        ),
+        "keep": Field(3, "newest checkpoints kept on disk", _COUNT),
+        "async_save": Field(True, "write checkpoints in the background"),
+    },
+    "log": {
+        "tensorboard": Field(True, "write TensorBoard events next to metrics.jsonl"),
+        "progress": Field(True, "show a progress bar"),
+        "eval_every": Field(
+            0, "held-out evaluation every N steps (0: only before and after)", _NONNEG
+        ),
+    },
+    # Held-out evaluation (gjax.eval): greedy accuracy (eval/heldout_accuracy) plus pass@k
+    # from n samples at the papers' evaluation sampling (A-GRAE App. C.2).
+    "eval": {
+        "greedy_temperature": Field(
+            0.0,
+            "temperature of the held-out accuracy eval/heldout_accuracy (0: greedy)",
+            Range("[0, 100]"),
+        ),
+        "num_samples": Field(
+            8, "n samples per held-out problem for pass@k (0: greedy only)", _NONNEG
+        ),
+        "temperature": Field(
+            0.6, "pass@k sampling temperature (A-GRAE App. C.2: 0.6)", _TEMPERATURE
+        ),
+        "top_p": Field(0.95, "pass@k nucleus mass (A-GRAE App. C.2: 0.95)", Range("(0, 1]")),
+        "pass_k": Field(
+            "1,8", "comma list of k logged as eval/heldout_pass@k (each <= num_samples)"
+        ),
+        "max_rows": Field(
+            256, "sequences per sampler call during evaluation (bounds memory)", _COUNT
+        ),
+    },
+}
+
+# Fields renamed in a release -> their new names; one release on, the old names go.
+RENAMED = {
+    "rollout.eval_temperature": "eval.greedy_temperature",
+    "reward.judge": "reward.judge.name",
+    **{
+        f"reward.judge_{key}": f"reward.judge.{key}"
+        for key in (
+            "base_url",
+            "model",
+            "api_key_env",
+            "concurrency",
+            "timeout_s",
+            "max_retries",
+            "on_missing",
+            "fill_score",
+            "out_of_range",
+            "max_missing_fraction",
+            "max_missing_steps",
+        )
+    },
+}
+
+
+def _flatten(section: dict, prefix: str = ""):
+    for key, item in section.items():
+        if isinstance(item, dict):
+            yield from _flatten(item, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", item
+
+
+# Every field, by its dotted path, in the schema's order.
+FIELDS: dict[str, Field] = dict(_flatten(SCHEMA))
+
+
+# --------------------------------------------------------------------------- objective
+
+_DATA_KWARGS = {"scores_PxG", "is_anchor_PxG", "rng", "group_size"}
+
+
+def hyperparameters(kind: str, name: str | None) -> dict:
+    """The static keyword hyperparameters (with defaults) of an estimator or token weighting."""
+    if name is None:
+        return {}
+    fn = {"advantage": ADVANTAGES, "token_weights": TOKEN_WEIGHTS}[kind].get(name)
+    return {
+        p.name: p.default
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind is p.KEYWORD_ONLY
+        and p.name not in _DATA_KWARGS
+        and p.default is not inspect.Parameter.empty
+    }
+
+
+def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
+    """Every `gjax.objective.ObjectiveConfig` field, from a named preset plus overrides.
+
+    Listing all fields (not just the changed ones) makes each one overridable from the
+    command line with type checking, e.g. `--config.objective.eps_high=0.28`;
+    `*_kwargs` become nested dicts (`--config.objective.advantage_kwargs.alpha=0.5`).
+    """
+    fields = {}
+    chosen = ObjectiveConfig.preset(preset)
+    for f in dataclasses.fields(ObjectiveConfig):
+        value = getattr(chosen, f.name)
+        if f.name.endswith("_kwargs"):
+            fn = f.name[: -len("_kwargs")]
+            value = ml_collections.ConfigDict(
+                {**hyperparameters(fn, getattr(chosen, fn)), **dict(value)}
+            )
+        elif value is None:
+            value = ml_collections.config_dict.placeholder(SCHEMA["objective"][f.name].kind)
+        fields[f.name] = value
+    unknown = sorted(set(overrides) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown objective field(s) {unknown}; valid: {sorted(fields)}")
+    cfg = ml_collections.ConfigDict(fields)
+    for k, v in overrides.items():
+        if k.endswith("_kwargs"):
+            cfg[k] = ml_collections.ConfigDict(dict(v))
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def to_objective_config(objective_cfg: ml_collections.ConfigDict) -> ObjectiveConfig:
+    """ConfigDict -> the frozen `ObjectiveConfig` (its own validation names bad fields)."""
+    d = objective_cfg.to_dict()
+    for kind in ("advantage", "token_weights"):
+        valid = hyperparameters(kind, d[kind])
+        unknown = sorted(set(d[f"{kind}_kwargs"]) - set(valid))
+        if unknown:
+            raise ValueError(
+                f"config.objective.{kind}_kwargs: {unknown} are not hyperparameters of "
+                f"{kind} {d[kind]!r}; valid: {sorted(valid)}"
+            )
+    return ObjectiveConfig(**d)
+
+
+# --------------------------------------------------------------------------- base config
+
+
+def _build(section: dict) -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    for key, item in section.items():
+        if isinstance(item, dict):
+            c[key] = _build(item)
+        elif item.default is None:
+            c[key] = ml_collections.config_dict.placeholder(item.kind)
+        else:
+            c[key] = item.default
+    return c
+
+
+def base() -> ml_collections.ConfigDict:
+    """Every field at its default (GRPO's objective): what `configs/<algo>.py` start from."""
+    c = _build({k: v for k, v in SCHEMA.items() if k != "objective"})
+    c.objective = objective("grpo")
+    return c
+
+
+# --------------------------------------------------------------------------- field names
+
+
+def walk(cfg: ml_collections.ConfigDict, prefix: str = ""):
+    """(dotted path, value) of every leaf of `cfg`."""
+    for key, value in cfg.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, ml_collections.ConfigDict):
+            yield from walk(value, path + ".")
+        else:
+            yield path, value
+
+
+def unknown_field(path: str, known, how: str = "") -> ConfigError:
+    """The error for `config.<path>`, not among the `known` leaf paths: a renamed field names
+    its new name; otherwise it names the deepest section that exists, the closest valid names
+    there and all of that section's fields."""
+    if path in RENAMED:
+        return ConfigError(
+            f"config.{path}{how} was renamed: set config.{RENAMED[path]} instead (the old name "
+            "is refused from this release on). Run with --help to see every field."
+        )
+    known = set(known)
+    sections = {""} | {k.rsplit(".", i)[0] for k in known for i in range(1, k.count(".") + 1)}
+    parts = path.split(".")
+    depth = max(i for i in range(len(parts)) if ".".join(parts[:i]) in sections)
+    section = ".".join(parts[:depth])
+    prefix = f"{section}." if section else ""
+    children = sorted(
+        {k[len(prefix) :].split(".")[0] for k in known | sections if k.startswith(prefix) and k}
+        - {""}
+    )
+    close = difflib.get_close_matches(parts[depth], children, n=3, cutoff=0.5)
+    hint = f" Did you mean {' or '.join(repr(f'config.{prefix}{c}') for c in close)}?"
+    where = f"config.{section}" if section else "config"
+    return ConfigError(
+        f"unknown config field 'config.{path}'{how}.{hint if close else ''} The fields of "
+        f"{where} are: {', '.join(children)}. Run with --help to see every field and its meaning."
+    )
