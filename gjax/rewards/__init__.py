@@ -1,5 +1,6 @@
 """Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
 
+from gjax.rewards.answers import EXTRACTORS, extract_answer
 from gjax.rewards.judge import (
     JUDGES,
     Judge,
@@ -24,7 +25,7 @@ from gjax.rewards.registry import (
     soft_overlong_penalty,
 )
 from gjax.rewards.rule_judge import RuleJudge  # registers the offline judge as "rule"
-from gjax.rewards.verifier import EXTRACTORS, Verifier, VerifierConfig, extract_answer
+from gjax.rewards.verifier import Verifier, VerifierConfig
 
 __all__ = [
     "JUDGES",
