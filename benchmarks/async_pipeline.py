@@ -55,7 +55,8 @@ import numpy as np  # noqa: E402
 
 from configs import common  # noqa: E402
 from gjax import sharding  # noqa: E402
-from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.data.builders import build_prompt_data  # noqa: E402
+from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402

@@ -66,7 +66,8 @@ import numpy as np  # noqa: E402
 from configs import common, grpo  # noqa: E402
 from gjax import sharding  # noqa: E402
 from gjax.config import validate  # noqa: E402
-from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.data.builders import build_prompt_data  # noqa: E402
+from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.experience import select_groups  # noqa: E402
 from gjax.models import hf_io  # noqa: E402

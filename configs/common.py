@@ -99,7 +99,7 @@ def to_objective_config(objective_cfg: ml_collections.ConfigDict):
 
 
 def data_defaults() -> dict:
-    from gjax.data.loading import DATA_DEFAULTS
+    from gjax.data.builders import DATA_DEFAULTS
 
     d = dict(DATA_DEFAULTS)
     d["num_examples"] = ml_collections.config_dict.placeholder(int)
@@ -129,7 +129,7 @@ def base() -> ml_collections.ConfigDict:
     # train mesh (data x fsdp x tensor) then spans the other devices (gjax.sharding.make_meshes).
     c.mesh.rollout_devices = 0
 
-    # Fields and defaults: gjax.data.loading.DATA_DEFAULTS (source: hub id, local
+    # Fields and defaults: gjax.data.builders.DATA_DEFAULTS (source: hub id, local
     # jsonl/parquet/arrow file or dir, or "synthetic"; field mapping; template; length filter).
     c.data = ml_collections.ConfigDict(data_defaults())
     c.data.source = "hendrycks/competition_math"

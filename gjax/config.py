@@ -209,7 +209,7 @@ def check_names(config: ml_collections.ConfigDict) -> None:
     import os
 
     from configs import common
-    from gjax.data.loading import SYNTHETIC, _looks_like_path
+    from gjax.data.sources import SYNTHETIC, _looks_like_path
     from gjax.data.synthetic import SyntheticConfig
     from gjax.data.templates import TEMPLATES
     from gjax.models.config import REMAT_POLICIES

@@ -48,7 +48,7 @@ from absl import flags
 
 from gjax import multihost
 from gjax.cli import UserError
-from gjax.data.loading import PromptData, left_pad
+from gjax.data.prompts import PromptData, left_pad
 from gjax.rewards.verifier import extract_answer
 from gjax.rollout import RolloutBackend, SamplingParams
 

@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import EMBEDDED_TASK  # noqa: E402
 from gjax.data import synthetic  # noqa: E402
-from gjax.data.loading import left_pad  # noqa: E402
+from gjax.data.prompts import left_pad  # noqa: E402
 from gjax.data.templates import apply_template  # noqa: E402
 from gjax.data.tokenizer import build_tokenizer  # noqa: E402
 from gjax.models import hf_io  # noqa: E402

@@ -20,7 +20,8 @@ import pytest
 
 from configs import common
 from gjax import sharding
-from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.data.builders import build_prompt_data
+from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
 from gjax.metrics import to_host
 from gjax.models import hf_io

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from configs.common import EMBEDDED_TASK
 from gjax.data import synthetic
-from gjax.data.loading import left_pad
+from gjax.data.prompts import left_pad
 from gjax.data.templates import apply_template
 from gjax.data.tokenizer import build_tokenizer
 from gjax.embedded import resolve_model_path

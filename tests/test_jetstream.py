@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from configs import common
-from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.data.builders import build_prompt_data
+from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
 from gjax.models import hf_io
 from gjax.rollout import LocalSampler, SamplingParams
