@@ -360,7 +360,7 @@ def validate(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, i
     _require(
         config.optim.schedule in ("constant", "cosine"), "optim.schedule", "must be constant|cosine"
     )
-    from gjax.eval import HeldoutEval
+    from gjax.evaluation.heldout import HeldoutEval
 
     HeldoutEval.from_config(config.eval)  # pass_k against num_samples; raises ConfigError
     return mesh

@@ -32,12 +32,12 @@ from ml_collections import config_flags
 from configs import common
 from gjax import checkpoint as ckpt_lib
 from gjax import cli, model_record, multihost, paths, sharding
-from gjax import eval as eval_lib
 from gjax import stopping as stopping_lib
 from gjax.config import ConfigError, check_model, validate
 from gjax.data.builders import build_prompt_data, build_sharded_prompts
 from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
+from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_io
