@@ -257,11 +257,11 @@ def check_names(config: ml_collections.ConfigDict) -> None:
 def check_model(config: ml_collections.ConfigDict, path: str) -> str:
     """The local directory of the policy at `path` (from `config.model.path`), after checking
     that its config.json exists, is supported and fits the run's lengths; no weight is read."""
-    from gjax.models import hf_io
+    from gjax.models import hf_format, hf_import
 
     try:
-        local = hf_io.resolve_dir(path)
-        cfg = hf_io.load_config(local)
+        local = hf_format.resolve_dir(path)
+        cfg = hf_import.load_config(local)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:

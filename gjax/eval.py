@@ -134,7 +134,7 @@ def _load_policy(F, mesh_for) -> _Policy:
     """--checkpoint (params restored alone) or --model (an HF dir), placed on the mesh."""
     from gjax import sharding
     from gjax.embedded import resolve_model_path
-    from gjax.models import hf_io
+    from gjax.models import hf_format, hf_import
 
     if F.checkpoint:
         workdir, ckpt_dir, step = split_checkpoint_path(F.checkpoint, F.step)
@@ -150,10 +150,10 @@ def _load_policy(F, mesh_for) -> _Policy:
     overrides = {"dtype": dtype} if dtype else {}
     if F.checkpoint:
         param_dtype = run.get("model", {}).get("param_dtype", "float32")
-        cfg = hf_io.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
+        cfg = hf_import.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
         shapes = jax.tree.map(
             lambda s: jax.ShapeDtypeStruct(s, np.dtype(cfg.jnp_param_dtype)),
-            hf_io.param_shapes(cfg),
+            hf_format.param_shapes(cfg),
             is_leaf=lambda x: isinstance(x, tuple),
         )
         abstract = jax.tree.map(
@@ -164,10 +164,10 @@ def _load_policy(F, mesh_for) -> _Policy:
         step, params = restore_params(ckpt_dir, abstract, step)
         label, out_dir = f"{workdir} step {step}", os.path.join(workdir, "eval", f"step_{step}")
     else:
-        cfg, params = hf_io.load_pretrained(model_path, mesh=mesh, **overrides)
+        cfg, params = hf_import.load_pretrained(model_path, mesh=mesh, **overrides)
         label = F.model
         out_dir = os.path.join("eval_results", os.path.basename(os.path.normpath(F.model)))
-    tok = hf_io.load_tokenizer(model_path)
+    tok = hf_import.load_tokenizer(model_path)
     return _Policy(cfg, params, tok, model_path, run, label, step, out_dir, mesh)
 
 

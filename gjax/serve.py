@@ -27,7 +27,7 @@ from ml_collections import config_flags
 from gjax import cli, sharding
 from gjax.config import ConfigError, check_model, validate
 from gjax.embedded import resolve_model_path
-from gjax.models import hf_io
+from gjax.models import hf_import
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -66,7 +66,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     mesh = sharding.make_mesh(mesh_shape)
     # The policy's config.json checked (found, supported, long enough) before weights load.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
+    cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     holder = ParamsHolder(params, version=0)
     run = run_sampling(config, cfg, tok)
     if sampling == "eval":

@@ -40,7 +40,7 @@ from gjax.embedded import resolve_model_path
 from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
-from gjax.models import hf_io
+from gjax.models import hf_import as hf_io
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, RolloutBackend

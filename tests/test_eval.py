@@ -85,9 +85,9 @@ def write_benchmark(name, directory, n=3):
 
 @pytest.fixture(scope="module")
 def tok():
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
-    return hf_io.load_tokenizer(EMBEDDED)
+    return hf_import.load_tokenizer(EMBEDDED)
 
 
 def test_registry_covers_the_papers_benchmarks():
@@ -169,9 +169,9 @@ def save_checkpoint(workdir, steps_params):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Step 1: the embedded policy; step 2: the same with a zeroed embedding."""
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
-    _, params = hf_io.load_pretrained(EMBEDDED)
+    _, params = hf_import.load_pretrained(EMBEDDED)
     broken = jax.tree.map(lambda x: x, params)
     broken["embed"]["embedding"] = jnp.zeros_like(params["embed"]["embedding"])
     wd = str(tmp_path_factory.mktemp("run"))
@@ -181,7 +181,7 @@ def workdir(tmp_path_factory):
 
 def test_restore_params_reads_the_params_alone(workdir):
     from gjax.checkpoint import CheckpointError
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
     wd, params, broken = workdir
     abstract = jax.tree.map(
@@ -204,7 +204,7 @@ def test_restore_params_reads_the_params_alone(workdir):
     with pytest.raises(EvalError, match="no gjax checkpoints"):
         ev.split_checkpoint_path(os.path.dirname(wd), None)
     assert ev.run_model_source(wd)[0] == EMBEDDED
-    del hf_io
+    del hf_import
 
 
 @pytest.mark.slow

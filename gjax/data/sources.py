@@ -145,7 +145,7 @@ def _cached_copy(url: str) -> str:
 
     from etils import epath
 
-    from gjax.models.hf_io import cache_dir
+    from gjax.models.hf_format import cache_dir
 
     scheme, rest = url.split("://", 1)
     target = os.path.join(cache_dir(), "remote", scheme, rest)
