@@ -179,7 +179,7 @@ def check_ranges(config: ml_collections.ConfigDict, fields: dict, schema) -> Non
 
 def reward_specs(functions: str) -> list[tuple[str, float]]:
     """`config.reward.functions` ("name[:weight],...") as (name, weight) pairs, checked."""
-    from gjax.rewards.registry import REWARDS
+    from gjax.rewards.functions import REWARDS
 
     specs = []
     for item in functions.split(","):

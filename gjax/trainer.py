@@ -522,7 +522,7 @@ class Rollout:
             groups.scores_PxG = grouped["scores_PxG"].astype(np.float32)
         accuracy = groups.rewards_PxG.copy()
         if self.overlong_buffer:
-            from gjax.rewards.registry import soft_overlong_penalty
+            from gjax.rewards.functions import soft_overlong_penalty
 
             pen = soft_overlong_penalty(
                 lengths, max_length=self.T, cache_length=self.overlong_buffer

@@ -1,6 +1,15 @@
 """Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
 
 from gjax.rewards.answers import EXTRACTORS, extract_answer
+from gjax.rewards.functions import (
+    REWARDS,
+    CombinedReward,
+    RewardFunctionError,
+    RewardResult,
+    RewardSpec,
+    build_reward,
+    soft_overlong_penalty,
+)
 from gjax.rewards.judge import (
     JUDGES,
     Judge,
@@ -14,15 +23,6 @@ from gjax.rewards.pipeline import (
     RewardHandle,
     RewardPipeline,
     RewardPipelineError,
-)
-from gjax.rewards.registry import (
-    REWARDS,
-    CombinedReward,
-    RewardFunctionError,
-    RewardResult,
-    RewardSpec,
-    build_reward,
-    soft_overlong_penalty,
 )
 from gjax.rewards.rule_judge import RuleJudge  # registers the offline judge as "rule"
 from gjax.rewards.verifier import Verifier, VerifierConfig

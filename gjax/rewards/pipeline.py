@@ -12,7 +12,7 @@ at once with a handle; the train step keeps dispatching device work and calls
         ref_logps = ref_logps_fn(ref_params, batch)
         res = handle.result()                        # rewards [B], valid [B], scores [B], metrics
 
-Reward functions have the signature of the reward registry (gjax/rewards/registry.py):
+Reward functions have the signature of the reward registry (gjax/rewards/functions.py):
 `fn(prompts, completions, answers, *, completion_lengths, **metadata) -> Sequence[float]`,
 sync or async (an `async def`, or a sync function returning an awaitable). Sync functions run
 in a small thread pool so a blocking verifier never stalls the loop; async ones run on it.
@@ -395,7 +395,7 @@ class RewardPipeline:
                 out = await out
         fn_valid, fn_metrics = None, {}
         if hasattr(out, "rewards_B") and hasattr(out, "valid_B"):
-            # A CombinedReward (gjax/rewards/registry.py): already weighted, with its own policy.
+            # A CombinedReward (gjax/rewards/functions.py): already weighted, with its own policy.
             fn_valid = np.asarray(out.valid_B, bool).reshape(-1)
             fn_metrics = dict(getattr(out, "metrics", {}) or {})
             out = out.rewards_B
@@ -610,7 +610,7 @@ class RewardPipeline:
 
 def build_rewards(config, verifier) -> RewardPipeline:
     """The run's reward pipeline from `config.reward`: weighted reward functions and judge."""
-    from gjax.rewards.registry import RewardSpec, build_reward
+    from gjax.rewards.functions import RewardSpec, build_reward
 
     specs = []
     for item in config.reward.functions.split(","):
