@@ -56,10 +56,11 @@ import numpy as np  # noqa: E402
 
 from configs import common  # noqa: E402
 from gjax import sharding  # noqa: E402
-from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.data.builders import build_prompt_data  # noqa: E402
+from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.learner import build_learner  # noqa: E402
-from gjax.models import hf_io  # noqa: E402
+from gjax.models import hf_import  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.rollout import LocalSampler  # noqa: E402
@@ -86,8 +87,10 @@ def run(k: int, split: bool, verifier) -> dict:
     with jax.set_mesh(mesh), sharding.use_rules():
         obj_cfg = common.to_objective_config(c.objective)
         path = resolve_model_path(c.model.path)
-        cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
-        tok = hf_io.load_tokenizer(path)
+        cfg, params = hf_import.load_pretrained(
+            path, mesh=mesh, param_dtype="float32", dtype="float32"
+        )
+        tok = hf_import.load_tokenizer(path)
         rewards = build_rewards(c, verifier)
         state, learner = build_learner(c, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(

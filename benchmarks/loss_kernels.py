@@ -9,7 +9,7 @@ Every (case, method) runs in its own subprocess (f32, fixed seed): one warm-up c
 torch.compile), then `--reps` timed forward+backward calls; the median is reported.
 
 Methods (all compute loss and gradients w.r.t. hidden [N, D] and head):
-  fused  gjax.objective.objective (GRPO advantages, PPO-clip eps 0.2, token-mean
+  fused  gjax.objective.loss (GRPO advantages, PPO-clip eps 0.2, token-mean
          aggregation) on top of gjax.objective.logprobs.fused_token_loss with its defaults
          (two-pass, store_logits=False, token_chunk=1024), jax.grad.
   fused_3mm  gjax.objective.logprobs.fused_token_loss(store_logits=True, token_chunk=96)
@@ -149,7 +149,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
         return jnp.mean(pg)
 
     if method == "fused":
-        from gjax.objective.objective import ObjectiveConfig, objective
+        from gjax.objective.loss import ObjectiveConfig, full_batch_loss
 
         cfg = ObjectiveConfig(advantage="grpo", policy_loss="ppo_clip", aggregation="token_mean")
         # rewards chosen so that GRPO advantages are non-zero; one prompt group of B rows.
@@ -162,7 +162,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
         }
 
         def loss_fn(h, w):
-            return objective(h.reshape(b, t, d), w, batch, cfg)[0]
+            return full_batch_loss(h.reshape(b, t, d), w, batch, cfg)[0]
 
         args = (hidden, head)
     elif method == "fused_3mm":

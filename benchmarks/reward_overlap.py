@@ -81,7 +81,7 @@ def main() -> None:
             return [float(c.endswith(f"{{{a}}}")) for c, a in zip(completions, answers)]
 
     else:
-        from gjax.rewards.registry import build_reward
+        from gjax.rewards.functions import build_reward
         from gjax.rewards.verifier import Verifier
 
         verifier = Verifier()

@@ -1,7 +1,7 @@
 """Generation throughput: gjax's jit group sampler vs `transformers` `generate` (PyTorch CPU).
 
 Both engines run the SAME tiny random Qwen2 checkpoint (built with transformers, saved with
-`save_pretrained`, loaded into gjax with `gjax.models.hf_io.load_pretrained`), the same
+`save_pretrained`, loaded into gjax with `gjax.models.hf_import.load_pretrained`), the same
 left-padded prompts of mixed lengths, G samples per prompt, plain temperature sampling
 (T = 1, no top-k/top-p) and exactly `max_new_tokens` new tokens (EOS disabled on both sides).
 Compile time is excluded (reported separately); each engine gets one warm-up and a few timed
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import transformers
 
-from gjax.models import hf_io
+from gjax.models import hf_import
 from gjax.rollout import SamplingParams, generate
 
 
@@ -103,7 +103,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as ckpt_dir:
         hf_model = build_checkpoint(ckpt_dir, args)
-        cfg, params = hf_io.load_pretrained(ckpt_dir)
+        cfg, params = hf_import.load_pretrained(ckpt_dir)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     emit(
         {

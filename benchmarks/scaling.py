@@ -58,7 +58,7 @@ def write_policy(args, out: str) -> int:
     import jax
 
     from gjax.data.tokenizer import build_tokenizer
-    from gjax.models import hf_io
+    from gjax.models import hf_export
     from gjax.models.config import ModelConfig
     from gjax.models.transformer import init_params
 
@@ -82,7 +82,7 @@ def write_policy(args, out: str) -> int:
         pad_token_id=tok.pad_token_id,
     )
     params = init_params(cfg, jax.random.key(0))
-    hf_io.save_pretrained(params, cfg, out, tokenizer=tok)
+    hf_export.save_pretrained(params, cfg, out, tokenizer=tok)
     return int(sum(x.size for x in jax.tree.leaves(params)))
 
 

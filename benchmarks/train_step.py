@@ -66,11 +66,12 @@ import numpy as np  # noqa: E402
 from configs import common, grpo  # noqa: E402
 from gjax import sharding  # noqa: E402
 from gjax.config import validate  # noqa: E402
-from gjax.data.loading import PromptIterator, build_prompt_data  # noqa: E402
+from gjax.data.builders import build_prompt_data  # noqa: E402
+from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.experience import select_groups  # noqa: E402
 from gjax.learner import init_state, make_learner, make_optimizer  # noqa: E402
-from gjax.models import hf_io  # noqa: E402
+from gjax.models import hf_export, hf_import  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.rollout import LocalSampler  # noqa: E402
@@ -116,7 +117,7 @@ def policy_dir(args, tmp: str) -> tuple[str, str]:
     tok = build_tokenizer()
     cfg = make_tiny_policy.model_config(tok)
     out = os.path.join(tmp, "tiny_qwen2")
-    hf_io.save_pretrained(init_params(cfg, jax.random.key(0)), cfg, out, tokenizer=tok)
+    hf_export.save_pretrained(init_params(cfg, jax.random.key(0)), cfg, out, tokenizer=tok)
     return out, "untrained, make_tiny_policy.model_config architecture"
 
 
@@ -130,14 +131,14 @@ class GjaxStep:
         mesh_shape = validate(config, jax.device_count())
         self.mesh = sharding.make_mesh(mesh_shape)
         obj_cfg = common.to_objective_config(config.objective)
-        self.cfg, params = hf_io.load_pretrained(
+        self.cfg, params = hf_import.load_pretrained(
             path,
             mesh=self.mesh,
             param_dtype=config.model.param_dtype,
             dtype=config.model.dtype,
             remat=config.model.remat,
         )
-        self.tok = hf_io.load_tokenizer(path)
+        self.tok = hf_import.load_tokenizer(path)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
         t = config.train
         tx, _ = make_optimizer(config.optim, t.steps, t.minibatches * t.num_iterations)
@@ -339,7 +340,7 @@ def main():
     ):
         path, made = policy_dir(args, tmp)
         t0 = time.perf_counter()
-        data = build_prompt_data(config.data, hf_io.load_tokenizer(path))
+        data = build_prompt_data(config.data, hf_import.load_tokenizer(path))
         gjax_step = GjaxStep(config, path, verifier, data)
         settings = {
             "policy": made,

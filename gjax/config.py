@@ -18,12 +18,12 @@ import ml_collections
 
 from gjax import schema
 from gjax.errors import ConfigError
-from gjax.models import hf_io
+from gjax.models import hf_format, hf_import
 from gjax.models.config import REMAT_POLICIES
 from gjax.schema import FIELDS, unknown_field, walk
 
 # A subsystem's config check: raises ConfigError naming the field (e.g.
-# gjax.data.loading.check_config); the caller of `validate` passes those its run uses.
+# gjax.data.builders.check_config); the caller of `validate` passes those its run uses.
 ConfigCheck = Callable[[ml_collections.ConfigDict], object]
 
 
@@ -132,8 +132,8 @@ def check_model(config: ml_collections.ConfigDict, path: str) -> str:
     """The local directory of the policy at `path` (from `config.model.path`), after checking
     that its config.json exists, is supported and fits the run's lengths; no weight is read."""
     try:
-        local = hf_io.resolve_dir(path)
-        cfg = hf_io.load_config(local)
+        local = hf_format.resolve_dir(path)
+        cfg = hf_import.load_config(local)
     except ConfigError:
         raise
     except (OSError, ValueError) as e:

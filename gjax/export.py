@@ -25,7 +25,7 @@ from absl import flags
 
 from gjax import cli, model_record, paths
 from gjax.checkpoint import Checkpointer
-from gjax.models import hf_io
+from gjax.models import hf_export, hf_format
 from gjax.models.config import dtype_from_name
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
@@ -51,13 +51,13 @@ def export(
     try:
         if dtype is not None:
             dtype_from_name(dtype)
-        hf_io.parse_size(max_shard_size)
+        hf_export.parse_size(max_shard_size)
     except ValueError as e:
         raise model_record.RecordError(str(e)) from None
     cfg, source = model_record.load(workdir)
     abstract = jax.tree.map(
         lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
-        hf_io.param_shapes(cfg),
+        hf_format.param_shapes(cfg),
         is_leaf=lambda x: isinstance(x, tuple),
     )
     ckpt = Checkpointer(paths.resolve(workdir) / "checkpoints", async_save=False)
@@ -66,7 +66,7 @@ def export(
     finally:
         ckpt.close()
     out_path = str(paths.resolve(out))
-    hf_io.save_pretrained(
+    hf_export.save_pretrained(
         params, cfg, out_path, tokenizer=source, max_shard_size=max_shard_size, dtype=dtype
     )
     return step

@@ -14,7 +14,7 @@ import json
 from gjax import paths
 from gjax.embedded import resolve_model_path
 from gjax.errors import UserError
-from gjax.models import hf_io
+from gjax.models import hf_export, hf_import
 from gjax.models.config import ModelConfig
 
 MODEL_DIR = "model"
@@ -26,11 +26,11 @@ class RecordError(UserError, ValueError):
 
 def save(workdir: str, cfg: ModelConfig, source: str) -> None:
     """Records the policy loaded from `source` (a local or gs:// dir) with the run."""
-    hf_io.save_model_files(
+    hf_export.save_model_files(
         cfg,
         str(paths.resolve(workdir) / MODEL_DIR),
         tokenizer=source,
-        generation_config=hf_io.source_generation_config(source),
+        generation_config=hf_export.source_generation_config(source),
     )
 
 
@@ -53,5 +53,5 @@ def load(workdir: str) -> tuple[ModelConfig, str]:
         source = str(record)
     else:
         source = resolve_model_path(run_config["model"]["path"])
-    cfg = hf_io.load_config(source, param_dtype=run_config["model"]["param_dtype"])
+    cfg = hf_import.load_config(source, param_dtype=run_config["model"]["param_dtype"])
     return cfg, source

@@ -130,7 +130,7 @@ SCHEMA: dict[str, Any] = {
             0, "devices of their own for rollouts (0: rollouts share the train mesh)", _NONNEG
         ),
     },
-    # gjax.data.loading.DATA_DEFAULTS has the same keys (the library's defaults).
+    # gjax.data.builders.DATA_DEFAULTS has the same keys (the library's defaults).
     "data": {
         "source": Field(
             "hendrycks/competition_math",
@@ -306,7 +306,7 @@ SCHEMA: dict[str, Any] = {
         ),
         "overlong_filter": Field(False, "DAPO: truncated completions get no loss"),
         # The one way to shape rewards by length (DAPO eq. (13)): added to the rewards after
-        # `reward/accuracy` is measured (gjax.rewards.registry.soft_overlong_penalty).
+        # `reward/accuracy` is measured (gjax.rewards.functions.soft_overlong_penalty).
         "overlong_buffer": Field(
             0, "DAPO soft overlong punishment length L_cache in tokens (0: off)", _NONNEG
         ),

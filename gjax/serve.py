@@ -25,17 +25,17 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import cli, sharding
-from gjax import eval as eval_lib
 from gjax.config import check_model, validate
-from gjax.data import loading
+from gjax.data import builders as data_builders
 from gjax.embedded import resolve_model_path
 from gjax.errors import ConfigError
-from gjax.models import hf_io
+from gjax.evaluation import heldout as eval_lib
+from gjax.models import hf_import
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rollout.backend import rollout_sampling
 
 # The subsystems' config hooks `validate` asks: the run's config is the trainer's.
-CONFIG_CHECKS = (loading.check_config, rewards_pipeline.check_config, eval_lib.check_config)
+CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -74,7 +74,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     mesh = sharding.make_mesh(mesh_shape)
     # The policy's config.json checked (found, supported, long enough) before weights load.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
+    cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     holder = ParamsHolder(params, version=0)
     run = rollout_sampling(config, cfg, tok)
     if sampling == "eval":

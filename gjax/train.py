@@ -32,17 +32,18 @@ from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
 from gjax import cli, model_record, multihost, paths, schema, sharding
-from gjax import eval as eval_lib
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
-from gjax.data import loading as data_loading
-from gjax.data.loading import PromptIterator, build_prompt_data, build_sharded_prompts
+from gjax.data import builders as data_builders
+from gjax.data.builders import build_prompt_data, build_sharded_prompts
+from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
 from gjax.errors import ConfigError
+from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
-from gjax.models import hf_io
+from gjax.models import hf_import
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
@@ -51,7 +52,7 @@ from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
 
 # The subsystems' config hooks `validate` asks, before anything loads or is written.
-CONFIG_CHECKS = (data_loading.check_config, rewards_pipeline.check_config, eval_lib.check_config)
+CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
 _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
@@ -132,7 +133,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     scope.enter_context(sharding.use_rules())
 
     # --- model --------------------------------------------------------------------------
-    cfg, params, tok = hf_io.load_policy(model_path, config.model, mesh)
+    cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     if multihost.is_primary():
         model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
     # A frozen copy of the initial policy, kept only when the objective has a KL term.

@@ -38,10 +38,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from configs.common import EMBEDDED_TASK  # noqa: E402
 from gjax.data import synthetic  # noqa: E402
-from gjax.data.loading import left_pad  # noqa: E402
+from gjax.data.prompts import left_pad  # noqa: E402
 from gjax.data.templates import apply_template  # noqa: E402
 from gjax.data.tokenizer import build_tokenizer  # noqa: E402
-from gjax.models import hf_io  # noqa: E402
+from gjax.models import hf_export  # noqa: E402
 from gjax.models.config import ModelConfig  # noqa: E402
 from gjax.models.transformer import forward, init_params, lm_head_kernel  # noqa: E402
 from gjax.objective.logprobs import token_logps_BxT  # noqa: E402
@@ -176,7 +176,7 @@ def main():
         if (i + 1) % args.eval_every == 0 or i + 1 == args.steps:
             log.append({"step": i + 1, "loss": float(loss), **evaluate(params, cfg, tok, heldout)})
             print(json.dumps({**log[-1], "elapsed_s": round(time.time() - t0, 1)}), flush=True)
-    hf_io.save_pretrained(params, cfg, args.out, tokenizer=tok)
+    hf_export.save_pretrained(params, cfg, args.out, tokenizer=tok)
     with open(os.path.join(args.out, "warmup.json"), "w") as f:
         json.dump({"args": vars(args), "log": log}, f, indent=2)
     print(f"wrote {args.out}")

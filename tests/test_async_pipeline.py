@@ -20,11 +20,12 @@ import pytest
 
 from configs import common
 from gjax import sharding
-from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.data.builders import build_prompt_data
+from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
 from gjax.learner import build_learner
 from gjax.metrics import to_host
-from gjax.models import hf_io
+from gjax.models import hf_import
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, collect, producer
@@ -59,8 +60,10 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
     with jax.set_mesh(mesh), sharding.use_rules():
         obj_cfg = common.to_objective_config(config.objective)
         path = resolve_model_path(config.model.path)
-        cfg, params = hf_io.load_pretrained(path, mesh=mesh, param_dtype="float32", dtype="float32")
-        tok = hf_io.load_tokenizer(path)
+        cfg, params = hf_import.load_pretrained(
+            path, mesh=mesh, param_dtype="float32", dtype="float32"
+        )
+        tok = hf_import.load_tokenizer(path)
         ref = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
         data = build_prompt_data(config.data, tok)
         rewards = build_rewards(config, verifier)

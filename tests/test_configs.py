@@ -318,8 +318,8 @@ def test_schema_declares_each_field_once_and_base_is_built_from_it():
     from gjax.objective import ObjectiveConfig
 
     assert set(schema.SCHEMA["objective"]) == {f.name for f in dataclasses.fields(ObjectiveConfig)}
-    # config.data has the library's keys (gjax.data.loading.DATA_DEFAULTS): one set of names.
-    from gjax.data.loading import DATA_DEFAULTS
+    # config.data has the library's keys (gjax.data.builders.DATA_DEFAULTS): one set of names.
+    from gjax.data.builders import DATA_DEFAULTS
 
     assert set(schema.SCHEMA["data"]) == set(DATA_DEFAULTS)
     # A renamed field's new name exists, and its old one is gone.

@@ -7,9 +7,16 @@ import datasets
 import numpy as np
 import pytest
 
-from gjax.data import loading
 from gjax.data import synthetic as syn
-from gjax.data.loading import DataError, FieldMap, PromptIterator
+from gjax.data.builders import build_prompt_data, build_prompt_iterator
+from gjax.data.iterator import PromptIterator
+from gjax.data.prompts import (
+    FieldMap,
+    encode_completions,
+    prepare_prompts,
+    prepare_sharded_prompts,
+)
+from gjax.data.sources import DataError, load_rows
 from gjax.data.templates import BOXED_INSTRUCTION, TEMPLATES, apply_template
 from gjax.data.tokenizer import (
     CHARACTERS,
@@ -121,26 +128,26 @@ def _check_mapped(data, rows):
 def test_load_jsonl_with_field_mapping(tok, rows, tmp_path):
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ds = loading.load_rows(str(path))
-    data = loading.prepare_prompts(ds, tok, fields=FIELDS, max_prompt_length=32)
+    ds = load_rows(str(path))
+    data = prepare_prompts(ds, tok, fields=FIELDS, max_prompt_length=32)
     _check_mapped(data, rows)
 
 
 def test_load_parquet_and_arrow_with_field_mapping(tok, rows, tmp_path):
     ds = datasets.Dataset.from_list(rows)
     ds.to_parquet(str(tmp_path / "train.parquet"))
-    data = loading.prepare_prompts(
-        loading.load_rows(str(tmp_path / "train.parquet")), tok, fields=FIELDS, max_prompt_length=32
+    data = prepare_prompts(
+        load_rows(str(tmp_path / "train.parquet")), tok, fields=FIELDS, max_prompt_length=32
     )
     _check_mapped(data, rows)
     ds.save_to_disk(str(tmp_path / "saved"))
-    data = loading.prepare_prompts(
-        loading.load_rows(str(tmp_path / "saved")), tok, fields=FIELDS, max_prompt_length=32
+    data = prepare_prompts(
+        load_rows(str(tmp_path / "saved")), tok, fields=FIELDS, max_prompt_length=32
     )
     _check_mapped(data, rows)
     arrow = sorted(f for f in os.listdir(tmp_path / "saved") if f.endswith(".arrow"))
-    data = loading.prepare_prompts(
-        loading.load_rows(str(tmp_path / "saved" / arrow[0])),
+    data = prepare_prompts(
+        load_rows(str(tmp_path / "saved" / arrow[0])),
         tok,
         fields=FIELDS,
         max_prompt_length=32,
@@ -157,13 +164,13 @@ def test_synthetic_source_and_config(tok):
         "synthetic_seed": 3,
         "demonstration_field": "demonstration",
     }
-    data = loading.build_prompt_data(cfg, tok)
+    data = build_prompt_data(cfg, tok)
     expected = syn.generate(40, "train", seed=3, config=syn.SyntheticConfig(max_ops=2))
     assert data.problems == [p.problem for p in expected]
     assert data.demonstrations == [p.demonstration for p in expected]
     assert data.answers == [p.answer for p in expected]
     for alias in ("test", "heldout"):
-        held = loading.build_prompt_data(
+        held = build_prompt_data(
             {**cfg, "heldout_split": alias, "heldout_size": 20}, tok, heldout=True
         )
         assert len(held) == 20 and not set(held.problems) & set(data.problems)
@@ -178,38 +185,36 @@ def test_synthetic_source_and_config(tok):
             "demonstration_field": "",
         }
     )
-    it = loading.build_prompt_iterator(
-        cd, tok, global_batch_size=8, process_index=0, process_count=1
-    )
+    it = build_prompt_iterator(cd, tok, global_batch_size=8, process_index=0, process_count=1)
     assert it.state()["seed"] == 5 and len(it.data) == 16 and next(it).demonstrations == [""] * 8
     with pytest.raises(DataError, match="valid:.*max_prompt_len"):
-        loading.build_prompt_data({"max_prompt_length": 3}, tok)
+        build_prompt_data({"max_prompt_length": 3}, tok)
     with pytest.raises(DataError, match="splits"):
-        loading.build_prompt_data({"split": "validation"}, tok)
+        build_prompt_data({"split": "validation"}, tok)
     with pytest.raises(DataError, match="valid:.*max_ops"):
-        loading.build_prompt_data({"synthetic": {"max_opps": 3}}, tok)
+        build_prompt_data({"synthetic": {"max_opps": 3}}, tok)
 
 
 def test_length_filter_is_counted(tok):
     rows = [{"problem": "Compute 1+2.", "answer": "3"}, {"problem": "x" * 40, "answer": "1"}] * 3
-    data = loading.prepare_prompts(rows, tok, max_prompt_length=20)
+    data = prepare_prompts(rows, tok, max_prompt_length=20)
     assert data.stats["skipped_too_long"] == 3 and data.stats["kept"] == 3
     assert all(len(ids) <= 20 for ids in data.prompt_ids)
     assert data.row_index.tolist() == [0, 2, 4]
     # The limit is in tokens of the templated prompt, inclusive.
     n = len(tok(apply_template("plain", "Compute 1+2."))["input_ids"])
-    assert loading.prepare_prompts(rows[:1], tok, max_prompt_length=n).stats["kept"] == 1
+    assert prepare_prompts(rows[:1], tok, max_prompt_length=n).stats["kept"] == 1
     with pytest.raises(DataError, match="no prompts left"):
-        loading.prepare_prompts(rows[:1], tok, max_prompt_length=n - 1)
+        prepare_prompts(rows[:1], tok, max_prompt_length=n - 1)
 
 
 def test_missing_field_names_field_columns_and_key(tok, rows):
     with pytest.raises(DataError) as err:
-        loading.prepare_prompts(rows, tok, max_prompt_length=32)  # default "problem" column
+        prepare_prompts(rows, tok, max_prompt_length=32)  # default "problem" column
     msg = str(err.value)
     assert "'problem'" in msg and "'question'" in msg and "data.problem_field" in msg
     with pytest.raises(DataError, match="data.demonstration_field"):
-        loading.prepare_prompts(
+        prepare_prompts(
             rows, tok, fields=FieldMap("question", "solution", "demo"), max_prompt_length=32
         )
 
@@ -223,7 +228,7 @@ def test_bad_rows_are_counted_or_raise_when_strict(tok):
         {"problem": "Compute 2+3.", "answer": 5},  # fine: numeric answer
         {"problem": "Compute 3+3."},  # malformed: no answer
     ]
-    data = loading.prepare_prompts(rows, tok, max_prompt_length=32)
+    data = prepare_prompts(rows, tok, max_prompt_length=32)
     assert data.stats == {
         "rows": 6,
         "skipped_empty": 1,
@@ -233,20 +238,20 @@ def test_bad_rows_are_counted_or_raise_when_strict(tok):
     }
     assert data.answers == ["3", "5"]
     with pytest.raises(DataError, match=r"row 2: .*'problem'"):
-        loading.prepare_prompts(rows, tok, max_prompt_length=32, strict=True)
+        prepare_prompts(rows, tok, max_prompt_length=32, strict=True)
     with pytest.raises(DataError, match="mappings"):
-        loading.prepare_prompts(["not a dict"], tok, max_prompt_length=32)
+        prepare_prompts(["not a dict"], tok, max_prompt_length=32)
 
 
 def test_hub_offline_gives_clear_error():
     assert os.environ.get("HF_HUB_OFFLINE") == "1"  # set by conftest: no network in tests
     with pytest.raises(DataError, match="data.source"):
-        loading.load_rows("no-such-org/no-such-dataset")
+        load_rows("no-such-org/no-such-dataset")
 
 
 def test_missing_local_file_gives_clear_error(tmp_path):
     with pytest.raises(DataError, match="no data files"):
-        loading.load_rows(str(tmp_path / "missing.jsonl"))
+        load_rows(str(tmp_path / "missing.jsonl"))
 
 
 # --------------------------------------------------------------------------- iteration
@@ -254,7 +259,7 @@ def test_missing_local_file_gives_clear_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def data(tok):
-    return loading.build_prompt_data({"num_examples": 50}, tok)
+    return build_prompt_data({"num_examples": 50}, tok)
 
 
 def _take(it, n):
@@ -360,7 +365,7 @@ def test_num_epochs_stops(data):
 
 def test_encode_completions(tok):
     demos = ["7+5=12\n\\boxed{12}", "1+1=2\n\\boxed{2}" * 5]
-    ids, mask, truncated = loading.encode_completions(tok, demos, max_length=16)
+    ids, mask, truncated = encode_completions(tok, demos, max_length=16)
     assert ids.shape == mask.shape == (2, 16) and ids.dtype == np.int32 and truncated == 1
     n = len(tok(demos[0])["input_ids"]) + 1
     assert mask[0].tolist() == [1] * n + [0] * (16 - n)
@@ -385,8 +390,8 @@ def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_pa
     path.write_bytes(b"\n".join([good[0], bad_line, good[1], b"", good[2]]) + b"\n")
     cfg = {"source": str(path), "split": "train"}
     with pytest.raises(DataError, match=rf"{path}, line 2 \(row 2\): {why}.*data\.strict=False"):
-        loading.build_prompt_data({**cfg, "strict": True}, tok)
-    data = loading.build_prompt_data(cfg, tok)  # strict=False: skipped like other bad rows
+        build_prompt_data({**cfg, "strict": True}, tok)
+    data = build_prompt_data(cfg, tok)  # strict=False: skipped like other bad rows
     assert data.stats == {
         "rows": 4,
         "skipped_empty": 0,
@@ -399,7 +404,7 @@ def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_pa
 
 def test_heldout_size_is_reported_under_its_own_name(tok):
     with pytest.raises(DataError, match=r"data\.heldout_size must be positive, got 0"):
-        loading.build_prompt_data({"heldout_size": 0}, tok, heldout=True)
+        build_prompt_data({"heldout_size": 0}, tok, heldout=True)
 
 
 # --------------------------------------------------------------------------- sharded templating
@@ -466,13 +471,13 @@ def test_sharded_prompts_give_the_same_batches_with_each_host_templating_its_sha
 ):
     rows = _messy_rows()
     rows = datasets.Dataset.from_list(rows) if as_dataset else rows
-    whole = loading.prepare_prompts(rows, tok, max_prompt_length=24)
+    whole = prepare_prompts(rows, tok, max_prompt_length=24)
     assert min(whole.stats[k] for k in whole.stats) > 0  # every filter is exercised
     P, steps = 6, 12  # 12 steps cross an epoch boundary (whole holds ~40 prompts)
 
     def host(h, allgather):
         counting = _CountingTokenizer(tok)
-        data = loading.prepare_sharded_prompts(
+        data = prepare_sharded_prompts(
             rows,
             counting,
             max_prompt_length=24,
@@ -510,7 +515,7 @@ def test_sharded_prompts_raise_the_same_error_on_every_host(tok):
     def build(strict, max_prompt_length):
         return _on_hosts(
             2,
-            lambda h, gather: loading.prepare_sharded_prompts(
+            lambda h, gather: prepare_sharded_prompts(
                 rows, tok, max_prompt_length=max_prompt_length, strict=strict,
                 process_index=h, process_count=2, allgather=gather,
             ),
@@ -523,7 +528,7 @@ def test_sharded_prompts_raise_the_same_error_on_every_host(tok):
         "data.strict=False"
     ] * 2
     with pytest.raises(DataError) as eager:
-        loading.prepare_prompts(rows, tok, max_prompt_length=24, strict=True)
+        prepare_prompts(rows, tok, max_prompt_length=24, strict=True)
     assert str(eager.value) == str(errors[0])
     errors = build(strict=False, max_prompt_length=1)  # nothing kept
     assert all(isinstance(e, DataError) and "no prompts left" in str(e) for e in errors), errors

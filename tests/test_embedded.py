@@ -9,11 +9,11 @@ from transformers import AutoTokenizer
 
 from configs.common import EMBEDDED_TASK
 from gjax.data import synthetic
-from gjax.data.loading import left_pad
+from gjax.data.prompts import left_pad
 from gjax.data.templates import apply_template
 from gjax.data.tokenizer import build_tokenizer
 from gjax.embedded import resolve_model_path
-from gjax.models import hf_io
+from gjax.models import hf_import
 from gjax.rollout.sampler import SamplingParams, generate
 
 PATH = resolve_model_path("embedded:tiny_qwen2")
@@ -33,7 +33,7 @@ def test_autotokenizer_of_the_checkpoint_matches_the_training_tokenizer():
 def test_checkpoint_is_small_and_documented():
     size = sum(os.path.getsize(os.path.join(PATH, f)) for f in os.listdir(PATH))
     assert size < 8 * 2**20
-    cfg, _ = hf_io.load_pretrained(PATH)
+    cfg, _ = hf_import.load_pretrained(PATH)
     assert cfg.model_type == "qwen2" and cfg.tie_word_embeddings
     with open(os.path.join(PATH, "warmup.json")) as f:
         warmup = json.load(f)
@@ -45,7 +45,7 @@ def test_policy_leaves_room_for_rl():
     # tiny configs' temperature, the policy uses both styles (about half each), and working
     # the problem out is far more often right (measured: 68% vs 36%) -- the behaviour RL is
     # expected to discover.
-    cfg, params = hf_io.load_pretrained(PATH)
+    cfg, params = hf_import.load_pretrained(PATH)
     tok = build_tokenizer()
     task = synthetic.SyntheticConfig(**EMBEDDED_TASK)
     problems = synthetic.generate(128, "test", seed=11, config=task)

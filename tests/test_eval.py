@@ -1,6 +1,7 @@
 """gjax.eval end to end: benchmark files in each set's own format, params-only checkpoint
 restore, and `python -m gjax.eval` on the embedded policy (a checkpoint and a local file)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,9 +15,12 @@ import pytest
 from configs.common import EMBEDDED_TASK
 from gjax import eval as ev
 from gjax.data import benchmarks as bl
-from gjax.data.loading import DataError
+from gjax.data.sources import DataError
 from gjax.data.synthetic import SyntheticConfig, generate
-from gjax.rollout import SampleOutput
+from gjax.evaluation.heldout import HeldoutEval, heldout_metrics
+from gjax.evaluation.metrics import EvalError, summarize
+from gjax.evaluation.sampling import sample_and_score
+from gjax.rollout import SampleOutput, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
@@ -81,9 +85,9 @@ def write_benchmark(name, directory, n=3):
 
 @pytest.fixture(scope="module")
 def tok():
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
-    return hf_io.load_tokenizer(EMBEDDED)
+    return hf_import.load_tokenizer(EMBEDDED)
 
 
 def test_registry_covers_the_papers_benchmarks():
@@ -165,9 +169,9 @@ def save_checkpoint(workdir, steps_params):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Step 1: the embedded policy; step 2: the same with a zeroed embedding."""
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
-    _, params = hf_io.load_pretrained(EMBEDDED)
+    _, params = hf_import.load_pretrained(EMBEDDED)
     broken = jax.tree.map(lambda x: x, params)
     broken["embed"]["embedding"] = jnp.zeros_like(params["embed"]["embedding"])
     wd = str(tmp_path_factory.mktemp("run"))
@@ -177,7 +181,7 @@ def workdir(tmp_path_factory):
 
 def test_restore_params_reads_the_params_alone(workdir):
     from gjax.checkpoint import CheckpointError
-    from gjax.models import hf_io
+    from gjax.models import hf_import
 
     wd, params, broken = workdir
     abstract = jax.tree.map(
@@ -197,10 +201,10 @@ def test_restore_params_reads_the_params_alone(workdir):
     assert ev.split_checkpoint_path(ckpt, 1) == (wd, ckpt, 1)
     rel = os.path.relpath(os.path.join(ckpt, "2"))
     assert ev.split_checkpoint_path(rel, None) == (wd, ckpt, 2)
-    with pytest.raises(ev.EvalError, match="no gjax checkpoints"):
+    with pytest.raises(EvalError, match="no gjax checkpoints"):
         ev.split_checkpoint_path(os.path.dirname(wd), None)
     assert ev.run_model_source(wd)[0] == EMBEDDED
-    del hf_io
+    del hf_import
 
 
 @pytest.mark.slow
@@ -284,7 +288,7 @@ def verifier():
 
 def heldout(tok, size):
     from configs import common
-    from gjax.data.loading import build_prompt_data
+    from gjax.data.builders import build_prompt_data
 
     cfg = common.tiny(common.base()).data.to_dict()
     cfg["heldout_size"] = size
@@ -294,8 +298,8 @@ def heldout(tok, size):
 def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd):
     data = heldout(tok, 10)
     backend = ScriptedBackend(tok, data)
-    sampling = ev.SamplingParams(max_new_tokens=12, temperature=0.6, stop_token_ids=(1,))
-    s = ev.sample_and_score(
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.6, stop_token_ids=(1,))
+    s = sample_and_score(
         backend, None, tok, data, verifier, num_samples=6, sampling=sampling,
         rng=jax.random.key(0), max_rows=16, progress="bench",
     )  # fmt: skip
@@ -311,14 +315,14 @@ def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd):
     np.testing.assert_array_equal(s.truncated_PxN, np.tile([False, True], (10, 3)))
     assert (s.lengths_PxN[:, 1::2] == 12).all()
     assert s.keys[0][:2] == [data.answers[0], "1000"]
-    m = ev.summarize(s, [1, 2, 6])
+    m = summarize(s, [1, 2, 6])
     assert m["pass@1"] == 0.5 and m["pass@6"] == 1
     assert m["pass@2"] == pytest.approx(1 - 3 / 15)  # 1 - C(3,2)/C(6,2)
     assert "bench: 100%" in capfd.readouterr().err  # the progress bar reached the end
 
     # n larger than a call: a problem's samples span several calls.
     backend.calls.clear()
-    s = ev.sample_and_score(
+    s = sample_and_score(
         backend, None, tok, data, verifier, num_samples=6, sampling=sampling,
         rng=jax.random.key(0), batch_shape=(4, 4), width=32,
     )  # fmt: skip
@@ -333,16 +337,16 @@ def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(tok, verifier,
 
     data = heldout(tok, 8)
     backend = ScriptedBackend(tok, data)
-    settings = ev.HeldoutEval.from_config(
+    settings = HeldoutEval.from_config(
         ml_collections.ConfigDict(
             dict(num_samples=4, temperature=0.7, top_p=1.0, pass_k="1,4", max_rows=256)
         )
     )
-    rollout = ev.SamplingParams(
+    rollout = SamplingParams(
         max_new_tokens=12, temperature=0.7, stop_token_ids=(1,), pad_token_id=0
     )
     kw = dict(max_new_tokens=12, eos=(1,), pad_id=0, progress=True)
-    m = ev.heldout_metrics(
+    m = heldout_metrics(
         backend, None, tok, data, verifier, settings, rollout_sampling=rollout,
         rollout_shape=(2, 2), **kw,
     )  # fmt: skip
@@ -361,9 +365,9 @@ def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(tok, verifier,
     assert "eval greedy: 100%" in err and "eval pass@4: 100%" in err
     # Sampling that differs from the rollout's: the evaluation's own shape.
     backend.calls.clear()
-    ev.heldout_metrics(
+    heldout_metrics(
         backend, None, tok, data, verifier, settings,
-        rollout_sampling=ev.dataclasses.replace(rollout, temperature=1.0), rollout_shape=(2, 2),
+        rollout_sampling=dataclasses.replace(rollout, temperature=1.0), rollout_shape=(2, 2),
         **kw,
     )  # fmt: skip
     assert backend.calls[1][1] == 4

@@ -26,7 +26,7 @@ from configs import grpo  # noqa: E402
 from gjax import cli, export, model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer, CheckpointError  # noqa: E402
 from gjax.learner import TrainState, make_optimizer  # noqa: E402
-from gjax.models import hf_io  # noqa: E402
+from gjax.models import hf_export, hf_format, hf_import  # noqa: E402
 from gjax.models import transformer as T  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -58,7 +58,7 @@ def make_workdir(workdir, *, record=True, base_path="/nonexistent/base_model"):
     os.makedirs(workdir)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
-    cfg, base = hf_io.load_pretrained(EMBEDDED)
+    cfg, base = hf_import.load_pretrained(EMBEDDED)
     if record:
         model_record.save(str(workdir), cfg, EMBEDDED)
     tx, _ = make_optimizer(config.optim, config.train.steps)
@@ -93,7 +93,7 @@ def assert_logits_match(out_dir, params, cfg):
     """transformers loads `out_dir` (model and tokenizer); its logits are gjax's on `params`."""
     model = transformers.AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
     tok = transformers.AutoTokenizer.from_pretrained(out_dir)
-    assert tok("1+2=3")["input_ids"] == hf_io.load_tokenizer(EMBEDDED)("1+2=3")["input_ids"]
+    assert tok("1+2=3")["input_ids"] == hf_import.load_tokenizer(EMBEDDED)("1+2=3")["input_ids"]
     tokens, mask, positions = _batch(tok)
     with torch.no_grad():
         hf = model(
@@ -139,7 +139,7 @@ def test_cli_exports_relative_workdir_quietly_and_transformers_loads_it(tmp_path
     files = set(os.listdir(out))
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= files
     gen = json.loads((out / "generation_config.json").read_text())
-    base_gen = hf_io.source_generation_config(EMBEDDED)
+    base_gen = hf_export.source_generation_config(EMBEDDED)
     assert {k: gen[k] for k in base_gen if k != "transformers_version"} == {
         k: v for k, v in base_gen.items() if k != "transformers_version"
     }
@@ -154,9 +154,9 @@ def test_step_dtype_shards_and_errors(tmp_path, monkeypatch):
     assert step == 1
     files = os.listdir(tmp_path / "bf16")
     shards = sorted(f for f in files if f.endswith(".safetensors"))
-    assert len(shards) > 1 and hf_io.INDEX_FILE in files
-    index = json.loads((tmp_path / "bf16" / hf_io.INDEX_FILE).read_text())
-    assert set(index["weight_map"]) == {n for n, _ in hf_io.iter_hf_names(cfg)}
+    assert len(shards) > 1 and hf_format.INDEX_FILE in files
+    index = json.loads((tmp_path / "bf16" / hf_format.INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == {n for n, _ in hf_format.iter_hf_names(cfg)}
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
     tensors = {}
     for shard in shards:

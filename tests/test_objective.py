@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from gjax.objective import aggregation
 from gjax.objective.advantages import ADVANTAGES
-from gjax.objective.objective import (
+from gjax.objective.loss import (
     PRESETS,
     ObjectiveConfig,
     finalize_metrics,
+    full_batch_loss,
     micro_batch_loss,
-    objective,
     prepare,
     split_micro_batches,
 )
@@ -58,7 +58,7 @@ def make_batch(seed=0, p=P, g=G, t=T, d=D, v=V, stale=0.3, lengths=None):
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _grads(hidden, head, batch, rng, cfg):
     def f(h, w):
-        return objective(h, w, batch, cfg, rng)
+        return full_batch_loss(h, w, batch, cfg, rng)
 
     return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, head)
 
@@ -72,7 +72,7 @@ def grads(cfg, hidden, head, batch, rng=None):
 
 
 def naive_objective(hidden, head, batch, cfg, rng=None):
-    """Materialised logits + direct formulas, written independently of objective.py."""
+    """Materialised logits + direct formulas, written independently of loss.py."""
     logits = hidden @ head / cfg.temperature
     logsm = jax.nn.log_softmax(logits, -1)
     logp = jnp.take_along_axis(logsm, batch["targets_BxT"][..., None], -1)[..., 0]
@@ -228,8 +228,8 @@ def test_config_is_hashable_and_static():
     b = ObjectiveConfig(advantage_kwargs=(("scale", "batch"),))
     assert a == b and hash(a) == hash(b)
     hidden, head, batch = make_batch()
-    l1, _ = objective(hidden, head, batch, a)
-    l2, _ = objective(hidden, head, batch, b)
+    l1, _ = full_batch_loss(hidden, head, batch, a)
+    l2, _ = full_batch_loss(hidden, head, batch, b)
     assert float(l1) == float(l2)
 
 
@@ -243,7 +243,7 @@ def test_clip_fraction_metrics_by_hand():
     )[..., 0]
     # ratios: 2 (clip high), 1, 0.5 (clip low), 1
     batch["old_logps_BxT"] = logp - jnp.log(jnp.array([[2.0], [1.0], [0.5], [1.0]]))
-    _, m = objective(hidden, head, batch, cfg)
+    _, m = full_batch_loss(hidden, head, batch, cfg)
     assert float(m["clip_frac_high"]) == pytest.approx(0.25)
     assert float(m["clip_frac_low"]) == pytest.approx(0.25)
     assert float(m["ratio"]) == pytest.approx((2 + 1 + 0.5 + 1) / 4, rel=1e-5)
@@ -424,7 +424,7 @@ def test_gpg_gradient_is_the_reinforce_estimator():
     hidden, h, batch = bandit(actions, rewards)
     cfg = ObjectiveConfig.preset("gpg")
     (_, metrics), g_h = jax.value_and_grad(
-        lambda w: objective(hidden, w, batch, cfg), has_aux=True
+        lambda w: full_batch_loss(hidden, w, batch, cfg), has_aux=True
     )(h)
     # REINFORCE by hand: A_i = alpha (r_i - mean r), alpha = B/(B-M) = 1 (no zero-var group);
     # token-mean over 5 one-token samples; grad of -(1/N) sum A_i log pi(a_i) w.r.t. logits
@@ -451,7 +451,9 @@ def test_gpg_alpha_scales_gradient_with_zero_variance_groups():
         "valid_PxG": jnp.ones((2, 3), bool),
     }
     cfg = ObjectiveConfig.preset("gpg")
-    (loss, m), g_h = jax.value_and_grad(lambda w: objective(hidden, w, batch, cfg), has_aux=True)(h)
+    (loss, m), g_h = jax.value_and_grad(
+        lambda w: full_batch_loss(hidden, w, batch, cfg), has_aux=True
+    )(h)
     alpha = 6 / (6 - 3)
     a = alpha * np.array([0, 0, 0, 2 / 3, -1 / 3, -1 / 3])
     pi = np.asarray(jax.nn.softmax(h[0]))
@@ -487,10 +489,10 @@ def test_gpg_preset_is_eq5_per_group_token_mean():
     ln = math.log
     g0 = (-0.5 * ln(0.4) + 0.5 * (ln(0.1) + ln(0.2) + ln(0.3))) / 4
     g1 = (0.5 * 2 * ln(0.4) - 0.5 * ln(0.1)) / 3
-    loss, _ = objective(hidden, h, batch, cfg)
+    loss, _ = full_batch_loss(hidden, h, batch, cfg)
     assert float(loss) == pytest.approx((g0 + g1) / 2, rel=1e-6)
     assert float(loss) == pytest.approx(-0.2233146, rel=1e-6)
-    loss_tok, _ = objective(hidden, h, batch, cfg.replace(aggregation="token_mean"))
+    loss_tok, _ = full_batch_loss(hidden, h, batch, cfg.replace(aggregation="token_mean"))
     assert float(loss_tok) == pytest.approx(-0.2664072, rel=1e-6)
 
 
@@ -532,7 +534,7 @@ def test_agrae_theorem1_logit_update_in_behaviour_space(cfg_name):
     else:
         assert abs(c) > 1e-3
     lr = 0.5
-    g_h = jax.grad(lambda w: objective(hidden, w, batch, cfg)[0])(h)
+    g_h = jax.grad(lambda w: full_batch_loss(hidden, w, batch, cfg)[0])(h)
     delta = -lr * np.asarray(g_h[0])
     pi = np.asarray(jax.nn.softmax(h[0]))
     n_seq = 2 * g  # seq-mean over both prompts' sequences
@@ -597,29 +599,29 @@ def test_shape_and_dtype_errors():
     b = dict(batch)
     del b["old_logps_BxT"]
     with pytest.raises(KeyError, match="old_logps_BxT"):
-        objective(hidden, head, b, cfg)
+        full_batch_loss(hidden, head, b, cfg)
     b = dict(batch)
     del b["ref_logps_BxT"]
     with pytest.raises(KeyError, match="ref_logps_BxT"):
-        objective(hidden, head, b, cfg)  # kl_beta > 0 needs the reference
-    objective(hidden, head, b, cfg.replace(kl_beta=0.0))  # ...and only then
+        full_batch_loss(hidden, head, b, cfg)  # kl_beta > 0 needs the reference
+    full_batch_loss(hidden, head, b, cfg.replace(kl_beta=0.0))  # ...and only then
     b = dict(batch, rewards_PxG=batch["rewards_PxG"].reshape(G, P)[:, :2])
     with pytest.raises(ValueError, match="P\\*G"):
-        objective(hidden, head, b, cfg)
+        full_batch_loss(hidden, head, b, cfg)
     b = dict(batch, old_logps_BxT=batch["old_logps_BxT"][:, :-1])
     with pytest.raises(ValueError, match="old_logps_BxT shape"):
-        objective(hidden, head, b, cfg)
+        full_batch_loss(hidden, head, b, cfg)
     b = dict(batch, targets_BxT=batch["targets_BxT"].astype(jnp.float32))
     with pytest.raises(TypeError, match="integer"):
-        objective(hidden, head, b, cfg)
+        full_batch_loss(hidden, head, b, cfg)
     with pytest.raises(ValueError, match="hidden_BxTxD"):
-        objective(hidden[:, :-1], head, batch, cfg)
+        full_batch_loss(hidden[:, :-1], head, batch, cfg)
     with pytest.raises(ValueError, match="head_DxV"):
-        objective(hidden, head[:-1], batch, cfg)
+        full_batch_loss(hidden, head[:-1], batch, cfg)
     # G = 1: group-relative advantages are undefined.
     h1, w1, b1 = make_batch(p=4, g=1)
     with pytest.raises(ValueError, match="G >= 2"):
-        objective(h1, w1, b1, cfg)
+        full_batch_loss(h1, w1, b1, cfg)
 
 
 def test_config_errors():
@@ -646,15 +648,15 @@ def test_config_errors():
     # Out-of-range estimator hyperparameters fail at trace time.
     hidden, head, batch = make_batch()
     with pytest.raises(ValueError, match="delta"):
-        objective(
+        full_batch_loss(
             hidden, head, batch, ObjectiveConfig.preset("dagrpo", advantage_kwargs={"delta": -1.0})
         )
     with pytest.raises(ValueError, match="alpha"):
-        objective(
+        full_batch_loss(
             hidden, head, batch, ObjectiveConfig.preset("a_grae", advantage_kwargs={"alpha": 2.0})
         )
     with pytest.raises(ValueError, match="rng"):
-        objective(hidden, head, batch, ObjectiveConfig.preset("clip_cov"))
+        full_batch_loss(hidden, head, batch, ObjectiveConfig.preset("clip_cov"))
 
 
 # ------------------------------------------------------------------ peer parity (Liger-Kernel)

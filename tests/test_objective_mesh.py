@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
-from gjax.objective.objective import ObjectiveConfig, objective
+from gjax.objective.loss import ObjectiveConfig, full_batch_loss
 
 P, G, T, D, V = 8, 4, 4, 8, 16
 
@@ -59,7 +59,7 @@ def _batch():
 
 def _value_and_grad(hidden, head, batch, cfg):
     def f(h, w):
-        return objective(h, w, batch, cfg)
+        return full_batch_loss(h, w, batch, cfg)
 
     return jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(hidden, head)
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gjax.objective.objective import ObjectiveConfig, prepare
+from gjax.objective.loss import ObjectiveConfig, prepare
 from gjax.objective.off_policy import behaviour_correction_BxT
 
 

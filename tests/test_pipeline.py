@@ -309,7 +309,7 @@ def test_submit_validation_and_close():
 
 
 def test_combined_reward_from_the_registry():
-    from gjax.rewards.registry import REWARDS, build_reward
+    from gjax.rewards.functions import REWARDS, build_reward
 
     if "format" not in REWARDS:
         pytest.skip("registry has no 'format' reward")
@@ -323,7 +323,7 @@ def test_combined_reward_from_the_registry():
 @pytest.mark.slow
 def test_end_to_end_verifier_and_openai_judge_overlap_device():
     """The real stack: math-verify accuracy (process pool) + OpenAIJudge over HTTP || jax."""
-    from gjax.rewards.registry import build_reward
+    from gjax.rewards.functions import build_reward
     from gjax.rewards.verifier import Verifier
 
     @jax.jit

@@ -7,7 +7,7 @@ import pytest
 from scipy import stats
 
 from gjax import sharding
-from gjax.data import loading
+from gjax.data import prompts as prompts_lib
 from gjax.models import transformer as tr
 from gjax.rollout import LocalSampler, RolloutBackend, SamplingParams, generate
 from tests.test_model import random_params, tiny_cfg  # O(1)-logit params, shared
@@ -24,7 +24,7 @@ S = 7
 
 
 def left_pad(prompts, width):
-    return loading.left_pad(prompts, width, pad_id=0)
+    return prompts_lib.left_pad(prompts, width, pad_id=0)
 
 
 @jax.jit(static_argnames=("cfg",))

@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gjax import sharding
-from gjax.models import hf_io
+from gjax.models import hf_format
 from gjax.models import transformer as T
 from tests.test_model import tiny_cfg
 
@@ -59,7 +59,7 @@ def _random_params(cfg, seed=0):
         base = 1.0 if "norm" in sharding.path_str(path) else 0.0
         return jnp.asarray(base + 0.15 * rng.standard_normal(shape), jnp.float32)
 
-    shapes = hf_io.param_shapes(cfg)
+    shapes = hf_format.param_shapes(cfg)
     return jax.tree_util.tree_map_with_path(leaf, shapes, is_leaf=lambda x: isinstance(x, tuple))
 
 

@@ -100,7 +100,7 @@ def test_cw_grpo_preset_and_config_weight_per_group():
     """The cw_grpo objective (and configs/cw_grpo.py) default to the paper's per-group scope:
     prepare on two groups gives mean weight 1 in each; scope='batch' does not."""
     from configs import cw_grpo
-    from gjax.objective.objective import ObjectiveConfig, prepare
+    from gjax.objective.loss import ObjectiveConfig, prepare
 
     assert cw_grpo.get_config().objective.token_weights_kwargs.scope == "group"
     rng = np.random.default_rng(0)

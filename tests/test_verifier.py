@@ -16,17 +16,14 @@ import time
 import numpy as np
 import pytest
 
-from gjax.rewards.verifier import (
+from gjax.rewards.answers import (
     EXTRACTORS,
-    Verifier,
-    VerifierConfig,
-    _sanitize,
-    _to_parse_input,
     extract_answer,
     extract_answer_tag,
     extract_boxed,
     extract_regex,
 )
+from gjax.rewards.verifier import Verifier, VerifierConfig, _sanitize, _to_parse_input
 
 PAIRS = [
     json.loads(line)

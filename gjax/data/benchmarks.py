@@ -22,7 +22,7 @@ the larger ones (A-GRAE App. C.2).
 
 A benchmark is named alone (``aime24``: loaded from the Hub) or with a local copy in its own
 format (``aime24=/data/aime24.jsonl``: a ``.jsonl``/``.json``/``.parquet``/``.arrow``/
-``.csv`` file, glob or directory, read by ``gjax.data.loading.load_rows``). Nothing is
+``.csv`` file, glob or directory, read by ``gjax.data.sources.load_rows``). Nothing is
 filtered away: a problem whose prompt is too long is an error, not a silent skip, since a
 skipped problem changes the score.
 """
@@ -33,15 +33,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from gjax.data.loading import (
-    DataError,
-    FieldMap,
-    PromptData,
-    build_prompt_data,
-    data_config,
-    load_rows,
-    prepare_prompts,
-)
+from gjax.data.builders import build_prompt_data, data_config
+from gjax.data.prompts import FieldMap, PromptData, prepare_prompts
+from gjax.data.sources import DataError, load_rows
 from gjax.registry import Registry
 
 

@@ -1,7 +1,8 @@
 """The policy model: `ModelConfig` and the Flax Qwen2/Llama decoder."""
 
 from gjax.models.config import ModelConfig
-from gjax.models.hf_io import load_pretrained, load_tokenizer, save_pretrained
+from gjax.models.hf_export import save_pretrained
+from gjax.models.hf_import import load_pretrained, load_tokenizer
 from gjax.models.transformer import (
     Transformer,
     abstract_params,

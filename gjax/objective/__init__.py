@@ -1,15 +1,15 @@
 """The GRPO-family objective: advantages, token weights, policy losses, aggregation, kernel.
 
-The composed function lives in the submodule of the same name:
-``from gjax.objective.objective import objective`` (it is deliberately NOT re-exported here, so
-that ``gjax.objective.objective`` stays the module). The rest of the API is re-exported.
+`loss` composes them (`prepare`, `micro_batch_loss`, `finalize_metrics`, and `full_batch_loss`
+for one whole batch); the API is re-exported here.
 """
 
 from gjax.objective.aggregation import AGGREGATIONS, aggregation_weights
-from gjax.objective.objective import (
+from gjax.objective.loss import (
     PRESETS,
     ObjectiveConfig,
     finalize_metrics,
+    full_batch_loss,
     micro_batch_loss,
     prepare,
     split_micro_batches,
@@ -24,6 +24,7 @@ __all__ = [
     "ObjectiveConfig",
     "aggregation_weights",
     "finalize_metrics",
+    "full_batch_loss",
     "micro_batch_loss",
     "prepare",
     "split_micro_batches",

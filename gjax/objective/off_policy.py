@@ -23,7 +23,7 @@ token-level with C = 2 for the vLLM/FSDP mismatch):
     'none' : c = 1                            (only the mismatch metrics below are reported)
 
 Masked or down-weighted tokens keep counting in the aggregation denominators (the same rule
-as DaGRPO's masked samples, `gjax.objective.objective`), so the correction never rescales the
+as DaGRPO's masked samples, `gjax.objective.loss`), so the correction never rescales the
 rest of the batch. Log-ratios are clamped to +-MAX_LOG_RATIO before exp, as the PPO ratio is.
 
 Metrics, over the loss tokens (``mask_BxT``):

@@ -3,7 +3,7 @@
 Every function here maps per-token arrays of one common shape (``[N]`` inside the kernel,
 ``[B, T]`` elsewhere) to a per-token loss of the same shape plus a dict of per-token
 diagnostics. Nothing is reduced: aggregation (``gjax.objective.aggregation``) supplies the
-per-token weights with global denominators, and ``gjax.objective.objective`` multiplies and
+per-token weights with global denominators, and ``gjax.objective.loss`` multiplies and
 sums. Losses are to be *minimised* (the negative of the papers' objectives J).
 
 Notation: ``logp`` = log pi_theta(o_t | q, o_<t) (differentiated), ``old_logp`` = log

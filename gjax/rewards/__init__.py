@@ -1,5 +1,15 @@
 """Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
 
+from gjax.rewards.answers import EXTRACTORS, extract_answer
+from gjax.rewards.functions import (
+    REWARDS,
+    CombinedReward,
+    RewardFunctionError,
+    RewardResult,
+    RewardSpec,
+    build_reward,
+    soft_overlong_penalty,
+)
 from gjax.rewards.judge import (
     JUDGES,
     Judge,
@@ -14,17 +24,8 @@ from gjax.rewards.pipeline import (
     RewardPipeline,
     RewardPipelineError,
 )
-from gjax.rewards.registry import (
-    REWARDS,
-    CombinedReward,
-    RewardFunctionError,
-    RewardResult,
-    RewardSpec,
-    build_reward,
-    soft_overlong_penalty,
-)
 from gjax.rewards.rule_judge import RuleJudge  # registers the offline judge as "rule"
-from gjax.rewards.verifier import EXTRACTORS, Verifier, VerifierConfig, extract_answer
+from gjax.rewards.verifier import Verifier, VerifierConfig
 
 __all__ = [
     "JUDGES",

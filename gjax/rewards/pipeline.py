@@ -12,7 +12,7 @@ at once with a handle; the train step keeps dispatching device work and calls
         ref_logps = ref_logps_fn(ref_params, batch)
         res = handle.result()                        # rewards [B], valid [B], scores [B], metrics
 
-Reward functions have the signature of the reward registry (gjax/rewards/registry.py):
+Reward functions have the signature of the reward registry (gjax/rewards/functions.py):
 `fn(prompts, completions, answers, *, completion_lengths, **metadata) -> Sequence[float]`,
 sync or async (an `async def`, or a sync function returning an awaitable). Sync functions run
 in a small thread pool so a blocking verifier never stalls the loop; async ones run on it.
@@ -69,6 +69,7 @@ from typing import Any
 import numpy as np
 
 from gjax.errors import ConfigError, UserError
+from gjax.rewards.functions import REWARDS, RewardSpec, build_reward
 from gjax.rewards.judge import (
     ON_MISSING,
     Judge,
@@ -77,7 +78,6 @@ from gjax.rewards.judge import (
     resolve_missing_scores,
 )
 from gjax.rewards.judge import check_config as check_judge_config
-from gjax.rewards.registry import REWARDS, RewardSpec, build_reward
 from gjax.rewards.rule_judge import RuleJudge
 
 log = logging.getLogger(__name__)
@@ -405,7 +405,7 @@ class RewardPipeline:
                 out = await out
         fn_valid, fn_metrics = None, {}
         if hasattr(out, "rewards_B") and hasattr(out, "valid_B"):
-            # A CombinedReward (gjax/rewards/registry.py): already weighted, with its own policy.
+            # A CombinedReward (gjax/rewards/functions.py): already weighted, with its own policy.
             fn_valid = np.asarray(out.valid_B, bool).reshape(-1)
             fn_metrics = dict(getattr(out, "metrics", {}) or {})
             out = out.rewards_B

@@ -29,7 +29,7 @@ import numpy as np
 from gjax import multihost
 from gjax.experience import Groups, append_anchors, select_groups
 from gjax.models.config import ModelConfig
-from gjax.rewards.registry import soft_overlong_penalty
+from gjax.rewards.functions import soft_overlong_penalty
 from gjax.rollout.backend import RolloutBackend, rollout_sampling, stop_and_pad
 from gjax.rollout.sampler import SampleOutput
 

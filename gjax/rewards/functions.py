@@ -53,7 +53,8 @@ from typing import Any
 import numpy as np
 
 from gjax.registry import Registry
-from gjax.rewards.verifier import EXTRACTORS, Verifier
+from gjax.rewards.answers import EXTRACTORS
+from gjax.rewards.verifier import Verifier
 
 logger = logging.getLogger(__name__)
 

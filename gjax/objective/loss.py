@@ -2,7 +2,7 @@
 
 One pure function of the batch arrays, jit-compiled with the config static::
 
-    loss, metrics = objective(hidden_BxTxD, head_DxV, batch, cfg)
+    loss, metrics = full_batch_loss(hidden_BxTxD, head_DxV, batch, cfg)
 
 and the split API the trainer uses for gradient accumulation::
 
@@ -551,7 +551,7 @@ def finalize_metrics(sums: Mapping[str, Array]) -> dict[str, Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def objective(
+def full_batch_loss(
     hidden_BxTxD: Array,
     head_DxV: Array,
     batch: Batch,

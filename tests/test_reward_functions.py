@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from gjax.rewards.registry import (
+from gjax.rewards.functions import (
     REWARDS,
     RewardFunctionError,
     RewardSpec,
@@ -234,7 +234,7 @@ def test_raising_function_is_counted_not_raised(policy, caplog):
     _register("test_const", lambda prompts, completions, answers, **metadata: [0.25] * len(answers))
     reward = build_reward([name, "test_const"], on_error=policy)
     p, c, a = _batch(3)
-    with caplog.at_level(logging.ERROR, logger="gjax.rewards.registry"):
+    with caplog.at_level(logging.ERROR, logger="gjax.rewards.functions"):
         first = reward.compute(p, c, a)  # a RuntimeError on the first call is not a bug: counted
     assert "service down (call 0)" in caplog.text and "RuntimeError" in caplog.text
     second = reward.compute(p, c, a)
