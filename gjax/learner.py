@@ -314,6 +314,9 @@ def build_learner(
         behaviour_logps=behaviour_logps,
         overlong_filter=config.sampling.overlong_filter,
     )
+    learner.transfer.layout.check_rows(
+        config.rollout.prompts_per_step, "config.rollout.prompts_per_step"
+    )
     return state, learner
 
 

@@ -2,13 +2,16 @@
 
     python -m gjax.train --config=configs/a_grae.py[:tiny] [--config.x.y=v ...] [--workdir=DIR]
 
-main() reads top to bottom: config -> mesh -> model -> data -> rewards -> state (fresh or
-resumed) -> held-out eval -> the RL loop -> held-out eval -> summary. Each RL step:
-rollout (sampler; rewards on the host overlap old/ref log-probs on the device) -> group
-selection (DAPO dynamic sampling / GPG beta_th) -> one jitted update -> metrics pulled one
-step late. SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with
-status 128 + the signal's number (143, 130), so a supervisor sees an unfinished run; a second
-one exits at once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
+`train(config, workdir)` reads top to bottom: config -> mesh -> model -> data -> rewards,
+backend, learner (fresh or resumed) -> held-out eval -> one RL loop -> held-out eval and
+summary. Each step asks the producer for its batch (`gjax.rollout.producer`: rollouts sampled,
+scored and selected on this thread, or on their own thread up to k versions stale), makes the
+learner's device batch (old/reference log-probs teacher-forced where needed), runs one jitted
+update, hands the params back to the producer and writes the previous step's metrics.
+
+SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with status 128 +
+the signal's number (143, 130), so a supervisor sees an unfinished run; a second one exits at
+once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
 once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved; the last
 intact checkpoint is named and kept.
 """
@@ -54,26 +57,6 @@ from gjax.rollout.producer import make_producer
 # The subsystems' config hooks `validate` asks, before anything loads or is written.
 CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    None,
-    "Output dir (local or gs://); resumes if it has checkpoints. Default: workdirs/<algo>.",
-)
-_DISTRIBUTED = flags.DEFINE_bool(
-    "jax_distributed",
-    False,
-    "Multi-process run: jax.distributed.initialize() (auto-detected on TPU VMs; elsewhere "
-    "give the three flags below or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID).",
-)
-_COORDINATOR = flags.DEFINE_string(
-    "coordinator_address", None, "host:port of process 0 (implies --jax_distributed)."
-)
-_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the run.")
-_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
-
 log = logging.getLogger("gjax")
 
 
@@ -96,13 +79,14 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
 def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if _DISTRIBUTED.value or _COORDINATOR.value:
-        multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    F = flags.FLAGS
+    if F.jax_distributed or F.coordinator_address:
+        multihost.initialize(F.coordinator_address, F.num_processes, F.process_id)
     if not multihost.is_primary():  # process 0 logs; the others only warn
         logging.getLogger().setLevel(logging.WARNING)
-    config = _CONFIG.value
+    config = F.config
     # Local (relative or absolute) or gs://; every file below is written through epath.
-    workdir = str(paths.resolve(_WORKDIR.value or os.path.join("workdirs", config.algo)))
+    workdir = str(paths.resolve(F.workdir or os.path.join("workdirs", config.algo)))
     signum = train(config, workdir)
     if signum is not None:
         sys.exit(128 + signum)
@@ -140,24 +124,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
 
     # --- data ---------------------------------------------------------------------------
-    train_data = build_sharded_prompts(config.data, tok)  # each process templates its share
-    heldout = build_prompt_data(config.data, tok, heldout=True)
-    if config.anchors.per_group and not train_data.has_demonstrations:
-        raise ConfigError(
-            "config.anchors.per_group > 0 needs demonstrations: set "
-            "config.data.demonstration_field to the column holding them"
-        )
-    log.info(
-        "data: %d train prompts, %d held-out (%s)", len(train_data), len(heldout), train_data.stats
-    )
+    train_data, heldout = _load_data(config, tok)
 
     # --- rewards, backend, learner: fresh or resumed ------------------------------------
-    verifier = scope.enter_context(
-        contextlib.closing(
-            Verifier(timeout_s=config.reward.timeout_s, num_workers=config.reward.workers)
-        )
-    )
-    rewards = scope.enter_context(contextlib.closing(build_rewards(config, verifier)))
+    r = config.reward
+    verifier = scope.enter_context(Verifier(timeout_s=r.timeout_s, num_workers=r.workers))
+    rewards = scope.enter_context(build_rewards(config, verifier))
     backend = make_backend(config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tok)
     scope.callback(backend.close)
     state, learner = build_learner(
@@ -168,26 +140,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         params=params,
         behaviour_logps=backend.returns_logps,
     )
-    learner.transfer.layout.check_rows(
-        config.rollout.prompts_per_step, "config.rollout.prompts_per_step"
-    )
-    checkpointer = ckpt_lib.Checkpointer(
-        os.path.join(workdir, "checkpoints"),
-        max_to_keep=config.checkpoint.keep,
-        save_interval_steps=config.checkpoint.every,
-        async_save=config.checkpoint.async_save,
-    )
-    state, meta = _restore(checkpointer, state, config, workdir)
+    checkpointer, state, meta = _restore(config, workdir, state)
     start = int(state.step)
-    data_iter = PromptIterator(  # this process's block of every global batch
-        train_data,
-        global_batch_size=config.rollout.prompts_per_step,
-        seed=config.data.shuffle_seed,
-        shuffle=config.data.shuffle,
-        state=meta["data"],
-        process_index=learner.transfer.layout.block,
-        process_count=learner.transfer.layout.count,
-    )
+    data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
     rollout = Rollout(
         cfg=cfg,
         backend=backend,
@@ -287,8 +242,43 @@ def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
         ) from e
 
 
-def _restore(checkpointer, state, config, workdir: str):
-    """The latest intact checkpoint's state and meta, or the fresh state and empty meta."""
+def _load_data(config, tok):
+    """The training prompts (each process templates its share) and the held-out set."""
+    train_data = build_sharded_prompts(config.data, tok)
+    heldout = build_prompt_data(config.data, tok, heldout=True)
+    if config.anchors.per_group and not train_data.has_demonstrations:
+        raise ConfigError(
+            "config.anchors.per_group > 0 needs demonstrations: set "
+            "config.data.demonstration_field to the column holding them"
+        )
+    log.info(
+        "data: %d train prompts, %d held-out (%s)", len(train_data), len(heldout), train_data.stats
+    )
+    return train_data, heldout
+
+
+def _prompt_iterator(config, train_data, layout, state) -> PromptIterator:
+    """This process's block of every global batch of prompts, from `state` (a resume)."""
+    return PromptIterator(
+        train_data,
+        global_batch_size=config.rollout.prompts_per_step,
+        seed=config.data.shuffle_seed,
+        shuffle=config.data.shuffle,
+        state=state,
+        process_index=layout.block,
+        process_count=layout.count,
+    )
+
+
+def _restore(config, workdir: str, state):
+    """The run's checkpointer, and its latest intact checkpoint's state and meta (or the
+    fresh state and empty meta)."""
+    checkpointer = ckpt_lib.Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        max_to_keep=config.checkpoint.keep,
+        save_interval_steps=config.checkpoint.every,
+        async_save=config.checkpoint.async_save,
+    )
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
@@ -302,7 +292,7 @@ def _restore(checkpointer, state, config, workdir: str):
             "to train (raise --config.train.steps to train further).",
             flush=True,
         )
-    return state, meta
+    return checkpointer, state, meta
 
 
 def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):
@@ -452,6 +442,30 @@ class Recorder:
         return {"step": step, **{k: v for k, v in row.items() if not k.startswith("time/")}}
 
 
-if __name__ == "__main__":
+def _define_flags() -> None:
+    """The program's flags, defined only when run as one (tests import this module)."""
+    config_flags.DEFINE_config_file(
+        "config", None, "Config file (configs/<algo>.py[:arg]).", lock_config=True
+    )
+    flags.DEFINE_string(
+        "workdir",
+        None,
+        "Output dir (local or gs://); resumes if it has checkpoints. Default: workdirs/<algo>.",
+    )
+    flags.DEFINE_bool(
+        "jax_distributed",
+        False,
+        "Multi-process run: jax.distributed.initialize() (auto-detected on TPU VMs; elsewhere "
+        "give the three flags below or JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID).",
+    )
+    flags.DEFINE_string(
+        "coordinator_address", None, "host:port of process 0 (implies --jax_distributed)."
+    )
+    flags.DEFINE_integer("num_processes", None, "Processes in the run.")
+    flags.DEFINE_integer("process_id", None, "This process's index.")
     flags.mark_flags_as_required(["config"])
+
+
+if __name__ == "__main__":
+    _define_flags()
     cli.run(main)
