@@ -43,6 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 from absl import flags
+from etils import epath
 from ml_collections import ConfigDict
 
 from configs import common
@@ -71,8 +72,6 @@ def run_model_source(workdir: str) -> tuple[str, dict[str, Any]]:
     """(model dir, run config) of a training workdir: the policy recorded with the run
     (`WORKDIR/model`, see gjax.model_record), or for a run from before that record the base
     model named by the run's `config.json`, whose architecture and tokenizer it shares."""
-    from etils import epath
-
     path = epath.Path(workdir) / "config.json"
     if not path.exists():
         raise EvalError(
@@ -88,8 +87,6 @@ def run_model_source(workdir: str) -> tuple[str, dict[str, Any]]:
 def split_checkpoint_path(path: str, step: int | None) -> tuple[str, str, int | None]:
     """--checkpoint -> (workdir, checkpoints dir, step): a workdir, its `checkpoints` dir, or
     one step dir in it (`.../checkpoints/40`, which names the step)."""
-    from etils import epath
-
     p = epath.Path(path if "://" in path else os.path.abspath(path))
     if (p / "checkpoints").is_dir():
         return str(p), str(p / "checkpoints"), step
@@ -253,8 +250,6 @@ def main(argv) -> None:
         "benchmarks": results,
     }
     table = markdown_table(results)
-    from etils import epath
-
     out = epath.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -288,8 +283,6 @@ def _evaluate_one(F, name, backend, params, tok, data, verifier, n, sampling, *,
 
 
 def _write_samples(out_dir: str, name: str, data: PromptData, samples: Samples) -> None:
-    from etils import epath
-
     out = epath.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with (out / f"{name}_samples.jsonl").open("w") as f:

@@ -101,7 +101,7 @@ def make_figure(workdirs: list[str], smooth: float = 0.6):
     import matplotlib  # imported on use: slow, and only the figure needs it
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: a slow import, only when plotting
 
     runs, summaries = {}, {}
     for wd in workdirs:
@@ -141,7 +141,7 @@ def make_figure(workdirs: list[str], smooth: float = 0.6):
 
 def plot_runs(workdirs: list[str], out: str, smooth: float = 0.6) -> str:
     fig = make_figure(workdirs, smooth)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: a slow import, only when plotting
 
     fig.savefig(out, dpi=120)
     plt.close(fig)

@@ -17,6 +17,8 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 
+from etils import epath
+
 from gjax.data import synthetic as synthetic_lib
 from gjax.errors import UserError
 from gjax.models.hf_format import cache_dir
@@ -68,7 +70,7 @@ def _json_lines(files: Sequence[str], *, strict: bool, stats: dict | None):
     """The rows of JSON-lines files, read line by line: a line that is not UTF-8 or not one
     JSON object raises a DataError naming the file and line (``strict``) or is skipped and
     counted in ``stats["skipped_malformed"]``."""
-    import datasets
+    import datasets  # deferred: a slow import, only for Hub/file sources
 
     rows, bad = [], []
     for path in files:
@@ -123,8 +125,6 @@ def _is_utf8(path: str) -> bool:
 def _remote_files(source: str) -> list[str]:
     """Local copies of the data files at a URL (gs://...): the file, a glob's matches, or a
     directory's files."""
-    from etils import epath
-
     if any(c in source for c in "*?["):
         scheme, rest = source.split("://", 1)
         bucket, _, pattern = rest.partition("/")
@@ -144,8 +144,6 @@ def _cached_copy(url: str) -> str:
     changes (datasets then reads it as any local file, also with HF_DATASETS_OFFLINE=1)."""
     import shutil
 
-    from etils import epath  # with gcsfs: the gcs extra
-
     scheme, rest = url.split("://", 1)
     target = os.path.join(cache_dir(), "remote", scheme, rest)
     src = epath.Path(url)
@@ -158,7 +156,7 @@ def _cached_copy(url: str) -> str:
 
 
 def _load_local(source: str, split: str, *, strict: bool = False, stats: dict | None = None):
-    import datasets
+    import datasets  # deferred: a slow import, only for Hub/file sources
 
     path = os.path.expanduser(source)
     if "://" in source:  # gs://: listed and copied to the local cache through epath/gcsfs
@@ -233,7 +231,7 @@ def load_rows(
         and line) instead of being skipped and counted in ``stats["skipped_malformed"]``.
       stats: a dict that receives those counts (``build_prompt_data`` merges them).
     """
-    import datasets
+    import datasets  # deferred: a slow import, only for Hub/file sources
 
     if num_examples is not None and num_examples <= 0:
         raise DataError(f"data.num_examples must be positive, got {num_examples}")

@@ -80,7 +80,7 @@ def sample_and_score(
     truncated = np.zeros((n_problems, calls_per_problem * g), bool)
     bar = None
     if progress:
-        from tqdm import tqdm
+        from tqdm import tqdm  # optional: the progress bar
 
         bar = tqdm(
             total=n_problems * n,

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from gjax.models.config import ModelConfig
 from gjax.models.hf_format import (
@@ -100,8 +101,6 @@ def _fetch_hf(params: Params, e: _Entry, dtype) -> np.ndarray | None:
     if e.layer is not None:
         leaf = _take_layer(leaf, e.layer) if isinstance(leaf, jax.Array) else leaf[e.layer]
     if isinstance(leaf, jax.Array) and not leaf.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
         leaf = multihost_utils.process_allgather(leaf, tiled=True)
     if jax.process_index() != 0:
         return None

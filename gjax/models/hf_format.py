@@ -29,6 +29,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from etils import epath
 
 from gjax.models.config import ModelConfig
 
@@ -179,8 +180,6 @@ def _wanted(name: str) -> bool:
 
 def _remote_path(url: str):
     """An `etils.epath.Path` for a URL (gs:// needs gcsfs: the `gcs` extra)."""
-    from etils import epath
-
     return epath.Path(url)
 
 
@@ -235,7 +234,7 @@ def resolve_dir(path: str | os.PathLike) -> str:
     if not _HUB_ID.match(path):
         raise FileNotFoundError(f"checkpoint directory {path} does not exist")
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # deferred: only for Hub ids
 
         patterns = [*_CHECKPOINT_FILES, *TOKENIZER_FILES, "*.safetensors"]
         return snapshot_download(repo_id=path, allow_patterns=patterns)

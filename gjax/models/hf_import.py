@@ -298,7 +298,7 @@ def _read_hf(ckpt: Checkpoint, e: _Entry, index: tuple, dtype) -> np.ndarray:
 
 def load_tokenizer(path: str | os.PathLike, **kwargs):
     """`transformers.AutoTokenizer` from a checkpoint/tokenizer dir (local, gs:// or hub id)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: a slow import, only for the tokenizer
 
     return AutoTokenizer.from_pretrained(resolve_dir(path), **kwargs)
 

@@ -69,6 +69,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import re
+import resource
 import signal
 import sys
 import threading
@@ -188,7 +189,7 @@ CRASH = "crash"
 
 def _score_one(response: str, gold: str, cfg: VerifierConfig, gold_cache, regex) -> str:
     """Outcome of one (response, gold) pair; runs inside a worker."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # deferred: imported in the worker processes
 
     answer, _ = extract_answer(response, cfg.extractors, regex)
     if answer is None:
@@ -243,7 +244,7 @@ def warm_up() -> None:
     global _warm
     if _warm:
         return
-    import math_verify.grader
+    import math_verify.grader  # deferred: imported in the worker processes
     import math_verify.parser
 
     # We disable math-verify's signal timeout on purpose (the parent enforces deadlines);
@@ -311,8 +312,6 @@ def _cpu_limit_next_item(budget_s: float) -> None:
     """Soft RLIMIT_CPU = CPU used so far + ``budget_s``: SIGXCPU (default: terminate) ends
     a runaway item even with no parent left to kill it. The hard limit is left alone, so the
     soft one can move up again before the next item."""
-    import resource
-
     used = resource.getrusage(resource.RUSAGE_SELF)
     soft = int(used.ru_utime + used.ru_stime + budget_s) + 1
     _, hard = resource.getrlimit(resource.RLIMIT_CPU)
@@ -333,14 +332,10 @@ def _worker_main(
     with it and each item runs under a CPU-time limit (module docstring, point 3).
     """
     if owner_pid is not None:
-        import resource
-
         _die_with_owner(owner_pid)
         with contextlib.suppress(ValueError, OSError):  # SIGXCPU must not write core files
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     if cfg.worker_memory_mb is not None:
-        import resource
-
         limit = int(cfg.worker_memory_mb) * 1024 * 1024
         # An already-lower hard limit raises: keep the existing one then.
         with contextlib.suppress(ValueError, OSError):
