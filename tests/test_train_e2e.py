@@ -12,7 +12,6 @@ import importlib
 import json
 import math
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -119,7 +118,9 @@ def test_each_algorithm_runs_a_few_steps(algo, tmp_path):
     got = rows(wd)
     assert [r["step"] for r in got] == [1, 2]
     for r in got:  # every step's row has a finite loss and gradient norm (was: `is not None`)
-        assert math.isfinite(r["loss/total"]) and math.isfinite(r["optim/grad_norm"]), r
+        # (A non-finite value is written as null.)
+        for key in ("loss/total", "optim/grad_norm"):
+            assert r[key] is not None and math.isfinite(r[key]), (key, r)
         assert 0.0 <= r["reward/accuracy"] <= 1.0
     summary = json.loads((wd / "summary.json").read_text())
     assert set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
@@ -230,25 +231,29 @@ def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path
     # 5) The disk fills up: every file stops at 2 MiB (the state's data file is ~8 MiB), so
     #    the save at step 12 fails. The run stops at once (was: trained on, crashed at the
     #    next save, or hung at exit) with a clear error; step 10 stays intact.
-    def full_disk():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit get EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
+    #    The child limits itself before it runs gjax.train (a preexec_fn would run Python in a
+    #    fork of this process, unsafe once the in-process runs above have started JAX's threads).
+    full_disk = (
+        "import resource, runpy, signal; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # writes past the limit get EFBIG
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20)); "
+        "runpy.run_module('gjax.train', run_name='__main__', alter_sys=True)"
+    )
+    train_argv = command(
+        "configs/grpo.py:tiny",
+        broken,
+        "--config.train.steps=16",
+        *args[1:],
+        "--config.checkpoint.async_save=True",  # the default: the write fails in the background
+    )[3:]  # (after `python -m gjax.train`)
     t0 = time.time()
     proc = subprocess.run(
-        command(
-            "configs/grpo.py:tiny",
-            broken,
-            "--config.train.steps=16",
-            *args[1:],
-            "--config.checkpoint.async_save=True",  # the default: the write fails in the background
-        ),
+        [sys.executable, "-c", full_disk, *train_argv],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        preexec_fn=full_disk,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = " ".join(proc.stderr.split())  # the paragraph is wrapped for the terminal
