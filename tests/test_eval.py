@@ -147,7 +147,7 @@ def save_checkpoint(workdir, steps_params):
 
     from configs import common
     from gjax.checkpoint import Checkpointer
-    from gjax.trainer import TrainState
+    from gjax.learner import TrainState
 
     config = common.tiny(common.base())
     config.data.heldout_size = 8

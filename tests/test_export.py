@@ -25,9 +25,9 @@ transformers = pytest.importorskip("transformers")
 from configs import grpo  # noqa: E402
 from gjax import cli, export, model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from gjax.learner import TrainState, make_optimizer  # noqa: E402
 from gjax.models import hf_io  # noqa: E402
 from gjax.models import transformer as T  # noqa: E402
-from gjax.trainer import TrainState, make_optimizer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
