@@ -1,11 +1,24 @@
-"""Test-wide setup: 8 fake CPU devices so sharding tests can build meshes."""
+"""Test-wide setup: 8 fake CPU devices so sharding tests can build meshes; one compilation
+cache for the session's processes."""
 
 import os
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+# One persistent compilation cache for every process of the suite: this one and the
+# `python -m gjax.train` subprocesses, which inherit the environment (and which rerun programs
+# that an earlier test already compiled). Entries are keyed by the program, the compile options,
+# the device count and the jax version, so a cache kept across sessions stays valid; the size
+# limit (LRU eviction) also turns on jax's file lock, for processes that write at once.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(tempfile.gettempdir(), f"gjax-test-jax-cache-{os.getuid()}"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # gcsfs reads this when imported: with it on, gcsfs asks the Storage Control gRPC API (which the

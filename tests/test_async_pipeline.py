@@ -199,10 +199,8 @@ def test_split_meshes_train_like_one_mesh(verifier):
 def _cli(workdir, *extra, steps):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    # Later runs reuse the first one's compiled programs (the session's cache, conftest.py).
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    # Later runs reuse the first one's compiled programs.
-    env["JAX_COMPILATION_CACHE_DIR"] = str(workdir.parent / "jax_cache")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     cmd = [
         sys.executable,
         "-m",

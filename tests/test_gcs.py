@@ -34,11 +34,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "gs://bucket/run"
 
 
-def _child_env(gcs_env, tmp_path):
+def _child_env(gcs_env):
     env = {**os.environ, **gcs_env, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    env["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path / "jax_cache")
-    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    env.pop("XLA_FLAGS", None)  # (the compilation cache: the session's, tests/conftest.py)
     return env
 
 
@@ -66,7 +64,7 @@ def _metrics(fs):
 @pytest.mark.slow
 def test_train_kill_resume_export_on_gcs(gcs, tmp_path):
     fs, gcs_env = gcs
-    env = _child_env(gcs_env, tmp_path)
+    env = _child_env(gcs_env)
     log1 = open(tmp_path / "run1.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(TRAIN, cwd=ROOT, env=env, stdout=log1, stderr=subprocess.STDOUT)
     # Kill -9 as soon as the step-2 checkpoint is committed in the bucket.

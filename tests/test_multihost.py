@@ -154,13 +154,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(cache, devices):
-    e = dict(os.environ)
+def _env(devices):
+    e = dict(os.environ)  # (the compilation cache: the session's, tests/conftest.py)
     e.update(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_COMPILATION_CACHE_DIR=str(cache),
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         PYTHONPATH=ROOT,
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
@@ -168,14 +166,14 @@ def _env(cache, devices):
     return e
 
 
-def _train(workdir, steps, cache, *, processes):
+def _train(workdir, steps, *, processes):
     cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS]
     cmd.append(f"--config.train.steps={steps}")
     if processes == 1:
         procs = [
             subprocess.Popen(
                 cmd,
-                env=_env(cache, 8),
+                env=_env(8),
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -192,7 +190,7 @@ def _train(workdir, steps, cache, *, processes):
                     "--num_processes=2",
                     f"--process_id={i}",
                 ],
-                env=_env(cache, 4),
+                env=_env(4),
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
@@ -277,10 +275,9 @@ def _assert_same_run(ref_rows, got_rows, ref_state, got_state, updates):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
 def test_two_processes_train_as_one_and_resume(tmp_path):
-    cache = tmp_path / "jax_cache"
     ref, two = tmp_path / "one_process", tmp_path / "two_processes"
-    _train(ref, 3, cache, processes=1)  # 8 devices in one process; checkpoints at 2 and 3
-    outs = _train(two, 2, cache, processes=2)  # 2 x 4 devices
+    _train(ref, 3, processes=1)  # 8 devices in one process; checkpoints at 2 and 3
+    outs = _train(two, 2, processes=2)  # 2 x 4 devices
     ref_rows = _rows(ref)
     # Process 0 alone writes logs, metrics and the summary; both take part in the save.
     assert "held-out accuracy" in outs[0] and "held-out accuracy" not in outs[1]
@@ -290,7 +287,7 @@ def test_two_processes_train_as_one_and_resume(tmp_path):
         json.loads((ref / "summary.json").read_text())["heldout_accuracy_before"]
     )
     # Resume the two-process run from its step-2 checkpoint: step 3 matches the one-process run.
-    outs = _train(two, 3, cache, processes=2)
+    outs = _train(two, 3, processes=2)
     assert "resumed from step 2" in outs[0]
     _assert_same_run(ref_rows, _rows(two), _state(ref, 3), _state(two, 3), updates=3)
     assert json.loads((two / "summary.json").read_text()) == json.loads(

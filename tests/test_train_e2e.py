@@ -1,12 +1,17 @@
-"""End to end: `python -m gjax.train` on the embedded default, as users run it.
+"""End to end: training runs on the embedded default.
 
-Slow (each run compiles the sampler, the log-prob pass and the update), so marked `slow`;
-CI still runs them. Runs share a persistent compilation cache to keep the suite short.
+The per-algorithm smoke runs call `gjax.train.train` in this process: its start-up is paid once
+and the seven configs, whose shapes agree, share one compiled sampler. `python -m gjax.train`
+runs in a subprocess where the process is the subject: signals, kill -9, exit codes, the
+one-paragraph errors, the README's command as users run it. Slow (each run compiles the
+sampler, the log-prob pass and the update), so marked `slow`; CI still runs them. Subprocesses
+share the session's persistent compilation cache (tests/conftest.py).
 """
 
+import importlib
 import json
+import math
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -44,13 +49,11 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
+def env():
     e = dict(os.environ)
     e.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
     e["JAX_PLATFORMS"] = "cpu"
-    e["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    e["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-    e["PYTHONPATH"] = ROOT
+    e["PYTHONPATH"] = ROOT  # (the compilation cache: the session's, from tests/conftest.py)
     return e
 
 
@@ -88,14 +91,36 @@ def stable(row):
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
+def small_config(algo):
+    """`configs/<algo>.py:tiny` with SMALL's overrides, for a run in this process."""
+    c = importlib.import_module(f"configs.{algo}").get_config("tiny")
+    c.rollout.prompts_per_step = 4
+    c.rollout.num_samples = 4
+    c.data.heldout_size = 16
+    c.log.progress = False
+    c.log.tensorboard = False
+    c.checkpoint.async_save = False
+    return c
+
+
 @pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo"])
-def test_each_algorithm_runs_a_few_steps(algo, env, tmp_path):
+def test_each_algorithm_runs_a_few_steps(algo, tmp_path):
+    """In this process, on the suite's 8 CPU devices (data-parallel 8): the sampler compiled
+    for the first algorithm serves the others (same shapes, same sampling)."""
+    from gjax.train import train
+
     wd = tmp_path / algo
-    run(f"configs/{algo}.py:tiny", wd, env, "--config.train.steps=2")
+    c = small_config(algo)
+    c.train.steps = 2
+    if algo == "cw_grpo":  # its 4 microbatches must each hold a multiple of the 8 devices' rows
+        c.rollout.prompts_per_step = 8
+    assert train(c, str(wd)) is None  # finished, not stopped by a signal
     got = rows(wd)
     assert [r["step"] for r in got] == [1, 2]
-    for r in got:
-        assert r["loss/total"] is not None and r["optim/grad_norm"] is not None
+    for r in got:  # every step's row has a finite loss and gradient norm (was: `is not None`)
+        # (A non-finite value is written as null.)
+        for key in ("loss/total", "optim/grad_norm"):
+            assert r[key] is not None and math.isfinite(r[key]), (key, r)
         assert 0.0 <= r["reward/accuracy"] <= 1.0
     summary = json.loads((wd / "summary.json").read_text())
     assert set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
@@ -206,25 +231,29 @@ def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path
     # 5) The disk fills up: every file stops at 2 MiB (the state's data file is ~8 MiB), so
     #    the save at step 12 fails. The run stops at once (was: trained on, crashed at the
     #    next save, or hung at exit) with a clear error; step 10 stays intact.
-    def full_disk():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit get EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20))
-
+    #    The child limits itself before it runs gjax.train (a preexec_fn would run Python in a
+    #    fork of this process, unsafe once the in-process runs above have started JAX's threads).
+    full_disk = (
+        "import resource, runpy, signal; "
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "  # writes past the limit get EFBIG
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, 2 << 20)); "
+        "runpy.run_module('gjax.train', run_name='__main__', alter_sys=True)"
+    )
+    train_argv = command(
+        "configs/grpo.py:tiny",
+        broken,
+        "--config.train.steps=16",
+        *args[1:],
+        "--config.checkpoint.async_save=True",  # the default: the write fails in the background
+    )[3:]  # (after `python -m gjax.train`)
     t0 = time.time()
     proc = subprocess.run(
-        command(
-            "configs/grpo.py:tiny",
-            broken,
-            "--config.train.steps=16",
-            *args[1:],
-            "--config.checkpoint.async_save=True",  # the default: the write fails in the background
-        ),
+        [sys.executable, "-c", full_disk, *train_argv],
         env=env,
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
-        preexec_fn=full_disk,
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     err = " ".join(proc.stderr.split())  # the paragraph is wrapped for the terminal
