@@ -92,7 +92,7 @@ def run(k: int, split: bool, verifier) -> dict:
         )
         tok = hf_import.load_tokenizer(path)
         rewards = build_rewards(c, verifier)
-        state, learner = build_learner(c, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
+        state, learner = build_learner(c, mesh=mesh, model_cfg=cfg, obj_cfg=obj_cfg, params=params)
         it = PromptIterator(
             build_prompt_data(c.data, tok),
             global_batch_size=c.rollout.prompts_per_step,
@@ -102,7 +102,7 @@ def run(k: int, split: bool, verifier) -> dict:
         )
         backend = LocalSampler(cfg)
         rollout = Rollout(
-            cfg=cfg,
+            model_cfg=cfg,
             backend=backend,
             tokenizer=tok,
             rewards=rewards,

@@ -145,7 +145,7 @@ class GjaxStep:
         self.state, state_shardings = init_state(params, tx, self.mesh)
         self.learner = make_learner(
             mesh=self.mesh,
-            cfg=self.cfg,
+            model_cfg=self.cfg,
             obj_cfg=obj_cfg,
             tx=tx,
             state_shardings=state_shardings,
@@ -153,7 +153,7 @@ class GjaxStep:
         )
         self.pipeline = build_rewards(config, verifier)
         self.rollout = Rollout(
-            cfg=self.cfg,
+            model_cfg=self.cfg,
             backend=LocalSampler(self.cfg),
             tokenizer=self.tok,
             rewards=self.pipeline,

@@ -286,7 +286,7 @@ def build_learner(
     config,
     *,
     mesh: jax.sharding.Mesh,
-    cfg: ModelConfig,
+    model_cfg: ModelConfig,
     obj_cfg: obj.ObjectiveConfig,
     params,
     behaviour_logps: bool = True,
@@ -303,7 +303,7 @@ def build_learner(
     state, state_shardings = init_state(params, tx, mesh)
     learner = make_learner(
         mesh=mesh,
-        cfg=cfg,
+        model_cfg=model_cfg,
         obj_cfg=obj_cfg,
         tx=tx,
         state_shardings=state_shardings,
@@ -323,7 +323,7 @@ def build_learner(
 def make_learner(
     *,
     mesh: jax.sharding.Mesh,
-    cfg: ModelConfig,
+    model_cfg: ModelConfig,
     obj_cfg: obj.ObjectiveConfig,
     tx: optax.GradientTransformation,
     state_shardings: Any,
@@ -335,13 +335,13 @@ def make_learner(
     batch_sharding = sharding.activation_sharding(mesh, ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     logps = jax.jit(
-        functools.partial(policy_logps, cfg=cfg, temperature=obj_cfg.temperature),
+        functools.partial(policy_logps, cfg=model_cfg, temperature=obj_cfg.temperature),
         out_shardings=batch_sharding,
     )
     upd = jax.jit(
         functools.partial(
             update,
-            cfg=cfg,
+            cfg=model_cfg,
             obj_cfg=obj_cfg,
             tx=tx,
             minibatches=train_cfg.minibatches,

@@ -74,15 +74,15 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     mesh = sharding.make_mesh(mesh_shape)
     # The policy's config.json checked (found, supported, long enough) before weights load.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
+    model_cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     holder = ParamsHolder(params, version=0)
-    run = rollout_sampling(config, cfg, tok)
+    run = rollout_sampling(config, model_cfg, tok)
     if sampling == "eval":
         run = dataclasses.replace(
             run, temperature=config.eval.greedy_temperature, top_k=0, top_p=1.0
         )
     engine = Engine(
-        cfg,
+        model_cfg,
         holder,
         sampling=run,
         max_concurrent_decodes=config.rollout.decode_slots,

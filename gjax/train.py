@@ -117,9 +117,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     scope.enter_context(sharding.use_rules())
 
     # --- model --------------------------------------------------------------------------
-    cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
+    model_cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     if multihost.is_primary():
-        model_record.save(workdir, cfg, model_path)  # WORKDIR/model: what an export needs
+        model_record.save(workdir, model_cfg, model_path)  # WORKDIR/model: what an export needs
     # A frozen copy of the initial policy, kept only when the objective has a KL term.
     ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
 
@@ -130,12 +130,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     r = config.reward
     verifier = scope.enter_context(Verifier(timeout_s=r.timeout_s, num_workers=r.workers))
     rewards = scope.enter_context(build_rewards(config, verifier))
-    backend = make_backend(config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tok)
+    backend = make_backend(config, model_cfg, params, mesh=mesh, workdir=workdir, tokenizer=tok)
     scope.callback(backend.close)
     state, learner = build_learner(
         config,
         mesh=mesh,
-        cfg=cfg,
+        model_cfg=model_cfg,
         obj_cfg=obj_cfg,
         params=params,
         behaviour_logps=backend.returns_logps,
@@ -144,7 +144,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     start = int(state.step)
     data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
     rollout = Rollout(
-        cfg=cfg,
+        model_cfg=model_cfg,
         backend=backend,
         tokenizer=tok,
         rewards=rewards,
@@ -166,7 +166,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     log.info("held-out before: %s", _fmt_eval(_before(meta)))
 
     # --- the RL loop --------------------------------------------------------------------
-    recorder = Recorder(config, workdir, checkpointer, meta["history"], start, cfg.vocab_size)
+    recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
     base_key = jax.random.key(config.seed)
     producer = make_producer(
         rollout=rollout,

@@ -68,7 +68,9 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
         data = build_prompt_data(config.data, tok)
         rewards = build_rewards(config, verifier)
         config.train.steps = steps
-        state, learner = build_learner(config, mesh=mesh, cfg=cfg, obj_cfg=obj_cfg, params=params)
+        state, learner = build_learner(
+            config, mesh=mesh, model_cfg=cfg, obj_cfg=obj_cfg, params=params
+        )
         it = PromptIterator(
             data,
             global_batch_size=config.rollout.prompts_per_step,
@@ -79,7 +81,7 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
         )
         backend = LocalSampler(cfg)
         rollout = collect.Rollout(
-            cfg=cfg,
+            model_cfg=cfg,
             backend=backend,
             tokenizer=tok,
             rewards=rewards,
@@ -296,7 +298,7 @@ def test_learner_batch_teacher_forces_anchors_and_recomputation():
         config = common.base()
         config.anchors.per_group = 1
         _, learner = build_learner(
-            config, mesh=mesh, cfg=cfg, obj_cfg=obj.ObjectiveConfig(), params=params
+            config, mesh=mesh, model_cfg=cfg, obj_cfg=obj.ObjectiveConfig(), params=params
         )
         assert learner.anchors and not learner.recompute_old
         groups = make_groups([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]], S=3, N=4)

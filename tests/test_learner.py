@@ -166,7 +166,7 @@ def test_update_compiles_once_and_runs_sharded():
     train_cfg = ml_collections.ConfigDict(dict(minibatches=2, microbatches=2, num_iterations=2))
     learner = make_learner(
         mesh=mesh,
-        cfg=CFG,
+        model_cfg=CFG,
         obj_cfg=oc,
         tx=tx,
         state_shardings=shardings,

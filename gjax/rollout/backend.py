@@ -89,9 +89,9 @@ def stop_and_pad(cfg: ModelConfig, tokenizer) -> tuple[tuple[int, ...], int]:
     return eos, pad
 
 
-def rollout_sampling(config, cfg: ModelConfig, tokenizer) -> SamplingParams:
+def rollout_sampling(config, model_cfg: ModelConfig, tokenizer) -> SamplingParams:
     """The training rollout's `SamplingParams` (`config.rollout`)."""
-    eos, pad = stop_and_pad(cfg, tokenizer)
+    eos, pad = stop_and_pad(model_cfg, tokenizer)
     r = config.rollout
     return SamplingParams(
         max_new_tokens=r.max_new_tokens,

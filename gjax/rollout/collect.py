@@ -67,7 +67,7 @@ class Rollout:
     def __init__(
         self,
         *,
-        cfg: ModelConfig,
+        model_cfg: ModelConfig,
         backend: RolloutBackend,
         tokenizer,
         rewards,
@@ -81,8 +81,8 @@ class Rollout:
         self.G = config.rollout.num_samples
         self.A = config.anchors.per_group
         self.T = config.rollout.max_new_tokens
-        self.eos, self.pad_id = stop_and_pad(cfg, tokenizer)
-        self.sampling = rollout_sampling(config, cfg, tokenizer)
+        self.eos, self.pad_id = stop_and_pad(model_cfg, tokenizer)
+        self.sampling = rollout_sampling(config, model_cfg, tokenizer)
         self.overlong_buffer = config.sampling.overlong_buffer
         self.overlong_penalty = config.sampling.overlong_penalty
 

@@ -13,11 +13,11 @@ from gjax.rollout.backend import LocalSampler, RolloutBackend
 
 
 def make_backend(
-    config, cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
+    config, model_cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
 ) -> RolloutBackend:
     """The backend `config.rollout.backend` names: local | jetstream | jetstream_grpc."""
     if config.rollout.backend == "local":
-        return LocalSampler(cfg)
+        return LocalSampler(model_cfg)
     if jax.process_count() > 1:
         raise ConfigError(
             f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
@@ -32,5 +32,5 @@ def make_backend(
             "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
         ) from e
     return jetstream_backend.from_config(
-        config, cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
+        config, model_cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )

@@ -391,12 +391,12 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self._channel.close()
 
 
-def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None):
+def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer=None):
     """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
     r = config.rollout
     if r.backend == "jetstream":
         return JetStreamBackend(
-            cfg,
+            model_cfg,
             params,
             sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
             slots=r.decode_slots,
@@ -410,8 +410,8 @@ def from_config(config, cfg, params, *, mesh=None, workdir=None, tokenizer=None)
     return JetStreamGrpcBackend(
         r.server_address,
         max_prompt_len=config.data.max_prompt_len,
-        server_sampling=rollout_sampling(config, cfg, tokenizer),
-        local=LocalSampler(cfg),
+        server_sampling=rollout_sampling(config, model_cfg, tokenizer),
+        local=LocalSampler(model_cfg),
         weights=WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
         timeout_s=r.request_timeout_s,
         max_retries=r.max_retries,
