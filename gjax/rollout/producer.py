@@ -130,7 +130,7 @@ class AsyncProducer:
     """Produces step batches on a thread, at most `max_staleness` versions behind the learner.
 
     produce(step, params, version) -> StepBatch runs one step's rollout (`collect_step`
-    bound to the rollout, data iterator and ref params); it owns the data iterator while the
+    bound to the rollout and the data iterator); it owns the data iterator while the
     producer runs. `to_rollout(params)` makes the rollout copy of pushed params; `context()`
     returns the context (mesh and sharding rules) the producer thread runs in.
     """
