@@ -338,6 +338,13 @@ def test_pathological_regex_is_bounded():
         assert _delta(before, v.stats())["timeouts"] == 1
 
 
+def _cpu_ticks(pid: int) -> int:
+    """User + system CPU time of a process, in clock ticks (/proc/PID/stat fields 14, 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
 def test_worker_killed_while_busy_is_a_counted_crash():
     with Verifier(num_workers=1, timeout_s=60.0) as v:
         (pid,) = v.worker_pids()
@@ -348,6 +355,12 @@ def test_worker_killed_while_busy_is_a_counted_crash():
         t.start()
         deadline = time.monotonic() + 30
         while v.stats()["in_flight"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # in_flight counts the item from its send; kill the worker only once it has read it
+        # and computes (its CPU time grows), else the item sits unread, is sent again to a
+        # new worker (test_worker_dead_between_items_is_replaced_silently): no crash.
+        ticks = _cpu_ticks(pid)
+        while _cpu_ticks(pid) < ticks + 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         os.kill(pid, signal.SIGKILL)
         t.join(timeout=30)
