@@ -16,10 +16,12 @@ __all__ = [
     "EMBEDDED_POLICY",
     "EMBEDDED_TASK",
     "FIELDS",
+    "OPENR1_DEMONSTRATION_FIELD",
     "agrae_math_setup",
     "base",
     "dapo_math_dataset",
     "get_arg",
+    "math_dataset",
     "objective",
     "openr1_dataset",
     "tiny",
@@ -41,8 +43,11 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.model.remat = "full"
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = -1, 1, 1
     c.data.source = "synthetic"
+    c.data.subset = None
     c.data.split = "train"
+    c.data.heldout_source = ""  # the task's own held-out split, disjoint by construction
     c.data.heldout_split = "test"
+    c.data.heldout_fraction = 0.0
     c.data.problem_field, c.data.answer_field = "problem", "answer"
     c.data.demonstration_field = "demonstration"
     c.data.template = "plain"
@@ -76,15 +81,18 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-# Training sets the papers use, with their field names (the model is the same 7B math model).
+# Training sets the papers use, with their real column names (field specs: gjax.data.fields),
+# and a held-out set of their own: MATH-500 for MATH-trained runs, else the paper's benchmark.
+# Each schema is mirrored by a fixture in tests/data/ that tests/test_configs.py loads.
 
 
 def agrae_math_setup(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     """A-GRAE Sec. 6 / App. C.2 (its GRPO baseline shares it): Qwen2.5-Math-7B on MATH train
     (7.5k) with the boxed system prompt; 1024 prompts x G=8 per rollout batch, mini-batch 256
-    (4 updates), up to 2048 new tokens, lr 1e-6, 20 epochs (~146 steps)."""
+    (4 updates), up to 2048 new tokens, lr 1e-6, 20 epochs (~146 steps). Held out: MATH-500
+    (test problems; MATH train holds none of them)."""
     c.model.path = "Qwen/Qwen2.5-Math-7B"
-    c.data.source = "hendrycks/competition_math"
+    math_dataset(c)
     c.data.template = "qwen_boxed"
     c.rollout.prompts_per_step = 1024
     c.rollout.num_samples = 8
@@ -95,25 +103,51 @@ def agrae_math_setup(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-def openr1_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """DaGRPO Sec. 6: OpenR1-Math-46k-8192 (DeepSeek-R1 demonstrations) on Qwen2.5-Math-7B."""
-    c.model.path = "Qwen/Qwen2.5-Math-7B"
-    c.data.source = "Elliott/Openr1-Math-46k-8192"
-    c.data.problem_field, c.data.answer_field = "prompt", "answer"
-    c.data.template = "qwen_boxed"
-    c.data.max_prompt_len = 1024
-    c.data.heldout_split = "train"
+def math_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """MATH train (Hendrycks et al.) as DigitalLearningGmbH/MATH-lighteval keeps it (columns
+    problem, level, type, solution; 7,500 train / 5,000 test rows): the answer is the last
+    \\boxed{} of `solution`. `hendrycks/competition_math` left the Hub in January 2025."""
+    c.data.source = "DigitalLearningGmbH/MATH-lighteval"
+    c.data.subset = None
+    c.data.split = "train"
+    c.data.problem_field, c.data.answer_field = "problem", "boxed(solution)"
+    c.data.heldout_source = "math500"
     return c
 
 
-def dapo_math_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
-    """DAPO-Math-17k (DAPO; GPG's 7B setting) on Qwen2.5-Math-7B."""
+def openr1_dataset(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """DaGRPO Sec. 6: OpenR1-Math-46k-8192 (DeepSeek-R1 demonstrations) on Qwen2.5-Math-7B.
+    Its rows (LUFFY's verl format): `prompt` [system turn, user turn with the problem],
+    `target` [the R1 solution turn], `reward_model.ground_truth`. Held out: MATH-500, one of
+    the paper's math benchmarks."""
     c.model.path = "Qwen/Qwen2.5-Math-7B"
-    c.data.source = "BytedTsinghua-SIA/DAPO-Math-17k"
+    c.data.source = "Elliott/Openr1-Math-46k-8192"
+    c.data.problem_field = "prompt[-1].content"
+    c.data.answer_field = "reward_model.ground_truth"
+    c.data.template = "qwen_boxed"
+    c.data.max_prompt_len = 1024
+    c.data.heldout_source = "math500"
+    return c
+
+
+OPENR1_DEMONSTRATION_FIELD = "target[-1].content"
+
+
+def dapo_math_dataset(
+    c: ml_collections.ConfigDict, heldout: str = "aime24"
+) -> ml_collections.ConfigDict:
+    """DAPO-Math-17k (DAPO; GPG's 7B setting) on Qwen2.5-Math-7B, as open-r1's deduplicated
+    copy keeps it (subset "all": 17k rows, `prompt` the problem with DAPO's instruction as
+    one string, `solution` its ground truth; the original repeats each row ~100 times with the
+    prompt as a chat list: problem_field="prompt[0].content",
+    answer_field="reward_model.ground_truth" read it). Held out: AIME 2024, DAPO's benchmark."""
+    c.model.path = "Qwen/Qwen2.5-Math-7B"
+    c.data.source = "open-r1/DAPO-Math-17k-Processed"
+    c.data.subset = "all"
     c.data.problem_field, c.data.answer_field = "prompt", "solution"
     c.data.template = "qwen_boxed"
     c.data.max_prompt_len = 2048
-    c.data.heldout_split = "train"
+    c.data.heldout_source = heldout
     return c
 
 

@@ -24,11 +24,13 @@ def get_config(arg=None):
     # "batch" reads them over the whole update batch instead.
     c.objective.token_weights_kwargs.scope = "group"
     c.model.path = "deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B"
+    # Open-RS (knoveleng/open-rs: problem, solution, answer, level; 7k rows, train split only).
+    # Held out: MATH-500, one of the five benchmarks CW-GRPO and Open-RS report.
     c.data.source = "knoveleng/open-rs"
     c.data.problem_field = "problem"
     c.data.answer_field = "answer"
     c.data.template = "r1"
-    c.data.heldout_split = "train"
+    c.data.heldout_source = "math500"
     c.rollout.prompts_per_step = 16
     c.rollout.num_samples = 12
     c.rollout.temperature = 0.7

@@ -21,7 +21,7 @@ def get_config(arg=None):
     c = common.base()
     c.algo = "gpg"
     c.objective = common.objective("gpg")
-    c = common.dapo_math_dataset(c)
+    c = common.dapo_math_dataset(c, heldout="math500")  # MATH-500: one of GPG Table 1's
     c.rollout.prompts_per_step = 144
     c.rollout.num_samples = 8
     c.rollout.max_new_tokens = 4096

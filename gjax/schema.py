@@ -133,18 +133,42 @@ SCHEMA: dict[str, Any] = {
     # gjax.data.builders.DATA_DEFAULTS has the same keys (the library's defaults).
     "data": {
         "source": Field(
-            "hendrycks/competition_math",
+            "DigitalLearningGmbH/MATH-lighteval",
             "prompts: 'synthetic', a local .jsonl/.parquet/.arrow file or dir, or a Hub id",
         ),
         "subset": Field(None, "Hub dataset configuration name (None: the default)", kind=str),
         "split": Field("train", "split of the training prompts"),
-        "heldout_split": Field(
-            "test", "split of the held-out prompts evaluated before and after training"
+        # The held-out set is never training rows unless allow_heldout_overlap says so:
+        # gjax.data.builders.heldout_plan (a plain file has no splits: fraction or source).
+        "heldout_source": Field(
+            "math500",
+            "held-out set: '' (data.source's heldout_split), a benchmark of "
+            "gjax.data.testsets (math500, aime24, ...; name=PATH: a local copy), a file or Hub id",
         ),
-        "problem_field": Field("problem", "column holding the problem text"),
-        "answer_field": Field("answer", "column holding the reference answer"),
+        "heldout_split": Field(
+            "test",
+            "split of the held-out set when heldout_source is '' or a file / Hub id",
+        ),
+        "heldout_fraction": Field(
+            0.0,
+            "> 0: hold out this fraction of the training split's rows (seeded; removed from "
+            "training) instead of heldout_source",
+            Range("[0, 1)"),
+        ),
+        "heldout_seed": Field(0, "seed of the heldout_fraction sample", _SEED),
+        "allow_heldout_overlap": Field(
+            False, "allow a held-out set of training rows (refused otherwise; summary says so)"
+        ),
+        # Field specs (gjax.data.fields): 'col', 'col.key', 'col[-1].key', 'boxed(col)'.
+        "problem_field": Field(
+            "problem", "field spec of the problem: a column, 'col.key', 'col[-1].key'"
+        ),
+        "answer_field": Field(
+            "boxed(solution)",
+            "field spec of the reference answer; 'boxed(col)': the last \\boxed{} of col",
+        ),
         "demonstration_field": Field(
-            "", "column holding a worked solution ('': none; DaGRPO anchors)"
+            "", "field spec of a worked solution ('': none; DaGRPO anchors)"
         ),
         "template": Field("qwen_boxed", "prompt template, a name in gjax.data.templates.TEMPLATES"),
         "max_prompt_len": Field(

@@ -336,6 +336,9 @@ def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate
             "heldout_accuracy_after": after["eval/heldout_accuracy"],
             **_pass_at_k(_before(meta), "before"),
             **_pass_at_k(after, "after"),
+            # Which rows were held out, from where, and what left training for it
+            # (gjax.data.builders: the held-out PromptData's origin).
+            "heldout": heldout.origin,
         }
         if multihost.is_primary():
             paths.write_text(summary_path, json.dumps(summary, indent=2))

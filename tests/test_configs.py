@@ -2,6 +2,7 @@
 
 import importlib
 import math
+import pathlib
 import re
 
 import ml_collections
@@ -235,6 +236,10 @@ def test_harmful_values_are_rejected(path, value, match):
         ("objective.kl_estimator", "k4", r"config\.objective: .*'k4'"),
         ("data.source", "./no/such/file.jsonl", r"data\.source: no file or directory matches"),
         ("data.synthetic.min_ops", 5, r"data\.synthetic: need 1 <= min_ops <= max_ops"),
+        ("data.heldout_split", "train", r"held-out set would be training rows"),
+        ("data.answer_field", "boxd(solution)", r"data\.answer_field: .*unknown extractor"),
+        ("data.problem_field", "prompt[x]", r"data\.problem_field: .*cannot read"),
+        ("data.heldout_source", "aime24=./no/such.jsonl", r"data\.heldout_source: no file"),
     ],
 )
 def test_names_are_checked_before_anything_loads(path, value, match):
@@ -325,3 +330,107 @@ def test_schema_declares_each_field_once_and_base_is_built_from_it():
     # A renamed field's new name exists, and its old one is gone.
     for old, new in schema.RENAMED.items():
         assert new in schema.FIELDS and old not in schema.FIELDS, old
+
+
+# --------------------------------------------------------------------------- paper datasets
+
+DATA = pathlib.Path(__file__).parent / "data"
+# Each paper config's training set (a Hub id that exists today) and held-out benchmark, with
+# a fixture in tests/data/ shaped like the real rows, and the answers its field map must read.
+PAPER_DATA = {
+    "a_grae": ("DigitalLearningGmbH/MATH-lighteval", "math_lighteval_train.jsonl", "math500"),
+    "grpo": ("DigitalLearningGmbH/MATH-lighteval", "math_lighteval_train.jsonl", "math500"),
+    "dagrpo": ("Elliott/Openr1-Math-46k-8192", "openr1_math_46k_8192_train.jsonl", "math500"),
+    "dr_grpo": ("Elliott/Openr1-Math-46k-8192", "openr1_math_46k_8192_train.jsonl", "math500"),
+    "dapo": (
+        "open-r1/DAPO-Math-17k-Processed",
+        "dapo_math_17k_processed_all_train.jsonl",
+        "aime24",
+    ),
+    "gpg": (
+        "open-r1/DAPO-Math-17k-Processed",
+        "dapo_math_17k_processed_all_train.jsonl",
+        "math500",
+    ),
+    "cw_grpo": ("knoveleng/open-rs", "open_rs_train.jsonl", "math500"),
+}
+ANSWERS = {
+    "math_lighteval_train.jsonl": ["17", "8", "\\frac{3}{4}", "6"],  # the last \\boxed{}
+    "openr1_math_46k_8192_train.jsonl": ["60", "81", "12"],
+    "dapo_math_17k_processed_all_train.jsonl": ["55", "12", "1024"],
+    "open_rs_train.jsonl": ["80", "8", "720"],
+}
+BENCHMARK_COPIES = {
+    "math500": ("math500_test.jsonl", ["23", "7", "4"]),
+    "aime24": ("aime_2024_train.jsonl", ["050", "208"]),
+}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from gjax.data.tokenizer import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.mark.parametrize("algo", sorted(PAPER_DATA))
+def test_paper_config_reads_its_dataset_and_a_heldout_set_of_its_own(algo, tok):
+    """The config's own data settings, pointed at a fixture shaped like its real rows."""
+    from gjax.data.builders import build_prompt_data
+
+    hub_id, fixture, bench = PAPER_DATA[algo]
+    c = importlib.import_module(f"configs.{algo}").get_config()
+    assert (c.data.source, c.data.heldout_source) == (hub_id, bench)
+    validate(c, num_devices=8)  # the held-out set is not training rows: accepted
+    copy, held_answers = BENCHMARK_COPIES[bench]
+    c.data.source, c.data.subset = str(DATA / fixture), None
+    c.data.heldout_source = f"{bench}={DATA / copy}"
+    validate(c, num_devices=8)
+    train = build_prompt_data(c.data, tok)
+    assert train.answers == ANSWERS[fixture] and train.stats["kept"] == len(ANSWERS[fixture])
+    assert all(p.strip() and not p.startswith("Your task") for p in train.problems)
+    if algo == "dagrpo":  # the R1 solution turn is the anchor
+        assert all(d.startswith("<think>") for d in train.demonstrations)
+    held = build_prompt_data(c.data, tok, heldout=True)
+    assert held.answers == held_answers
+    assert held.origin["benchmark"] == bench and held.origin["source"] == str(DATA / copy)
+    assert held.origin["rows"] == list(range(len(held_answers)))
+    assert held.origin["training_rows_removed_as_duplicates"] == 0
+    assert not held.origin["overlap_allowed"] and held.origin["same_rows"] is None
+
+
+def test_original_dapo_rows_read_through_nested_field_specs(tok):
+    from gjax.data.builders import build_prompt_data
+
+    cfg = {
+        "source": str(DATA / "dapo_math_17k_train.jsonl"),
+        "problem_field": "prompt[0].content",
+        "answer_field": "reward_model.ground_truth",
+        "heldout_source": f"aime24={DATA / 'aime_2024_train.jsonl'}",
+        "max_prompt_len": 2048,
+    }
+    data = build_prompt_data(cfg, tok)
+    assert data.answers == ["55", "12", "1024", "55"]  # the original repeats its rows
+    assert data.problems[0].startswith("Solve the following math problem step by step.")
+
+
+def test_heldout_overlap_is_refused_in_one_paragraph_unless_allowed():
+    for algo in ("dagrpo", "dapo", "cw_grpo"):  # formerly heldout_split="train"
+        c = importlib.import_module(f"configs.{algo}").get_config()
+        c.data.heldout_source = ""
+        c.data.heldout_split = "train"
+        with pytest.raises(ConfigError, match="held-out set would be training rows") as e:
+            validate(c, 8)
+        assert "\n" not in str(e.value) and "allow_heldout_overlap" in str(e.value)
+        c.data.allow_heldout_overlap = True
+        validate(c, 8)
+    c = common.base()
+    c.data.source = str(DATA / "math_lighteval_train.jsonl")  # a file has no splits
+    c.data.heldout_source = ""
+    with pytest.raises(ConfigError, match="no splits"):
+        validate(c, 8)
+    c.data.heldout_fraction = 0.25  # a seeded sample of its own
+    validate(c, 8)
+    c.data.heldout_source = "math500"
+    with pytest.raises(ConfigError, match="set only one of them"):
+        validate(c, 8)

@@ -407,6 +407,128 @@ def test_heldout_size_is_reported_under_its_own_name(tok):
         build_prompt_data({"heldout_size": 0}, tok, heldout=True)
 
 
+# --------------------------------------------------------------------------- field specs
+
+
+def test_field_specs_read_columns_nested_values_and_boxed_answers():
+    from gjax.data.fields import FieldSpecError, parse
+
+    row = {
+        "prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+        "reward_model": {"ground_truth": "7"},
+        "solution": "so $x = \\boxed{\\frac{1}{2}}$, not \\boxed{3}? No: \\boxed{4}.",
+    }
+    assert parse("prompt[-1].content").get(row) == "Q"
+    assert parse("prompt[0].content").get(row) == "S"
+    assert parse("reward_model.ground_truth").get(row) == "7"
+    assert parse("boxed(solution)").get(row) == "4"  # the last one
+    assert parse(" boxed( solution ) ").get(row) == "4"
+    for missing in ("prompt[2].content", "reward_model.answer", "solution[0]", "nope"):
+        assert parse(missing).get(row) is None, missing
+    assert parse("boxed(reward_model)").get(row) is None  # not text: nothing extracted
+    for bad, match in [
+        ("boxd(solution)", "unknown extractor 'boxd'"),
+        ("prompt[x]", "cannot read"),
+        ("prompt..content", "cannot read"),
+        ("", "non-empty"),
+    ]:
+        with pytest.raises(FieldSpecError, match=match):
+            parse(bad)
+
+
+def test_rows_without_a_boxed_answer_are_counted_as_malformed(tok):
+    rows = [
+        {"problem": "One?", "solution": "It is \\boxed{1}."},
+        {"problem": "Two?", "solution": "It is 2."},  # no \\boxed{}: no answer
+    ]
+    fields = FieldMap("problem", "boxed(solution)")
+    data = prepare_prompts(rows, tok, fields=fields, max_prompt_length=32)
+    assert data.answers == ["1"] and data.stats["skipped_malformed"] == 1
+    with pytest.raises(DataError, match=r"no column 'answer' for the answer field"):
+        prepare_prompts(
+            rows, tok, fields=FieldMap("problem", "boxed(answer)"), max_prompt_length=32
+        )
+
+
+# --------------------------------------------------------------------------- held-out sets
+
+
+def _numbered_file(path, n, offset=0):
+    lines = [json.dumps({"question": f"Compute {i} + {i}.", "solution": 2 * i}) for i in range(n)]
+    path.write_text("".join(line + "\n" for line in lines[offset:]))
+    return str(path)
+
+
+def _file_cfg(path, **kw):
+    return {"source": path, "problem_field": "question", "answer_field": "solution", **kw}
+
+
+def test_a_plain_file_is_not_its_own_heldout_set(tok, tmp_path):
+    cfg = _file_cfg(_numbered_file(tmp_path / "d.jsonl", 20))
+    with pytest.raises(DataError, match=r"held-out set would be training rows.*no splits"):
+        build_prompt_data(cfg, tok, heldout=True)
+    assert len(build_prompt_data(cfg, tok)) == 20  # the training set alone is fine
+    held = build_prompt_data({**cfg, "allow_heldout_overlap": True}, tok, heldout=True)
+    assert len(held) == 20 and held.origin["overlap_allowed"]
+    assert (
+        held.origin["overlapping_training_rows"] == 20 and "no splits" in held.origin["same_rows"]
+    )
+
+
+def test_heldout_fraction_carves_a_seeded_sample_out_of_training(tok, tmp_path):
+    cfg = _file_cfg(_numbered_file(tmp_path / "d.jsonl", 40), heldout_fraction=0.25)
+    train = build_prompt_data(cfg, tok)
+    held = build_prompt_data(cfg, tok, heldout=True)
+    assert (len(train), len(held)) == (30, 10)
+    assert not set(train.problems) & set(held.problems)
+    assert sorted(train.problems + held.problems) == sorted(
+        f"Compute {i} + {i}." for i in range(40)
+    )
+    rows = held.origin["rows"]
+    assert held.problems == [f"Compute {i} + {i}." for i in rows] and rows == sorted(rows)
+    assert held.origin["carved"] == {"fraction": 0.25, "seed": 0, "rows_removed": 10}
+    assert held.origin["split"] is None and held.origin["training_rows_removed_as_duplicates"] == 0
+    again = build_prompt_data(cfg, tok, heldout=True)
+    assert again.problems == held.problems  # deterministic
+    other = build_prompt_data({**cfg, "heldout_seed": 1}, tok, heldout=True)
+    assert other.problems != held.problems
+    capped = build_prompt_data({**cfg, "heldout_size": 4}, tok, heldout=True)
+    assert len(capped) == 4 and set(capped.problems) <= set(held.problems)
+    assert build_prompt_data({**cfg, "heldout_size": 4}, tok).problems == train.problems
+    with pytest.raises(DataError, match=r"heldout_fraction=0.001 of 40 training rows holds out 0"):
+        build_prompt_data({**cfg, "heldout_fraction": 0.001}, tok)
+
+
+def test_training_rows_that_repeat_a_heldout_problem_are_removed(tok, tmp_path):
+    train_path = _numbered_file(tmp_path / "train.jsonl", 20)
+    held_path = tmp_path / "held.jsonl"  # two training problems (spaced apart) and three new
+    held_rows = [{"question": "Compute  3 +\t3.", "solution": 6}, {"question": "Compute 9 + 9."}]
+    held_rows[1]["solution"] = 18
+    held_rows += [{"question": f"Compute {i} + {i}.", "solution": 2 * i} for i in (50, 51, 52)]
+    held_path.write_text("".join(json.dumps(r) + "\n" for r in held_rows))
+    cfg = _file_cfg(train_path, heldout_source=str(held_path))
+    train = build_prompt_data(cfg, tok)
+    assert len(train) == 18 and "Compute 3 + 3." not in train.problems
+    held = build_prompt_data(cfg, tok, heldout=True)
+    assert len(held) == 5 and held.origin["training_rows_removed_as_duplicates"] == 2
+    assert held.origin["source"] == str(held_path) and held.origin["rows"] == [0, 1, 2, 3, 4]
+    allowed = {**cfg, "allow_heldout_overlap": True}
+    assert len(build_prompt_data(allowed, tok)) == 20
+    held = build_prompt_data(allowed, tok, heldout=True)
+    assert held.origin["overlapping_training_rows"] == 2 and held.origin["overlap_allowed"]
+
+
+def test_synthetic_heldout_split_is_disjoint_and_recorded(tok):
+    cfg = {"num_examples": 300, "heldout_size": 40}
+    train = build_prompt_data(cfg, tok)
+    held = build_prompt_data(cfg, tok, heldout=True)
+    assert len(train) == 300 and not set(train.problems) & set(held.problems)
+    assert held.origin["split"] == "test" and held.origin["source"] == "synthetic"
+    assert held.origin["rows"] == list(range(len(held)))
+    with pytest.raises(DataError, match="synthetic split 'train' is data.split"):
+        build_prompt_data({**cfg, "heldout_split": "train"}, tok, heldout=True)
+
+
 # --------------------------------------------------------------------------- sharded templating
 
 

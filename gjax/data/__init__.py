@@ -9,7 +9,10 @@ Three steps, each usable alone::
 
 (`sources`, `prompts`, `iterator`), or all at once from ``config.data`` (`builders`):
 ``build_prompt_iterator(config.data, tok, global_batch_size=P)`` and
-``build_prompt_data(config.data, tok, heldout=True)`` for held-out evaluation.
+``build_prompt_data(config.data, tok, heldout=True)`` for held-out evaluation (a set that is
+never training rows unless ``data.allow_heldout_overlap``: ``builders.heldout_plan``). Fields
+are read through field specs (`fields`: ``problem``, ``reward_model.ground_truth``,
+``prompt[-1].content``, ``boxed(solution)``).
 """
 
 from gjax.data.builders import (

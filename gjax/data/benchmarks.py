@@ -1,8 +1,9 @@
 """Evaluation benchmarks: a small strict registry of the papers' math test sets.
 
-Each entry says where the set lives on the Hugging Face Hub (id, split) and which columns
-hold the problem and the final answer, as the papers' evaluations read them (DaGRPO Sec. 6,
-GPG Tables 3-4, CW-GRPO App. A Table 4, A-GRAE App. C.2):
+Each entry (``gjax.data.testsets``; training's ``data.heldout_source`` names them too) says
+where the set lives on the Hugging Face Hub (id, split) and which columns hold the problem
+and the final answer, as the papers' evaluations read them (DaGRPO Sec. 6, GPG Tables 3-4,
+CW-GRPO App. A Table 4, A-GRAE App. C.2):
 
 ==================  ===============================  =====  ======================  =====
 name                hub id                           split  problem / answer        size
@@ -36,36 +37,19 @@ from typing import Any
 from gjax.data.builders import build_prompt_data, data_config
 from gjax.data.prompts import FieldMap, PromptData, prepare_prompts
 from gjax.data.sources import DataError, load_rows
-from gjax.registry import Registry
+from gjax.data.testsets import BENCHMARKS, HELDOUT, HELDOUT_NUM_SAMPLES, Benchmark
 
-
-@dataclasses.dataclass(frozen=True)
-class Benchmark:
-    """Where a test set lives and how its rows map to (problem, answer)."""
-
-    name: str
-    hub_id: str
-    split: str
-    problem_field: str
-    answer_field: str
-    size: int  # rows of the published set (a loaded copy of another size is reported)
-    num_samples: int  # the papers' n per problem
-    subset: str | None = None
-
-
-BENCHMARKS: Registry[Benchmark] = Registry("benchmark")
-HELDOUT = "heldout"  # the embedded task's held-out split (needs no download)
-
-for _b in (
-    Benchmark("math500", "HuggingFaceH4/MATH-500", "test", "problem", "answer", 500, 4),
-    Benchmark("aime24", "HuggingFaceH4/aime_2024", "train", "problem", "answer", 30, 32),
-    Benchmark("aime25", "math-ai/aime25", "test", "problem", "answer", 30, 32),
-    Benchmark("amc23", "knoveleng/AMC-23", "train", "problem", "answer", 40, 32),
-    Benchmark("minerva", "knoveleng/Minerva-Math", "train", "problem", "solution", 272, 4),
-    Benchmark("olympiadbench", "knoveleng/OlympiadBench", "train", "question", "answer", 675, 4),
-):
-    BENCHMARKS.add(_b.name, _b)
-HELDOUT_NUM_SAMPLES = 8
+__all__ = [
+    "BENCHMARKS",
+    "HELDOUT",
+    "HELDOUT_NUM_SAMPLES",
+    "Benchmark",
+    "BenchmarkSpec",
+    "default_num_samples",
+    "load_benchmark",
+    "parse_specs",
+    "source_of",
+]
 
 
 @dataclasses.dataclass(frozen=True)

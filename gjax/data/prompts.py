@@ -31,13 +31,15 @@ from typing import Any
 import numpy as np
 
 from gjax import multihost
+from gjax.data import fields as fields_lib
 from gjax.data.sources import DataError
 from gjax.data.templates import TEMPLATES
 
 
 @dataclasses.dataclass(frozen=True)
 class FieldMap:
-    """Column names holding each field; ``demonstration=None`` means the data has none."""
+    """Where each field lives, as field specs (``gjax.data.fields``: a column, a nested path
+    like ``prompt[-1].content``, or ``boxed(solution)``); ``demonstration=None``: none."""
 
     problem: str = "problem"
     answer: str = "answer"
@@ -74,6 +76,9 @@ class PromptData:
     max_prompt_length: int
     pad_id: int
     stats: dict[str, int]
+    # Where the rows came from (``gjax.data.builders``; the held-out set's goes to
+    # summary.json): source, split, the source rows, what was removed from training.
+    origin: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -99,29 +104,45 @@ class PromptData:
         )
 
 
-def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
+def _specs(fields: FieldMap) -> list[fields_lib.FieldSpec]:
+    """The parsed specs of the mapped fields (problem, answer[, demonstration])."""
+    out = []
     for name in ("problem", "answer", "demonstration"):
-        column = getattr(fields, name)
-        if column is not None and column not in columns:
+        text = getattr(fields, name)
+        if text is None:
+            continue
+        try:
+            out.append(fields_lib.parse(text))
+        except fields_lib.FieldSpecError as e:
+            raise DataError(f"data.{name}_field: {e}") from None
+    return out
+
+
+def _check_columns(columns: Sequence[str], fields: FieldMap) -> None:
+    for name, spec in zip(("problem", "answer", "demonstration"), _specs(fields)):
+        if spec.column not in columns:
             raise DataError(
-                f"the data has no column {column!r} for the {name} field; available columns: "
-                f"{sorted(columns)}. Set data.{name}_field to one of them"
+                f"the data has no column {spec.column!r} for the {name} field "
+                f"({spec.text!r}); available columns: {sorted(columns)}. Set data.{name}_field "
+                "to one of them (a nested value: 'col.key' or 'col[-1].key'; an answer inside a "
+                "solution: 'boxed(col)')"
                 + (' (or "" if the data has no demonstrations)' if name == "demonstration" else "")
             )
 
 
 def _iter_mapped(rows, fields: FieldMap) -> Iterator[dict]:
-    """Rows restricted to the mapped columns (column-wise from a ``datasets.Dataset``: fast)."""
-    names = [c for c in (fields.problem, fields.answer, fields.demonstration) if c is not None]
+    """Per row, each mapped field's spec -> its value (column-wise from a ``datasets.Dataset``:
+    fast)."""
+    specs = _specs(fields)
     if hasattr(rows, "column_names"):
-        columns = [rows[c] for c in names]
+        columns = [rows[s.column] for s in specs]
         for values in zip(*columns):
-            yield dict(zip(names, values))
+            yield {s.text: s.resolve(v) for s, v in zip(specs, values)}
     else:
         for row in rows:
             if not isinstance(row, Mapping):
                 raise DataError(f"rows must be mappings, got {type(row).__name__}: {row!r:.80}")
-            yield row
+            yield {s.text: s.get(row) for s in specs}
 
 
 def _clean_row(row: Mapping, fields: FieldMap) -> tuple[str, str, str] | str:
