@@ -23,6 +23,7 @@ flax's `nn.with_logical_constraint`, which the model uses for its activations.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -35,7 +36,10 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+log = logging.getLogger(__name__)
+
 MESH_AXES = ("data", "fsdp", "tensor")
+
 LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "mlp", "layers", "batch", "length")
 
 MeshAxes = str | tuple[str, ...] | None
@@ -87,11 +91,105 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
             f"{len(devices)} are available; make the product of the axis sizes equal "
             f"{len(devices)}"
         )
-    if devices == list(jax.devices()):
-        device_array = mesh_utils.create_device_mesh(sizes, devices=devices)
-    else:
-        device_array = np.asarray(devices, dtype=object).reshape(sizes)
+    device_array = device_grid(sizes, devices)
     return Mesh(device_array, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
+    """`devices` laid out as an array of shape `sizes` (axes `data, fsdp, tensor`, ordered by
+    increasing traffic), following the interconnect where there is one to follow.
+
+    - CPU: the order given (fake host devices have no topology; tests rely on the order).
+    - One TPU slice (or GPUs): `mesh_utils.create_device_mesh`, which maps the axes onto the
+      ICI torus, the busiest (`tensor`) first, splitting a physical axis only when no exact
+      mapping exists.
+    - Several slices (devices carry distinct `slice_index`es): `create_hybrid_device_mesh`;
+      the slices, joined by the slower DCN, split the outermost axis they divide (`data`, else
+      `fsdp`), as MaxText's `dcn_data_parallelism` does; each slice's part follows its torus.
+
+    A multi-process run also needs each process's devices to hold one contiguous block of the
+    batch rows (`multihost.RowLayout`). Where the torus order breaks that (a host's chips are
+    a 2x2 tile, not a run of the flattened torus), the hosts become the outer granules
+    instead: each host's devices follow its own ICI, hosts are laid out in process order.
+    """
+    sizes = [int(s) for s in sizes]
+    devices = list(devices)
+    if devices[0].platform == "cpu":
+        return np.asarray(devices, dtype=object).reshape(sizes)
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    if len(slices) > 1:
+        dcn = _outer_split(sizes, len(slices), "slices")
+        grid = _follow_links(
+            mesh_utils.create_hybrid_device_mesh,
+            [s // k for s, k in zip(sizes, dcn)],
+            dcn,
+            devices,
+        )
+    else:
+        grid = _follow_links(mesh_utils.create_device_mesh, sizes, devices)
+    processes = {d.process_index for d in devices}
+    if len(processes) > 1 and (grid is None or not _rows_per_process_contiguous(grid)):
+        grid = _host_major_grid(sizes, devices, len(processes))
+    if grid is None:
+        log.warning("the mesh %s does not follow the interconnect; using device order", sizes)
+        grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return grid
+
+
+def _follow_links(create: Callable[..., np.ndarray], *args, **kwargs) -> np.ndarray | None:
+    """`create(*args)` (a `mesh_utils` constructor), or None where the devices do not form a
+    whole torus (a subset with holes: `AssertionError`, or no mapping: `NotImplementedError`)."""
+    try:
+        return create(*args, allow_split_physical_axes=True, **kwargs)
+    except (AssertionError, NotImplementedError) as e:
+        log.info("mesh_utils.%s: %s", create.__name__, e)
+        return None
+
+
+def _host_major_grid(sizes: list[int], devices: list[Any], n: int) -> np.ndarray | None:
+    """Hosts as the outer granules (in process order), each host's devices on its own ICI;
+    None where that cannot give each host a contiguous block of rows."""
+    try:
+        hosts = _outer_split(sizes, n, "processes")
+    except ValueError:  # device order; multihost.RowLayout says what to change if it fails
+        return None
+    grid = _follow_links(
+        mesh_utils.create_hybrid_device_mesh,
+        [s // k for s, k in zip(sizes, hosts)],
+        hosts,
+        devices,
+        process_is_granule=True,
+    )
+    return grid if grid is not None and _rows_per_process_contiguous(grid) else None
+
+
+def _outer_split(sizes: Sequence[int], n: int, what: str) -> list[int]:
+    """How `n` granules (slices, hosts) split the axes: the whole of `data` if `n` divides
+    it, else `data` fully and the rest of `n` on `fsdp`; never `tensor` (the busiest axis).
+    Keeps each granule's share of the batch rows (`data x fsdp`, row-major) contiguous."""
+    data, fsdp, _ = sizes
+    if data % n == 0:
+        return [n, 1, 1]
+    if n % data == 0 and fsdp % (n // data) == 0:
+        return [data, n // data, 1]
+    raise ValueError(
+        f"the mesh {dict(zip(MESH_AXES, sizes))} cannot be split over {n} {what}: make "
+        f"mesh.data a multiple of {n}, or mesh.data a divisor of {n} and mesh.fsdp a "
+        f"multiple of the rest (the tensor axis stays within one of the {what})"
+    )
+
+
+def _rows_per_process_contiguous(grid: np.ndarray) -> bool:
+    """Each batch row (a `data, fsdp` position) on one process, each process's rows a run."""
+    rows = grid.reshape(-1, grid.shape[-1])
+    owner = []
+    for row in rows:
+        procs = {d.process_index for d in row}
+        if len(procs) != 1:
+            return False
+        owner.append(procs.pop())
+    runs = [p for i, p in enumerate(owner) if i == 0 or owner[i - 1] != p]
+    return len(runs) == len(set(runs))
 
 
 def make_meshes(

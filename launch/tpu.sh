@@ -2,8 +2,8 @@
 # Run gjax on a Cloud TPU VM or pod slice: create it, install gjax on every worker, start the
 # same `python -m gjax.train ... --jax_distributed` on all workers, stream logs, clean up.
 #
-#   launch/tpu.sh create  NAME ZONE ACCELERATOR      # e.g. v5p-64, v6e-8, v4-32
-#   launch/tpu.sh install NAME ZONE                  # clone/update gjax + pip install, all workers
+#   launch/tpu.sh create  NAME ZONE ACCELERATOR      # e.g. v5p-64, v6e-8, v5litepod-16, v4-32
+#   launch/tpu.sh install NAME ZONE                  # clone/update gjax, Python 3.11 venv, all workers
 #   launch/tpu.sh train   NAME ZONE CONFIG WORKDIR [--config.x=y ...]   # start on all workers
 #   launch/tpu.sh logs    NAME ZONE [WORKER]         # follow a worker's log (default 0)
 #   launch/tpu.sh stop    NAME ZONE                  # SIGTERM: checkpoint, then exit
@@ -12,28 +12,39 @@
 #
 # Every worker runs the same command (multi-controller JAX); jax.distributed.initialize()
 # reads the topology from the TPU metadata. WORKDIR should be gs://... so that a preempted
-# slice resumes by running `up` (or `train`) again with the same WORKDIR.
+# slice resumes by running `up` (or `train`) again with the same WORKDIR. The runtime images
+# ship Python 3.10 and gjax needs 3.11+: `install` puts uv in the login user's site-packages
+# (pip), makes ~/gjax/.venv with a uv-managed CPython and installs gjax there; `train` runs
+# that venv's python. `train` refuses a slice where a gjax.train process already runs.
 #
 # Environment:
 #   GJAX_DRY_RUN=1      print every gcloud command (one per line, shell-quoted), run none
 #   GJAX_PROJECT        gcloud --project (default: gcloud's configured project)
 #   GJAX_QUEUED=1       create through `queued-resources` (how large slices are granted)
 #   GJAX_SPOT=1         spot capacity (--spot)
-#   GJAX_REPO, GJAX_REF the git repository and ref to install (default: upstream, main)
+#   GJAX_REPO, GJAX_REF the git repository and ref to install
+#                       (default: https://github.com/gjax/gjax.git, main)
 #   GJAX_EXTRAS         pip extras (default: tpu,gcs)
+#   GJAX_PYTHON         the venv's Python version (default: 3.11)
+#   GJAX_FORCE=1        `train` even where a gjax.train process already runs
 #   TPU_SOFTWARE_VERSION  runtime image (default: chosen from the accelerator's generation)
 set -euo pipefail
 
 REPO=${GJAX_REPO:-https://github.com/gjax/gjax.git}
 REF=${GJAX_REF:-main}
 EXTRAS=${GJAX_EXTRAS:-tpu,gcs}
+PYTHON_VERSION=${GJAX_PYTHON:-3.11}
 REMOTE_DIR=gjax   # on each worker, under the login user's home
+VENV=.venv        # in REMOTE_DIR (git ignores it)
+# A trainer's command line: some python, options, then `-m gjax.train` (not the shell that
+# runs this check, whose first word is its own name).
+TRAINER_RE='^[^ ]*python[0-9.]*( [^ ]+)* -m gjax[.]train( |$)'
 LOG=gjax-train.log
 PIDFILE=gjax-train.pid
 
 # The header above as help; exit status 2 (a usage error) unless given another.
 usage() {
-  sed -n '2,24p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -51,14 +62,16 @@ q() {
   fi
 }
 
-# Runs (or, with GJAX_DRY_RUN=1, prints) one command.
+# Runs (or, with GJAX_DRY_RUN=1, prints) one command. The printed line goes to the script's
+# stdout (fd 3) even from inside $(...), where a dry run's answer is empty.
+exec 3>&1
 run() {
   if [[ "${GJAX_DRY_RUN:-0}" == 1 ]]; then
     local out="" word
     for word in "$@"; do
       out+="${out:+ }$(q "$word")"
     done
-    printf '%s\n' "$out"
+    printf '%s\n' "$out" >&3
   else
     "$@"
   fi
@@ -73,6 +86,15 @@ tpu() {
   run gcloud compute tpus "$@" "${project_flag[@]}"
 }
 
+# The accelerator type as Cloud TPU spells it: v5e slices are `v5litepod-N` (`v5e-N` is the
+# marketing name, which gcloud rejects).
+accelerator_type() {
+  case "$1" in
+    v5e-*) echo "v5litepod-${1#v5e-}" ;;
+    *) echo "$1" ;;
+  esac
+}
+
 # The TPU runtime image for an accelerator type such as v5p-64 or v5litepod-16.
 runtime_version() {
   if [[ -n "${TPU_SOFTWARE_VERSION:-}" ]]; then
@@ -82,28 +104,38 @@ runtime_version() {
   case "$1" in
     v6e-*) echo v2-alpha-tpuv6e ;;
     v5p-*) echo v2-alpha-tpuv5 ;;
-    v5litepod-* | v5e-*) echo v2-alpha-tpuv5-lite ;;
+    v5litepod-*) echo v2-alpha-tpuv5-lite ;;
     v4-* | v3-* | v2-*) echo tpu-ubuntu2204-base ;;
     *) die "unknown accelerator type '$1'; set TPU_SOFTWARE_VERSION" ;;
   esac
 }
 
-# Whether the TPU VM exists (dry run: prints the check and assumes it does not).
-exists() {
-  if [[ "${GJAX_DRY_RUN:-0}" == 1 ]]; then
-    tpu tpu-vm describe "$1" --zone="$2" --format='value(state)'
-    return 1
-  fi
-  tpu tpu-vm describe "$1" --zone="$2" --format='value(state)' >/dev/null 2>&1
+# The state of the TPU VM, and of a queued resource of that name; empty where there is none
+# (a queued resource still waiting for capacity has no VM yet). A dry run answers empty.
+vm_state() {
+  tpu tpu-vm describe "$1" --zone="$2" --format='value(state)' 2>/dev/null || true
+}
+
+queued_state() {
+  tpu queued-resources describe "$1" --zone="$2" --format='value(state.state)' 2>/dev/null || true
 }
 
 cmd_create() {
   [[ $# -eq 3 ]] || usage
-  local name=$1 zone=$2 accel=$3 version spot=()
+  local name=$1 zone=$2 accel version spot=() state
+  accel=$(accelerator_type "$3")
+  [[ "$accel" == "$3" ]] || echo "launch/tpu.sh: accelerator $3 is called $accel by Cloud TPU" >&2
   version=$(runtime_version "$accel")
   [[ "${GJAX_SPOT:-0}" == 1 ]] && spot=(--spot)
-  if exists "$name" "$zone"; then
-    echo "TPU VM $name already exists in $zone" >&2
+  state=$(vm_state "$name" "$zone")
+  if [[ -n "$state" ]]; then
+    echo "TPU VM $name already exists in $zone ($state)" >&2
+    return
+  fi
+  state=$(queued_state "$name" "$zone")
+  if [[ -n "$state" ]]; then
+    echo "queued resource $name already exists in $zone ($state)" >&2
+    wait_active "$name" "$zone"
     return
   fi
   if [[ "${GJAX_QUEUED:-0}" == 1 ]]; then
@@ -128,8 +160,8 @@ wait_active() {
     state=$(tpu "${describe[@]}")
     case "$state" in
       ACTIVE) return ;;
-      FAILED | SUSPENDED)
-        die "queued resource $name is $state; see: gcloud compute tpus ${describe[*]}" ;;
+      FAILED | SUSPENDING | SUSPENDED | DELETING)
+        die "queued resource $name is $state; see: gcloud compute tpus ${describe[*]}; then: GJAX_QUEUED=1 launch/tpu.sh delete $name $zone" ;;
       *)
         echo "queued resource $name: ${state:-unknown}; waiting" >&2
         sleep "${GJAX_POLL_S:-30}" ;;
@@ -148,7 +180,12 @@ cmd_install() {
   d=$(q "$REMOTE_DIR")
   command="set -e; [ -d $d ] || git clone --quiet $(q "$REPO") $d; cd $d"
   command+="; git fetch --quiet origin $(q "$REF"); git checkout --quiet --detach FETCH_HEAD"
-  command+="; python3 -m pip install --quiet -e $(q ".[$EXTRAS]")"
+  # uv from PyPI into the user's site-packages (the image's python3 is 3.10, with pip), then a
+  # venv on a uv-managed CPython (downloaded once per worker), gjax installed into it.
+  command+="; python3 -m pip install --quiet --user 'uv>=0.7'"
+  command+="; python3 -m uv venv --quiet --allow-existing --managed-python"
+  command+=" --python $(q "$PYTHON_VERSION") $VENV"
+  command+="; python3 -m uv pip install --quiet --python $VENV/bin/python -e $(q ".[$EXTRAS]")"
   on_all_workers "$1" "$2" "$command"
 }
 
@@ -157,14 +194,27 @@ cmd_train() {
   local name=$1 zone=$2 config=$3 workdir=$4 args word command
   shift 4
   args=""
-  for word in python3 -m gjax.train --config="$config" --workdir="$workdir" --jax_distributed "$@"; do
+  for word in "$VENV/bin/python" -m gjax.train --config="$config" --workdir="$workdir" \
+    --jax_distributed "$@"; do
     args+=" $(q "$word")"
   done
   # Detached (the ssh session may end), stdin closed; nohup and env exec python, so the pid
   # file holds the trainer's own pid (`stop` sends it SIGTERM: checkpoint, then exit).
+  [[ "${GJAX_FORCE:-0}" == 1 ]] || refuse_busy "$name" "$zone"
   command="cd $REMOTE_DIR || exit 1; nohup env PYTHONUNBUFFERED=1${args} > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$PIDFILE"
   on_all_workers "$name" "$zone" "$command"
   echo "started on all workers of $name; logs: launch/tpu.sh logs $name $zone" >&2
+}
+
+# Stops here (one line, exit 2) if a gjax.train process runs on any worker: a second trainer
+# would fight the first for the chips and the workdir.
+refuse_busy() {
+  local name=$1 zone=$2 check out
+  check="pgrep -f $(q "$TRAINER_RE") > /dev/null && echo \"gjax.train runs on \$(hostname)\" || true"
+  out=$(on_all_workers "$name" "$zone" "$check")
+  if [[ "$out" == *"gjax.train runs on"* ]]; then
+    die "gjax.train already runs on $(grep -c 'gjax.train runs on' <<<"$out") worker(s) of $name; stop it first (launch/tpu.sh stop $name $zone) or set GJAX_FORCE=1"
+  fi
 }
 
 cmd_logs() {

@@ -8,6 +8,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import sysconfig
 import time
 
@@ -39,13 +40,21 @@ def ssh(worker, command):
     return [*GC, "tpu-vm", "ssh", NAME, f"--zone={ZONE}", f"--worker={worker}", command]
 
 
+# The image's python3 is 3.10 (gjax needs 3.11+): it only installs uv, which makes a venv on a
+# uv-managed CPython 3.11; gjax goes into that venv, and the trainer runs from it.
 INSTALL = (
     "--command=set -e; [ -d gjax ] || git clone --quiet https://github.com/gjax/gjax.git gjax; "
     "cd gjax; git fetch --quiet origin main; git checkout --quiet --detach FETCH_HEAD; "
-    "python3 -m pip install --quiet -e '.[tpu,gcs]'"
+    "python3 -m pip install --quiet --user 'uv>=0.7'; "
+    "python3 -m uv venv --quiet --allow-existing --managed-python --python 3.11 .venv; "
+    "python3 -m uv pip install --quiet --python .venv/bin/python -e '.[tpu,gcs]'"
+)
+BUSY = (
+    "--command=pgrep -f '^[^ ]*python[0-9.]*( [^ ]+)* -m gjax[.]train( |$)' > /dev/null "
+    '&& echo "gjax.train runs on $(hostname)" || true'
 )
 TRAIN_ARGV = [
-    "python3",
+    ".venv/bin/python",
     "-m",
     "gjax.train",
     "--config=configs/a_grae.py",
@@ -59,7 +68,16 @@ UP = [NAME, ZONE, "v5p-64", "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVE
 def test_dry_run_up_prints_every_gcloud_command():
     cmds = dry(*UP, script=TPU_VM)
     assert cmds[0] == [*GC, "tpu-vm", "describe", NAME, f"--zone={ZONE}", "--format=value(state)"]
+    # A queued resource still waiting for capacity has no VM yet: looked up too.
     assert cmds[1] == [
+        *GC,
+        "queued-resources",
+        "describe",
+        NAME,
+        f"--zone={ZONE}",
+        "--format=value(state.state)",
+    ]
+    assert cmds[2] == [
         *GC,
         "tpu-vm",
         "create",
@@ -68,18 +86,22 @@ def test_dry_run_up_prints_every_gcloud_command():
         "--accelerator-type=v5p-64",
         "--version=v2-alpha-tpuv5",
     ]
-    assert cmds[2] == ssh("all", INSTALL)
-    train = cmds[3]
+    assert cmds[3] == ssh("all", INSTALL)
+    assert cmds[4] == ssh("all", BUSY)  # refuses a slice where a trainer runs
+    train = cmds[5]
     assert train[:-1] == ssh("all", "")[:-1]
     remote = train[-1].removeprefix("--command=")
     # The remote command runs the same argv on every worker, detached, pid recorded.
     assert remote.startswith(
-        "cd gjax || exit 1; nohup env PYTHONUNBUFFERED=1 python3 -m gjax.train"
+        "cd gjax || exit 1; nohup env PYTHONUNBUFFERED=1 .venv/bin/python -m gjax.train"
     )
     assert remote.endswith("> ~/gjax-train.log 2>&1 < /dev/null & echo $! > ~/gjax-train.pid")
-    assert cmds[4] == ssh("0", "--command=tail -n +1 -F ~/gjax-train.log")
-    assert len(cmds) == 5
-    for c in cmds[2:]:  # every remote command is valid shell
+    assert cmds[6] == ssh("0", "--command=tail -n +1 -F ~/gjax-train.log")
+    assert len(cmds) == 7
+    assert dry("train", NAME, ZONE, "c.py", "w", env={"GJAX_FORCE": "1"})[0][-1].startswith(
+        "--command=cd gjax"
+    )
+    for c in cmds[3:]:  # every remote command is valid shell
         subprocess.run(["bash", "-n", "-c", c[-1].removeprefix("--command=")], check=True)
 
 
@@ -87,8 +109,18 @@ def test_dry_run_queued_spot_project_stop_delete_and_versions():
     env = {"GJAX_QUEUED": "1", "GJAX_SPOT": "1", "GJAX_PROJECT": "my-proj"}
     cmds = dry("create", "big", "us-central2-b", "v6e-256", env=env)
     proj = "--project=my-proj"
+    qdescribe = [
+        *GC,
+        "queued-resources",
+        "describe",
+        "big",
+        "--zone=us-central2-b",
+        "--format=value(state.state)",
+        proj,
+    ]
     assert cmds == [
         [*GC, "tpu-vm", "describe", "big", "--zone=us-central2-b", "--format=value(state)", proj],
+        qdescribe,
         [
             *GC,
             "queued-resources",
@@ -101,15 +133,7 @@ def test_dry_run_queued_spot_project_stop_delete_and_versions():
             "--spot",
             proj,
         ],
-        [
-            *GC,
-            "queued-resources",
-            "describe",
-            "big",
-            "--zone=us-central2-b",
-            "--format=value(state.state)",
-            proj,
-        ],
+        qdescribe,
     ]
     assert dry("delete", "big", "z", env=env) == [
         [*GC, "queued-resources", "delete", "big", "--zone=z", "--force", "--quiet", proj]
@@ -129,20 +153,29 @@ def test_dry_run_queued_spot_project_stop_delete_and_versions():
         "--worker=3",
         "--command=tail -n +1 -F ~/gjax-train.log",
     ]
-    for accel, version in [
-        ("v4-32", "tpu-ubuntu2204-base"),
-        ("v5litepod-16", "v2-alpha-tpuv5-lite"),
-        ("v5p-8", "v2-alpha-tpuv5"),
+    for accel, cloud_name, version in [
+        ("v4-32", "v4-32", "tpu-ubuntu2204-base"),
+        ("v5litepod-16", "v5litepod-16", "v2-alpha-tpuv5-lite"),
+        ("v5e-8", "v5litepod-8", "v2-alpha-tpuv5-lite"),  # gcloud knows v5e as v5litepod
+        ("v5p-8", "v5p-8", "v2-alpha-tpuv5"),
+        ("v6e-16", "v6e-16", "v2-alpha-tpuv6e"),
     ]:
-        assert f"--version={version}" in dry("create", "n", "z", accel)[1]
+        create = dry("create", "n", "z", accel)[2]
+        assert f"--accelerator-type={cloud_name}" in create and f"--version={version}" in create
     assert (
         "--version=custom"
-        in dry("create", "n", "z", "v9-8", env={"TPU_SOFTWARE_VERSION": "custom"})[1]
+        in dry("create", "n", "z", "v9-8", env={"TPU_SOFTWARE_VERSION": "custom"})[2]
     )
-    env = {"GJAX_REPO": "https://example.org/fork.git", "GJAX_REF": "v1.2", "GJAX_EXTRAS": "tpu"}
+    env = {
+        "GJAX_REPO": "https://example.org/fork.git",
+        "GJAX_REF": "v1.2",
+        "GJAX_EXTRAS": "tpu",
+        "GJAX_PYTHON": "3.12",
+    }
     (cmd,) = dry("install", NAME, ZONE, env=env)
     assert "git clone --quiet https://example.org/fork.git gjax" in cmd[-1]
     assert "git fetch --quiet origin v1.2" in cmd[-1] and "-e '.[tpu]'" in cmd[-1]
+    assert "--python 3.12 .venv" in cmd[-1]
 
 
 def test_user_errors_exit_2_with_one_line():
@@ -161,19 +194,26 @@ def write_exe(path, text):
     path.chmod(0o755)
 
 
-def fake_gcloud(tmp_path, states):
+def fake_gcloud(tmp_path, states, *, queued=False, busy=False):
     """A `gcloud` recording its argv (one shell-quoted line per call); `tpu-vm describe` says
-    the VM does not exist; `queued-resources describe` answers `states` one by one."""
+    the VM does not exist; `queued-resources describe` says the same until the resource is
+    created (or from the start with `queued`), then answers `states` one by one; `ssh` runs
+    nothing and, with `busy`, answers the busy check as a worker running gjax.train does."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (tmp_path / "states").write_text("\n".join(states) + "\n")
+    calls = tmp_path / "calls"
+    created = "true" if queued else f"grep -q 'queued-resources create' {calls}"
+    answer = 'echo "gjax.train runs on w0"' if busy else ":"
     write_exe(
         bin_ / "gcloud",
-        f"""printf '%q ' gcloud "$@" >> {tmp_path}/calls; echo >> {tmp_path}/calls
+        f"""printf '%q ' gcloud "$@" >> {calls}; echo >> {calls}
 case "$4" in
   describe)
-    if [ "$3" = tpu-vm ]; then exit 1; fi
+    if [ "$3" = tpu-vm ] || ! {created}; then exit 1; fi
     head -n 1 {tmp_path}/states; sed -i 1d {tmp_path}/states ;;
+  ssh)
+    case "$*" in *pgrep*) {answer} ;; esac ;;
 esac
 """,
     )
@@ -189,10 +229,10 @@ def test_real_run_makes_the_dry_run_calls_and_waits_for_the_queue(tmp_path):
     assert proc.returncode == 0, proc.stderr
     calls = [shlex.split(line) for line in (tmp_path / "calls").read_text().splitlines()]
     want = dry(*UP, env={"GJAX_QUEUED": "1"}, script=TPU_VM)
-    describe = want[2]
-    assert describe[3:5] == ["queued-resources", "describe"]
+    describe = want[3]
+    assert describe[3:5] == ["queued-resources", "describe"] and want[1] == describe
     # The same calls, with the queue polled until ACTIVE (3 answers).
-    assert calls == want[:2] + [describe] * 3 + want[3:]
+    assert calls == want[:3] + [describe] * 3 + want[4:]
     assert "queued resource gjax-v5p: PROVISIONING; waiting" in proc.stderr
 
     failed = tmp_path / "failed"
@@ -200,39 +240,95 @@ def test_real_run_makes_the_dry_run_calls_and_waits_for_the_queue(tmp_path):
     env = {**fake_gcloud(failed, ["WAITING_FOR_RESOURCES", "FAILED"]), "GJAX_QUEUED": "1"}
     proc = launch("create", "n", "z", "v5p-8", env=env)
     assert proc.returncode == 2 and "queued resource n is FAILED" in proc.stderr
+    assert "then: GJAX_QUEUED=1 launch/tpu.sh delete n z" in proc.stderr
+
+
+def test_a_second_create_waits_for_the_queued_resource_instead_of_failing(tmp_path):
+    """`create`/`up` again while the first request still waits: no second request, it waits."""
+    env = fake_gcloud(tmp_path, [], queued=True)
+    for queued in ("1", "0"):  # found whether or not this call says GJAX_QUEUED
+        (tmp_path / "calls").unlink(missing_ok=True)
+        (tmp_path / "states").write_text("WAITING_FOR_RESOURCES\nPROVISIONING\nACTIVE\n")
+        proc = launch("create", "n", "z", "v5p-8", env={**env, "GJAX_QUEUED": queued})
+        assert proc.returncode == 0, proc.stderr
+        assert "queued resource n already exists in z (WAITING_FOR_RESOURCES)" in proc.stderr
+        calls = (tmp_path / "calls").read_text()
+        assert " create " not in calls and calls.count("queued-resources describe") == 3
+
+
+def test_train_refuses_a_busy_slice(tmp_path):
+    env = fake_gcloud(tmp_path, [], busy=True)
+    proc = launch("train", NAME, ZONE, "configs/a_grae.py", "gs://b/r", env=env)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"launch/tpu.sh: gjax.train already runs on 1 worker(s) of {NAME}; stop it first "
+        f"(launch/tpu.sh stop {NAME} {ZONE}) or set GJAX_FORCE=1"
+    )
+    assert "nohup" not in (tmp_path / "calls").read_text()  # nothing started
+    proc = launch(
+        "train", NAME, ZONE, "configs/a_grae.py", "gs://b/r", env={**env, "GJAX_FORCE": "1"}
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "nohup" in (tmp_path / "calls").read_text()
+
+
+TRAINER = """import os, signal, sys, time
+home = os.environ["HOME"]
+open(f"{home}/py.pid", "w").write(str(os.getpid()))
+open(f"{home}/argv", "w").write("\\n".join(sys.argv[1:]) + "\\n")
+def term(*_):
+    open(f"{home}/got", "w").write("TERM")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+while True:
+    time.sleep(0.05)
+"""
 
 
 def test_remote_commands_run_the_same_argv_and_stop_by_sigterm(tmp_path):
-    """The install/train/stop --command strings, executed by bash on a stand-in worker."""
+    """The install/train/stop --command strings, executed by bash on a stand-in worker: git and
+    the image's python3 are stand-ins; `uv venv` links a real python, and `gjax.train` is a
+    stand-in module that waits for SIGTERM."""
     home, bin_ = tmp_path / "home", tmp_path / "bin"
     home.mkdir()
     bin_.mkdir()
     write_exe(
         bin_ / "git",
         f'printf "%s " git "$@" >> {home}/log; echo >> {home}/log\n'
-        'if [ "$1" = clone ]; then mkdir -p "${@: -1}"; fi\n',
+        'if [ "$1" = clone ]; then mkdir -p "${@: -1}/gjax"; fi\n',
     )
     write_exe(
         bin_ / "python3",
-        f'if [ "$2" = pip ]; then printf "%s " python3 "$@" >> {home}/log; echo >> {home}/log; exit 0; fi\n'
-        f'echo $$ > {home}/py.pid; printf "%s\\n" "$@" > {home}/argv\n'
-        f"trap 'echo TERM > {home}/got; exit 0' TERM\n"
-        "while :; do sleep 0.05; done\n",
+        f'printf "%s " python3 "$@" >> {home}/log; echo >> {home}/log\n'
+        'if [ "$2 $3" = "uv venv" ]; then\n'
+        '  mkdir -p "${@: -1}/bin"; ln -s ' + sys.executable + ' "${@: -1}/bin/python"\n'
+        "fi\n",
     )
     env = {**os.environ, "HOME": str(home), "PATH": f"{bin_}:{os.environ['PATH']}"}
 
     def remote(cmd):
         body = cmd[-1].removeprefix("--command=")
-        return subprocess.run(["bash", "-c", body], cwd=home, env=env, timeout=30, check=True)
+        return subprocess.run(
+            ["bash", "-c", body], cwd=home, env=env, timeout=30, check=True, capture_output=True
+        )
 
     remote(dry("install", NAME, ZONE)[0])
     assert (home / "log").read_text().splitlines() == [
         "git clone --quiet https://github.com/gjax/gjax.git gjax ",
         "git fetch --quiet origin main ",
         "git checkout --quiet --detach FETCH_HEAD ",
-        "python3 -m pip install --quiet -e .[tpu,gcs] ",
+        "python3 -m pip install --quiet --user uv>=0.7 ",
+        "python3 -m uv venv --quiet --allow-existing --managed-python --python 3.11 .venv ",
+        "python3 -m uv pip install --quiet --python .venv/bin/python -e .[tpu,gcs] ",
     ]
-    remote(dry("train", NAME, ZONE, "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVERRIDES)[0])
+    assert os.path.realpath(home / "gjax/.venv/bin/python") == os.path.realpath(sys.executable)
+    (home / "gjax/gjax/__init__.py").write_text("")  # beats any installed gjax
+    (home / "gjax/gjax/train.py").write_text(TRAINER)
+    busy, train = dry(
+        "train", NAME, ZONE, "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVERRIDES
+    )
+    assert busy == ssh("all", BUSY)
+    remote(train)
     pid = None
     try:
         for _ in range(200):
@@ -241,7 +337,15 @@ def test_remote_commands_run_the_same_argv_and_stop_by_sigterm(tmp_path):
             time.sleep(0.05)
         pid = int((home / "gjax-train.pid").read_text())
         assert pid == int((home / "py.pid").read_text())  # the trainer's own pid
-        assert (home / "argv").read_text().splitlines() == TRAIN_ARGV[1:]
+        assert (home / "argv").read_text().splitlines() == TRAIN_ARGV[3:]
+        # The busy check sees the trainer, and not the shell that runs the check.
+        assert remote(busy).stdout.decode().startswith("gjax.train runs on ")
+        regex = BUSY.split("'")[1]
+        out = subprocess.run(
+            ["bash", "-c", f"pgrep -f '{regex}'; echo $$"], capture_output=True, text=True
+        ).stdout.split()
+        *seen, shell = out
+        assert str(pid) in seen and shell not in seen
         remote(dry("stop", NAME, ZONE)[0])
         for _ in range(200):
             if (home / "got").exists():

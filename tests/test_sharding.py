@@ -1,5 +1,7 @@
 """Mesh, logical-axis rules and sharded forward (8 fake CPU devices, see conftest.py)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -234,3 +236,109 @@ def test_activation_sharding_drops_indivisible(mesh):
     assert s.spec == P(None, None)
     s = sharding.activation_sharding(mesh, ("batch", "length"), shape=(8, 10))
     assert s.spec == P(("data", "fsdp"), None)
+
+
+# --------------------------------------------------------------------------------------------
+# Device order on a pod (fake TPU devices: mesh_utils reads only these attributes)
+
+
+@dataclasses.dataclass(frozen=True)
+class FakeTpu:
+    id: int
+    coords: tuple[int, int, int]
+    process_index: int
+    slice_index: int = 0
+    core_on_chip: int = 0
+    platform: str = "tpu"
+    device_kind: str = "TPU v4"
+
+
+def fake_slice(x, y, z, *, slice_index=0, first_id=0, first_process=0, one_process=False):
+    """An x*y*z torus of chips, hosts of 2x2x1 chips (as on v4/v5p), in jax.devices() order:
+    process-major, then z, y, x within the host."""
+    chips = [(i, j, k) for i in range(x) for j in range(y) for k in range(z)]
+    host = lambda c: (c[2], c[1] // 2, c[0] // 2)
+    hosts = sorted({host(c) for c in chips})
+    chips.sort(key=lambda c: (hosts.index(host(c)), c[2], c[1], c[0]))
+    return [
+        FakeTpu(
+            first_id + n,
+            c,
+            first_process + (0 if one_process else hosts.index(host(c))),
+            slice_index,
+        )
+        for n, c in enumerate(chips)
+    ]
+
+
+def neighbours(a, b):
+    return sum(abs(p - q) for p, q in zip(a.coords, b.coords)) == 1
+
+
+def test_cpu_mesh_keeps_the_device_order():
+    """Fake CPU devices: exactly today's layout (other tests compare against it)."""
+    for shape, sizes in [
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
+        ({"fsdp": -1}, (1, 8, 1)),
+    ]:
+        mesh = sharding.make_mesh(shape)
+        assert mesh.devices.tolist() == np.asarray(jax.devices(), object).reshape(sizes).tolist()
+    sub = jax.devices()[4:]
+    assert sharding.make_mesh({"tensor": 4}, sub).devices.ravel().tolist() == sub
+
+
+def test_one_process_follows_the_torus(monkeypatch):
+    devices = fake_slice(4, 4, 1, one_process=True)  # 16 chips, all addressed by one process
+    calls = []
+    real = sharding.mesh_utils.create_device_mesh
+    monkeypatch.setattr(
+        sharding.mesh_utils,
+        "create_device_mesh",
+        lambda *a, **k: calls.append((list(a[0]), k)) or real(*a, **k),
+    )
+    grid = sharding.device_grid([1, 4, 4], devices)
+    assert calls == [([1, 4, 4], {"allow_split_physical_axes": True})]
+    # Each tensor group is a line of ICI links; in device order it would be a 2x2 host tile
+    # whose second and third chips are not linked.
+    for row in grid.reshape(-1, 4):
+        assert all(neighbours(a, b) for a, b in zip(row, row[1:]))
+    assert not all(neighbours(a, b) for a, b in zip(devices[:4], devices[1:4]))
+
+
+def test_one_slice_many_hosts_keeps_each_host_one_block_of_rows():
+    devices = fake_slice(4, 4, 1)  # 16 chips, 4 hosts of 2x2
+    for sizes in ([1, 8, 2], [4, 2, 2], [1, 16, 1], [2, 2, 4]):
+        grid = sharding.device_grid(sizes, devices)
+        assert sorted(d.id for d in grid.ravel()) == list(range(16))
+        assert sharding._rows_per_process_contiguous(grid), sizes  # multihost.RowLayout's need
+        if sizes[-1] == 2:  # each tensor pair is one ICI link
+            assert all(neighbours(*pair) for pair in grid.reshape(-1, 2)), sizes
+
+
+def test_slices_split_the_outer_axes_over_dcn(monkeypatch):
+    a, b = fake_slice(2, 2, 1), fake_slice(2, 2, 1, slice_index=1, first_id=4, first_process=1)
+    calls = []
+    real = sharding.mesh_utils.create_hybrid_device_mesh
+    monkeypatch.setattr(
+        sharding.mesh_utils,
+        "create_hybrid_device_mesh",
+        lambda *a, **k: calls.append((list(a[0]), list(a[1]))) or real(*a, **k),
+    )
+    grid = sharding.device_grid([2, 2, 2], a + b)
+    assert calls == [([1, 2, 2], [2, 1, 1])]
+    assert [{d.slice_index for d in grid[i].ravel()} for i in range(2)] == [{0}, {1}]
+    calls.clear()
+    grid = sharding.device_grid([1, 4, 2], b + a)  # order given does not matter
+    assert calls == [([1, 2, 2], [1, 2, 1])]
+    assert [{d.slice_index for d in grid[0, 2 * i : 2 * i + 2].ravel()} for i in range(2)] == [
+        {0},
+        {1},
+    ]
+    with pytest.raises(ValueError, match=r"cannot be split over 2 slices: make mesh.data"):
+        sharding.device_grid([1, 1, 8], a + b)
+
+
+def test_a_subset_off_the_torus_falls_back_to_device_order():
+    devices = fake_slice(2, 2, 1)[:3]  # three chips of a 2x2: a hole
+    grid = sharding.device_grid([1, 3, 1], devices)
+    assert grid.ravel().tolist() == devices
