@@ -55,10 +55,11 @@ from gjax.data.prompts import PromptData
 from gjax.embedded import resolve_model_path
 from gjax.evaluation.metrics import EvalError, Samples, parse_ks, summarize
 from gjax.evaluation.report import markdown_table
-from gjax.evaluation.sampling import sample_and_score, stop_token_ids
+from gjax.evaluation.sampling import sample_and_score
 from gjax.models import hf_format, hf_import
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
+from gjax.rollout.backend import stop_and_pad
 
 log = logging.getLogger("gjax.eval")
 
@@ -192,7 +193,7 @@ def main(argv) -> None:
         scope.enter_context(jax.set_mesh(policy.mesh))
         scope.enter_context(sharding.use_rules())
         cfg, tok, run = policy.cfg, policy.tokenizer, policy.run
-        eos, pad_id = stop_token_ids(cfg, tok)
+        eos, pad_id = stop_and_pad(cfg, tok)
         out_dir = F.out or policy.out_dir
         # The run's own prompt template for its checkpoints; the papers' for a model.
         template = F.template or (run["data"]["template"] if F.checkpoint else "qwen_boxed")

@@ -274,10 +274,14 @@ def test_train_refuses_a_busy_slice(tmp_path):
 
 TRAINER = """import os, signal, sys, time
 home = os.environ["HOME"]
-open(f"{home}/py.pid", "w").write(str(os.getpid()))
-open(f"{home}/argv", "w").write("\\n".join(sys.argv[1:]) + "\\n")
+def put(name, text):  # whole or absent: the test polls for these files
+    with open(f"{home}/{name}.tmp", "w") as f:
+        f.write(text)
+    os.replace(f"{home}/{name}.tmp", f"{home}/{name}")
+put("py.pid", str(os.getpid()))
+put("argv", "\\n".join(sys.argv[1:]) + "\\n")
 def term(*_):
-    open(f"{home}/got", "w").write("TERM")
+    put("got", "TERM")
     sys.exit(0)
 signal.signal(signal.SIGTERM, term)
 while True:

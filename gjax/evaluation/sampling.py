@@ -13,13 +13,6 @@ from gjax.evaluation.metrics import Samples, answer_key
 from gjax.rollout import RolloutBackend, SamplingParams
 
 
-def stop_token_ids(cfg, tokenizer) -> tuple[tuple[int, ...], int]:
-    """(stop ids, pad id) as training's rollout uses them."""
-    eos = tuple(cfg.eos_token_id) or (tokenizer.eos_token_id,)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    return eos, pad
-
-
 class Transfer(Protocol):
     """Whole batches between the host and the devices when several processes share a mesh:
     `put_full` takes the batch every process holds in full and returns the global array,
