@@ -206,6 +206,13 @@ def validate(
         "--config.rollout.recompute_old_logps=True",
     )
     _require(
+        config.objective.behaviour_correction == "none" or r.backend != "jetstream_grpc",
+        "objective.behaviour_correction",
+        "needs the sampler's log-probs, which rollout.backend='jetstream_grpc' does not "
+        "return (its replies carry token ids only): use backend 'local' or 'jetstream', or "
+        "behaviour_correction='none'",
+    )
+    _require(
         config.objective.temperature == r.temperature,
         "objective.temperature",
         f"the loss must score log_softmax(logits / T) at the sampling temperature: got "

@@ -246,8 +246,8 @@ class Learner:
     `batch(groups, params, ref_params)` is the one place a rollout batch becomes the update's
     device batch, in every mode (synchronous, overlapped, split meshes, several processes):
     the teacher-forced passes run here, on the learner's devices, with the params the update
-    starts from. Old log-probs are the sampler's (the behaviour policy's: same params and
-    temperature) for on-policy rows; anchors (DaGRPO) are teacher-forced, and so is every row
+    starts from. Old log-probs are the sampler's (the behaviour policy's, at the same
+    temperature; with k > 0 a version up to k updates older) for on-policy rows; anchors (DaGRPO) are teacher-forced, and so is every row
     with `recompute_old`, in which case the sampler's go along as `behaviour_logps_BxT`
     (mismatch metrics, `objective.behaviour_correction`) when the backend returned any.
     """

@@ -37,6 +37,7 @@ def install(stop: dict) -> Callable[[], None]:
 
     def restore() -> None:
         for signum, handler in previous.items():
-            signal.signal(signum, handler)
+            if handler is not None:  # None: installed outside Python, not ours to restore
+                signal.signal(signum, handler)
 
     return restore

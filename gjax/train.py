@@ -179,6 +179,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         rollout_mesh=rollout_mesh,
         backend=backend,
     )
+    scope.callback(producer.close)  # on errors too: before the backend and rewards close
     stopping = False  # agreed by every process: a signal may reach only one host
     for step in range(start, config.train.steps):
         if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):

@@ -323,3 +323,16 @@ def test_learner_batch_teacher_forces_anchors_and_recomputation():
                 np.testing.assert_allclose(beh, want_beh, rtol=1e-6)
             else:
                 assert "behaviour_logps_BxT" not in batch
+
+
+def test_behaviour_correction_needs_a_backend_that_returns_logps():
+    from gjax.config import validate
+    from gjax.errors import ConfigError
+
+    c = tiny_config()
+    c.rollout.recompute_old_logps = True
+    c.objective.behaviour_correction = "tis"
+    validate(c, 8)  # the local sampler returns them
+    c.rollout.backend = "jetstream_grpc"
+    with pytest.raises(ConfigError, match="token ids only"):
+        validate(c, 8)

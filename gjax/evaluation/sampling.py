@@ -17,7 +17,7 @@ class Transfer(Protocol):
     """Whole batches between the host and the devices when several processes share a mesh:
     `put_full` takes the batch every process holds in full and returns the global array,
     `pull_full` returns a global row-sharded array in full on every process
-    (`gjax.trainer.Steps` implements it over `gjax.multihost`)."""
+    (`gjax.multihost.RowTransfer` implements it)."""
 
     def put_full(self, x: np.ndarray) -> jax.Array: ...
 
