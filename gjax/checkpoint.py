@@ -45,6 +45,13 @@ class CheckpointSaveError(CheckpointError):
     """A checkpoint could not be written (disk full, file too large, unwritable path)."""
 
 
+class CheckpointStorageTimeout(CheckpointSaveError):
+    """A save that did not finish within the storage bound; its thread may still hang on the
+    storage, so the process exits at once after the paragraph."""
+
+    exit_now = True
+
+
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Fields whose values differ between a saved and the current fingerprint."""
     keys = sorted(set(saved) | set(current))
@@ -65,10 +72,12 @@ class Checkpointer:
         max_to_keep: int = 3,
         save_interval_steps: int = 50,
         async_save: bool = True,
+        storage_timeout_s: float | None = None,
     ):
         # Local paths absolute (orbax refuses relative ones), gs:// as given.
         self.directory = paths.resolve(directory)
         self.save_interval_steps = save_interval_steps
+        self.storage_timeout_s = storage_timeout_s  # None: wait for storage as long as it takes
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep,
             save_interval_steps=save_interval_steps,
@@ -111,8 +120,15 @@ class Checkpointer:
             )
         meta = {**meta, "content": digest}
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+        if self._saving is not None:
+            self.wait()  # orbax would wait for the previous save inside `save`, unbounded
         try:
-            saved = self._mngr.save(step, args=args, force=force)
+            if paths.is_url(self.directory):  # a save that hangs on storage is bounded too
+                saved = self._bounded(lambda: self._mngr.save(step, args=args, force=force), step)
+            else:
+                saved = self._mngr.save(step, args=args, force=force)
+        except CheckpointSaveError:
+            raise
         except Exception as e:
             raise self._save_failed(step, e) from e
         if saved:
@@ -126,8 +142,10 @@ class Checkpointer:
             self.wait()
 
     def last_intact(self) -> str:
-        """A sentence naming the newest complete checkpoint (for error messages)."""
-        step = self._mngr.latest_step()
+        """A sentence naming the newest complete checkpoint (for error messages); a save still
+        in flight does not count. Reads no storage."""
+        pending = self._saving if self._mngr.is_saving_in_progress() else None
+        step = max((s for s in self._mngr.all_steps() if s != pending), default=None)
         if step is None:
             return f"No checkpoint has been saved in {self.directory}; a rerun starts afresh."
         return (
@@ -139,7 +157,10 @@ class Checkpointer:
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if len(reason) > 240:  # storage errors name every layer; the cause comes last
             reason = "..." + reason[-240:]
-        self._mngr.reload()  # the failed step is not a checkpoint
+        try:  # the failed step is not a checkpoint
+            paths.bounded(self._mngr.reload, min(30.0, self.storage_timeout_s or 30.0))
+        except Exception as e:  # storage still failing: the listing known before the save
+            log.warning("could not re-read %s after the failed save: %s", self.directory, e)
         return CheckpointSaveError(
             f"saving the checkpoint of step {step} in {self.directory} failed: {reason}. "
             f"The run stopped. {self.last_intact()} Free disk space or fix the directory first."
@@ -234,12 +255,30 @@ class Checkpointer:
         self._mngr.reload()
 
     def wait(self) -> None:
+        """Blocks until the save in flight is durable (at most `storage_timeout_s`)."""
         try:
-            self._mngr.wait_until_finished()
+            self._bounded(self._mngr.wait_until_finished, self._saving)
+        except CheckpointStorageTimeout:
+            raise  # still in flight
         except Exception as e:
-            raise self._save_failed(self._saving, e) from e
-        finally:
-            self._saving = None
+            step, self._saving = self._saving, None
+            raise self._save_failed(step, e) from e
+        self._saving = None
+
+    def _bounded(self, fn, step: int | None):
+        """`fn()`, or `CheckpointStorageTimeout` once it ran `storage_timeout_s` (the save
+        retries storage errors with backoff underneath: tensorstore's gcs driver)."""
+        if self.storage_timeout_s is None:
+            return fn()
+        try:
+            return paths.bounded(fn, self.storage_timeout_s)
+        except TimeoutError:
+            raise CheckpointStorageTimeout(
+                f"saving the checkpoint of step {step} in {self.directory} did not finish "
+                f"within config.train.storage_timeout_s={self.storage_timeout_s:g} s: the "
+                f"storage is unreachable or too slow, so the run stopped. {self.last_intact()} "
+                "The unfinished step is not used."
+            ) from None
 
     def close(self) -> None:
         self.wait()
@@ -278,6 +317,31 @@ class Checkpointer:
                 f"({type(e).__name__}: {e}); the run has steps {steps}: pick another with --step"
             ) from e
         return step, state["params"]
+
+
+def last_intact_in(directory: str | epath.Path) -> str:
+    """`Checkpointer.last_intact`'s sentence from a listing of `directory` alone (no orbax
+    manager, no collective): for a process that must exit now (a peer died, storage is down).
+    A step is committed once renamed from orbax's temporary name (local) or once its
+    `commit_success.txt` exists (gs://)."""
+    d = paths.resolve(directory)
+    try:
+        steps = sorted((int(p.name) for p in d.iterdir() if p.name.isdigit()), reverse=True)
+        if paths.is_url(d):
+            steps = [s for s in steps if (d / str(s) / "commit_success.txt").exists()]
+    except FileNotFoundError:
+        steps = []
+    except Exception as e:  # storage unreachable: say where to look instead
+        return (
+            f"The checkpoints in {d} could not be listed ({type(e).__name__}); a rerun with the "
+            "same --workdir resumes from the newest intact one there."
+        )
+    if not steps:
+        return f"No checkpoint has been saved in {d}; a rerun starts afresh."
+    return (
+        f"The last intact checkpoint is step {steps[0]} in {d}; a rerun with the same "
+        "--workdir resumes from it."
+    )
 
 
 def _verify(state: Any, saved_digest: Mapping[str, int] | None) -> str | None:

@@ -45,6 +45,9 @@ def _fail(err: BaseException) -> None:
     # the task is collected at exit. They repeat the reported cause, so logging stops here.
     logging.disable(logging.CRITICAL)
     print(format_user_error(err), file=sys.stderr, flush=True)
+    if getattr(err, "exit_now", False):  # threads stuck on storage would hold the exit
+        sys.stdout.flush()
+        os._exit(2)
     sys.exit(2)
 
 

@@ -13,7 +13,12 @@ import textwrap
 
 
 class UserError(Exception):
-    """An error the user fixes by changing their input; its message says what, where and how."""
+    """An error the user fixes by changing their input; its message says what, where and how.
+
+    `exit_now`: the process holds threads stuck on something outside it (storage that does
+    not answer); after the paragraph the CLI exits at once instead of waiting for them."""
+
+    exit_now = False
 
 
 class ConfigError(UserError, ValueError):

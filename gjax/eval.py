@@ -47,7 +47,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from configs import common
-from gjax import cli, model_record, sharding
+from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import benchmarks as bench_lib
@@ -177,6 +177,8 @@ def main(argv) -> None:
     F = flags.FLAGS
     if bool(F.checkpoint) == bool(F.model):
         raise EvalError("give exactly one of --checkpoint (a training workdir) or --model (HF dir)")
+    for name in ("checkpoint", "model", "out"):
+        paths.require_backend(F[name].value, f"--{name}")
     specs = bench_lib.parse_specs(F.benchmarks)
 
     def mesh_for(run):  # the run's mesh (or data-parallel), --fsdp / --tensor override it

@@ -48,6 +48,8 @@ def export(
     max_shard_size: str = "5GB",
 ) -> int:
     """Writes the run's checkpoint `step` (default: newest) to `out`; returns the step."""
+    paths.require_backend(workdir, "--workdir")
+    paths.require_backend(out, "--out")
     try:
         if dtype is not None:
             dtype_from_name(dtype)

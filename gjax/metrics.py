@@ -17,7 +17,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -67,7 +67,9 @@ class MetricsWriter:
 
     In a gs:// workdir (objects cannot be appended to) the whole file is uploaded at most
     every `REMOTE_FLUSH_S` seconds and on `flush()`, which the loop calls before each
-    checkpoint, so every row a resume keeps is stored; TensorBoard's gs:// writer
+    checkpoint, so every row a resume keeps is stored; a failing upload is retried with
+    backoff for `storage_timeout_s`, then `paths.StorageUnavailable` ends the run, its message
+    followed by `last_intact()`; TensorBoard's gs:// writer
     (tensorboardX, through google-cloud-storage) uploads its events on its own flushes.
     """
 
@@ -82,11 +84,14 @@ class MetricsWriter:
         progress: bool = True,
         start_step: int = 0,
         history: list[Mapping[str, Any]] = (),
+        storage_timeout_s: float = 300.0,
+        last_intact: Callable[[], str] | None = None,
     ):
         root = paths.resolve(workdir)
         root.mkdir(parents=True, exist_ok=True)
         self.path = root / "metrics.jsonl"
         self._remote = paths.is_url(workdir)
+        self._timeout_s, self._last_intact = storage_timeout_s, last_intact
         self._lines: list[str] = []  # gs://: the file's content, uploaded whole
         self._uploaded_at = time.monotonic()
         self._truncate_after(start_step, history)
@@ -123,8 +128,10 @@ class MetricsWriter:
             )
         rows = {**lost, **kept}
         self._lines = [json.dumps(rows[s]) for s in sorted(rows)]
-        self.path.write_text("".join(line + "\n" for line in self._lines))
-        if not self._remote:
+        if self._remote:
+            self.flush()
+        else:
+            self.path.write_text("".join(line + "\n" for line in self._lines))
             self._lines = []
 
     def write(self, step: int, metrics: Mapping[str, float]) -> None:
@@ -171,7 +178,13 @@ class MetricsWriter:
     def flush(self) -> None:
         """Makes every row written so far durable (a gs:// workdir: one upload)."""
         if self._remote:
-            self.path.write_text("".join(line + "\n" for line in self._lines))
+            text = "".join(line + "\n" for line in self._lines)
+            paths.with_retries(
+                lambda: self.path.write_text(text),
+                what=f"uploading {self.path}",
+                timeout_s=self._timeout_s,
+                then=self._last_intact,
+            )
             self._uploaded_at = time.monotonic()
         else:
             self._file.flush()

@@ -12,32 +12,63 @@ through `allgather`. With one process every function here is the identity.
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
+import threading
+import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
-from gjax.errors import UserError
+from gjax.errors import UserError, format_user_error
+
+log = logging.getLogger(__name__)
 
 
 class DistributedError(UserError, RuntimeError):
     """A multi-process setup that cannot work (flags, environment or mesh)."""
 
 
+ENV_VARS = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+PEER_TIMEOUT_S = 300  # default of --peer_timeout_s: how long start-up waits for every process
+PEER_DEAD_S = 30.0  # gjax's PeerWatch: a peer silent this long is dead; the survivors exit
+HEARTBEAT_TIMEOUT_S = 100  # jax's own (it aborts the process): later than PeerWatch, always
+WAITING_NOTE_S = 5.0  # start-up says it is waiting for peers after this, then every 30 s
+
+
+def requested(jax_distributed: bool = False, coordinator_address: str | None = None) -> bool:
+    """Whether this is meant to be a multi-process run: `--jax_distributed`, a coordinator
+    flag, or any of the `JAX_*` variables in the environment (never silently one process)."""
+    return bool(jax_distributed or coordinator_address) or any(os.environ.get(v) for v in ENV_VARS)
+
+
 def initialize(
     coordinator_address: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
-) -> None:
+    *,
+    peer_timeout_s: int = PEER_TIMEOUT_S,
+    heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    on_peer_failure: Callable[[str], None] | None = None,
+) -> PeerWatch | None:
     """`jax.distributed.initialize` from flags, else the environment, else auto-detection.
 
     On TPU VMs (and SLURM / Open MPI / Kubernetes) JAX finds all three by itself. Elsewhere
     give them as flags or as `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`, `JAX_PROCESS_ID`.
     CPU collectives across processes go through gloo.
+
+    Faults end within bounded time. While peers are missing a line says so after
+    `WAITING_NOTE_S` (then every 30 s); after `peer_timeout_s` the process prints a
+    `DistributedError` paragraph naming the flags and exits 2 (jax, whose own time-out is set
+    later, would abort with a C++ fatal error and no Python exception). Once running, with `on_peer_failure` a `PeerWatch` is returned: a peer silent for
+    `PEER_DEAD_S` (killed, host lost) makes it call `on_peer_failure(reason)` on its thread
+    (which should print what to do and `os._exit`); jax itself aborts after
+    `heartbeat_timeout_s`.
     """
     env = os.environ
     coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
@@ -60,11 +91,147 @@ def initialize(
         )
     # Cross-process collectives of the CPU backend (harmless where an accelerator runs them).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-    )
+    who = (
+        f"process {process_id} of {num_processes}" if all(given) else "this process"
+    ) + f" (coordinator {coordinator_address or 'auto-detected'})"
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def watch_start_up():
+        # jax aborts the process (a C++ fatal error, no Python exception) when its own
+        # initialization_timeout passes, so gjax gives up first, from this thread.
+        note = WAITING_NOTE_S  # seconds after t0 of the next "waiting" line
+        while not done.wait(max(min(note, peer_timeout_s) - (time.monotonic() - t0), 0.0)):
+            waited = time.monotonic() - t0
+            if waited >= peer_timeout_s:
+                _exit_now(
+                    DistributedError(
+                        f"{who}: not every process joined within --peer_timeout_s="
+                        f"{peer_timeout_s} s. Start all processes within that time of each "
+                        "other, each with the same --coordinator_address=HOST:PORT (process 0's "
+                        "host, a port free there) and --num_processes=N and its own "
+                        "--process_id=0..N-1 (or JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, "
+                        "JAX_PROCESS_ID), or raise --peer_timeout_s."
+                    )
+                )
+            if waited >= note:
+                log.warning(
+                    "%s: waiting %.0f s so far for the other processes to join; giving up "
+                    "after --peer_timeout_s=%d",
+                    who,
+                    waited,
+                    peer_timeout_s,
+                )
+                note += 30.0
+
+    threading.Thread(target=watch_start_up, daemon=True, name="gjax-peers").start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator_address,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=int(peer_timeout_s) + 60,  # gjax's bound comes first
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+        )
+    finally:
+        done.set()
+    if on_peer_failure is None or jax.process_count() == 1:
+        return None
+    return PeerWatch(on_peer_failure)
+
+
+class PeerWatch:
+    """Notices a dead peer within `dead_after_s` and calls `on_failure(reason)` (on its thread).
+
+    Every process bumps a counter under `gjax/beat/<index>` in jax's coordination key-value
+    store every `BEAT_S` and reads everyone's; a peer whose counter has not moved for
+    `dead_after_s`, or a coordinator that has not answered for as long, is dead. Reading the
+    store is jax's own channel, but the decision is gjax's: jax's own heartbeat timeout is set
+    longer, so jax does not abort the process first (its `missed_heartbeat_callback` cannot be
+    given from Python in jax 0.10: the status it passes does not convert, std::bad_cast). The
+    beats go on while the process exits normally (jax's shutdown barrier), so a slower peer
+    finishing its evaluation is never taken for dead.
+
+    Not covered: when process 0 (the coordinator) dies, jax's client in every other process
+    aborts within about a second (its error polling fails; exit status 134 and jax's message
+    "another task died"), before any Python code can run.
+    """
+
+    BEAT_S = 2.0
+
+    def __init__(self, on_failure: Callable[[str], None], dead_after_s: float = PEER_DEAD_S):
+        from jax._src import distributed as jax_distributed  # the client jax made
+
+        self.client = jax_distributed.global_state.client
+        self.on_failure, self.dead_after_s = on_failure, dead_after_s
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.verdict = threading.Event()  # set once a peer is found dead
+        self._started = time.monotonic()  # a peer not seen yet counts from here
+        threading.Thread(target=self._run, daemon=True, name="gjax-peer-watch").start()
+
+    def _run(self) -> None:
+        beat, seen, reachable = 0, {}, time.monotonic()
+        while True:
+            now = time.monotonic()
+            try:
+                beat += 1
+                self.client.key_value_set(f"gjax/beat/{self.index}", str(beat), True)
+                beats = dict(self.client.key_value_dir_get("gjax/beat/"))
+                reachable = now
+            except Exception as e:  # the coordinator (process 0) is gone, or not answering
+                if now - reachable > self.dead_after_s:
+                    return self._fail(
+                        f"the coordinator (process 0) has not answered process {self.index} of "
+                        f"{self.count} for {now - reachable:.0f} s: {_first_line(e)}"
+                    )
+                time.sleep(self.BEAT_S)
+                continue
+            for key, value in beats.items():
+                peer = int(key.rsplit("/", 1)[1])
+                if peer != self.index and seen.get(peer, (None,))[0] != value:
+                    seen[peer] = (value, now)
+            for peer in range(self.count):
+                last = seen.get(peer, (None, self._started))[1] if peer != self.index else now
+                if now - last > self.dead_after_s:
+                    return self._fail(
+                        f"process {peer} has sent no heartbeat for {now - last:.0f} s, as seen "
+                        f"from process {self.index} of {self.count}"
+                    )
+            time.sleep(self.BEAT_S)
+
+    def _fail(self, reason: str) -> None:
+        self.on_failure(reason)  # normally ends the process
+        self.verdict.set()
+
+    def await_verdict(self) -> bool:
+        """After an error in a collective: waits (at most `dead_after_s` + a beat) for a dead
+        peer to be noticed, which ends the process through `on_failure`; False if none is."""
+        log.warning(
+            "a cross-process operation failed; checking whether a peer process died (up to %.0f s)",
+            self.dead_after_s + 2 * self.BEAT_S,
+        )
+        return self.verdict.wait(self.dead_after_s + 2 * self.BEAT_S)
+
+
+def collective_failed(err: BaseException) -> bool:
+    """Whether `err` is (or was caused by) a failed jax runtime operation, e.g. a collective
+    whose peer died (gloo fails at once), rather than a user error or a bug of the caller's."""
+    while err is not None:
+        if isinstance(err, jax.errors.JaxRuntimeError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _exit_now(err: UserError) -> None:
+    """`err` as the CLI prints a user error, then exit 2 at once: the main thread is inside
+    jax (start-up, a collective) and cannot be interrupted."""
+    print(format_user_error(err), file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
 def is_primary() -> bool:

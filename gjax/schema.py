@@ -388,6 +388,12 @@ SCHEMA: dict[str, Any] = {
         "allow_nonfinite": Field(
             False, "go on after a non-finite loss or gradient norm instead of stopping"
         ),
+        "storage_timeout_s": Field(
+            300.0,
+            "seconds a workdir write (metrics upload, checkpoint save) may keep failing or "
+            "hang, retried with backoff, before the run stops naming its last checkpoint",
+            _POS,
+        ),
     },
     "checkpoint": {
         "every": Field(

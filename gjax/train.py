@@ -14,6 +14,12 @@ the signal's number (143, 130), so a supervisor sees an unfinished run; a second
 once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
 once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved; the last
 intact checkpoint is named and kept.
+
+Faults end within bounded time, with one paragraph and exit status 2: a workdir holds one run
+(`WORKDIR/.lock`, `gjax.runlock`); a multi-process start-up waits --peer_timeout_s for its
+peers, saying so; a dead peer ends the survivors in about 20-40 s (`gjax.multihost`); storage
+that fails or hangs is retried for config.train.storage_timeout_s. Each names the last intact
+checkpoint where a run was under way.
 """
 
 from __future__ import annotations
@@ -34,14 +40,14 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, model_record, multihost, paths, schema, sharding
+from gjax import cli, model_record, multihost, paths, runlock, schema, sharding
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
 from gjax.data import builders as data_builders
 from gjax.data.builders import build_prompt_data, build_sharded_prompts
 from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
-from gjax.errors import ConfigError
+from gjax.errors import ConfigError, format_user_error
 from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.learner import build_learner
@@ -80,14 +86,29 @@ def main(argv) -> None:
     del argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     F = flags.FLAGS
-    if F.jax_distributed or F.coordinator_address:
-        multihost.initialize(F.coordinator_address, F.num_processes, F.process_id)
-    if not multihost.is_primary():  # process 0 logs; the others only warn
-        logging.getLogger().setLevel(logging.WARNING)
     config = F.config
     # Local (relative or absolute) or gs://; every file below is written through epath.
     workdir = str(paths.resolve(F.workdir or os.path.join("workdirs", config.algo)))
-    signum = train(config, workdir)
+    paths.require_backend(workdir, "--workdir")
+    watch = None  # multi-process: ends this process when a peer dies (`_peer_failed`)
+    if multihost.requested(F.jax_distributed, F.coordinator_address):  # flags or JAX_* env
+        watch = multihost.initialize(
+            F.coordinator_address,
+            F.num_processes,
+            F.process_id,
+            peer_timeout_s=F.peer_timeout_s,
+            on_peer_failure=functools.partial(_peer_failed, workdir),
+        )
+    if not multihost.is_primary():  # process 0 logs; the others only warn
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        signum = train(config, workdir)
+    except Exception as e:
+        # A collective fails at once when a peer dies (gloo): that peer's paragraph, not this
+        # traceback, if the watch finds one dead.
+        if watch is not None and multihost.collective_failed(e):
+            watch.await_verdict()
+        raise
     if signum is not None:
         sys.exit(128 + signum)
 
@@ -106,6 +127,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     model_path = check_model(config, resolve_model_path(config.model.path))
     obj_cfg = schema.to_objective_config(config.objective)
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
+    scope.enter_context(runlock.hold(workdir))  # one run (process set) per workdir
     _write_config(workdir, config)
 
     # --- mesh ---------------------------------------------------------------------------
@@ -279,6 +301,7 @@ def _restore(config, workdir: str, state):
         max_to_keep=config.checkpoint.keep,
         save_interval_steps=config.checkpoint.every,
         async_save=config.checkpoint.async_save,
+        storage_timeout_s=config.train.storage_timeout_s,
     )
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
@@ -368,6 +391,29 @@ def _stopped(signum: int, checkpointer, trained: int, start: int) -> None:
     )
 
 
+def _peer_failed(workdir: str, reason: str) -> None:
+    """A peer process died (`multihost.PeerWatch`, on its thread): one paragraph, exit 2 at
+    once; the collectives this process waits in would never return."""
+    runlock.release_all()
+    err = multihost.DistributedError(
+        f"another process of this run stopped responding ({reason}: killed, crashed, or its "
+        "host lost), so this one cannot go on and exits. "
+        + _last_intact_now(workdir)
+        + " Start every process again with the same command to resume."
+    )
+    print(format_user_error(err), file=sys.stderr, flush=True)
+    os._exit(2)
+
+
+def _last_intact_now(workdir: str) -> str:
+    """The last intact checkpoint from a listing, within 10 s (storage may be down too)."""
+    directory = os.path.join(workdir, "checkpoints")
+    try:
+        return paths.bounded(lambda: ckpt_lib.last_intact_in(directory), 10.0)
+    except TimeoutError:
+        return f"The newest intact checkpoint in {directory} is where a rerun resumes."
+
+
 def _read_json(path: str) -> dict | None:
     try:
         return json.loads(paths.resolve(path).read_text())
@@ -403,6 +449,8 @@ class Recorder:
                 tensorboard=config.log.tensorboard,
                 progress=config.log.progress,
                 history=history,
+                storage_timeout_s=config.train.storage_timeout_s,
+                last_intact=checkpointer.last_intact,
             )
         self.watch = CollapseWatch(vocab_size)
         self.pending = None  # (step, device metrics, host metrics)
@@ -467,6 +515,11 @@ def _define_flags() -> None:
     )
     flags.DEFINE_integer("num_processes", None, "Processes in the run.")
     flags.DEFINE_integer("process_id", None, "This process's index.")
+    flags.DEFINE_integer(
+        "peer_timeout_s",
+        multihost.PEER_TIMEOUT_S,
+        "Multi-process start-up: seconds to wait for every process to join before giving up.",
+    )
     flags.mark_flags_as_required(["config"])
 
 

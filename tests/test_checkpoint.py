@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +217,51 @@ def test_checkpoint_of_another_config_is_refused_by_field(tmp_path):
     ckpt = saved(tmp_path, [2])
     with pytest.raises(CheckpointError, match="algo: checkpoint has 'grpo', config has 'dapo'"):
         ckpt.restore(state(0.0), fingerprint={"algo": "dapo"})
+
+
+def test_a_save_that_hangs_on_storage_is_bounded_and_names_the_intact_step(tmp_path):
+    """Storage that stops answering mid-save: `wait` gives up after storage_timeout_s with one
+    paragraph naming the committed step (not the one in flight), and exits at once."""
+    import threading
+
+    from gjax.checkpoint import CheckpointStorageTimeout
+
+    ckpt = saved(tmp_path, [1], storage_timeout_s=1.0)
+    ckpt.save(2, state(2.0), {"data": {"pos": 2}}, force=True)  # synchronous: committed
+    hang = threading.Event()
+    ckpt._mngr.wait_until_finished = lambda: hang.wait(60)  # an upload that never answers
+    ckpt._mngr.is_saving_in_progress = lambda: True
+    ckpt._saving = 3  # as if step 3 were being written
+    ckpt._mngr.all_steps = lambda: [1, 2, 3]  # orbax lists the step in flight
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointStorageTimeout) as e:
+        ckpt.wait()
+    assert time.monotonic() - t0 < 5
+    msg = str(e.value)
+    assert "step 3" in msg and "storage_timeout_s=1" in msg
+    assert "The last intact checkpoint is step 2" in msg and e.value.exit_now
+    hang.set()
+
+
+def test_storage_retries_back_off_then_stop_within_the_bound(caplog):
+    from gjax import paths
+
+    calls = []
+
+    def flaky():
+        calls.append(time.monotonic())
+        if len(calls) < 3:
+            raise ConnectionRefusedError("connection refused")
+        return "ok"
+
+    assert paths.with_retries(flaky, what="uploading x", timeout_s=30) == "ok"
+    assert [round(b - a) for a, b in zip(calls, calls[1:])] == [1, 2]  # backoff doubles
+    assert caplog.text.count("uploading x failed (ConnectionRefusedError") == 2
+
+    for fn in (lambda: (_ for _ in ()).throw(OSError("down")), lambda: time.sleep(60)):
+        t0 = time.monotonic()
+        with pytest.raises(paths.StorageUnavailable) as e:
+            paths.with_retries(fn, what="uploading y", timeout_s=3, then=lambda: "Step 7 is safe.")
+        assert time.monotonic() - t0 < 4.5
+        assert str(e.value).startswith("uploading y kept failing") and e.value.exit_now
+        assert str(e.value).endswith("Step 7 is safe.") and "storage_timeout_s=3" in str(e.value)

@@ -138,3 +138,31 @@ def test_run_quiets_library_info_after_absl_sets_its_verbosity():
         [sys.executable, "-c", program, "--verbosity=0"], env=env, capture_output=True, text=True
     )
     assert "orbax says" in proc.stderr  # asked for: shown
+
+
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("gjax.export", ["--workdir=gs://bucket/run", "--out=hf_out"]),
+        ("gjax.export", ["--workdir=workdirs/run", "--out=gs://bucket/hf_out"]),
+        ("gjax.eval", ["--checkpoint=gs://bucket/run", "--benchmarks=heldout"]),
+        ("gjax.train", [f"--config={ROOT}/configs/grpo.py:tiny", "--workdir=gs://bucket/run"]),
+    ],
+)
+def test_gs_paths_without_the_gcs_extra_name_the_install_line(module, args, tmp_path):
+    """gcsfs made unimportable, as on an install without `.[gcs]`: one paragraph, exit 2."""
+    no_gcsfs = (
+        "import runpy, sys; sys.modules['gcsfs'] = None; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["PYTHONPATH"] = ROOT
+    proc = subprocess.run(
+        [sys.executable, "-c", no_gcsfs, *args],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_one_paragraph(proc, "pip install -e '.[gcs]'", "=gs://bucket/")

@@ -176,3 +176,73 @@ def test_metrics_in_a_gcs_workdir(gcs):
     w = MetricsWriter(wd, total_steps=3, tensorboard=False, progress=False, start_step=2)
     w.close()
     assert [r["step"] for r in read_jsonl(f"{wd}/metrics.jsonl")] == [1, 2]
+
+
+@pytest.mark.slow
+def test_storage_outage_mid_run_is_bounded_then_resumed(tmp_path):
+    """The emulator stopped mid-run: a short outage is ridden out (retries with backoff); one
+    longer than config.train.storage_timeout_s ends the run with one paragraph naming the
+    last intact checkpoint, within the bound; with storage back the same command resumes."""
+    from tests import gcs_emulator
+
+    root = tmp_path / "gcs"
+    root.mkdir()
+    port = gcs_emulator._free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = _child_env(gcs_emulator.environment(url))
+    run = "gs://bucket/outage"
+    train = [*TRAIN, f"--workdir={run}", "--config.log.tensorboard=False"]
+    train += ["--config.train.steps=8", "--config.checkpoint.async_save=False"]
+
+    def committed(step):
+        fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
+        return fs.exists(f"bucket/outage/checkpoints/{step}/commit_success.txt")
+
+    def start(bound):
+        log = open(tmp_path / f"run_{bound}.log", "w")  # noqa: SIM115 - the child's
+        cmd = [*train, f"--config.train.storage_timeout_s={bound}"]
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return proc, tmp_path / f"run_{bound}.log"
+
+    def wait_for(step, proc, log):
+        deadline = time.monotonic() + 400
+        while not committed(step):
+            assert proc.poll() is None, log.read_text()[-4000:]
+            assert time.monotonic() < deadline, f"no checkpoint at step {step}"
+            time.sleep(0.3)
+
+    # 1. Down for good (past a 15 s bound) after the step-2 checkpoint: exit 2, one paragraph.
+    with gcs_emulator.serve(str(root), port):
+        gcsfs.GCSFileSystem(endpoint_url=url, token="anon").mkdir("bucket")
+        proc, log = start(15)
+        wait_for(2, proc, log)
+    down_at = time.monotonic()  # the emulator is stopped
+    proc.wait(timeout=180)
+    took = time.monotonic() - down_at
+    text = log.read_text()
+    assert proc.returncode == 2, text[-4000:]
+    assert "Traceback" not in text, text[-4000:]
+    paragraph = " ".join(text[text.index("gjax: ") :].split())
+    assert "storage_timeout_s=15" in paragraph, text[-4000:]
+    assert "The last intact checkpoint is step " in paragraph, paragraph
+    intact = int(paragraph.split("The last intact checkpoint is step ")[1].split()[0])
+    assert intact >= 2 and f"step {intact} in gs://bucket/outage/checkpoints" in paragraph
+    assert took < 15 + 60, took  # the bound, plus the step in flight and the exit
+    print(f"storage outage: bound 15 s, run ended (exit 2) {took:.1f} s after storage went down")
+
+    # 2. Storage back: the same command resumes (the dead run's lock is taken over); an outage
+    # of ~8 s within the bound (120 s) is ridden out (gcsfs's, tensorstore's and gjax's
+    # retries) and the run finishes.
+    with gcs_emulator.serve(str(root), port):
+        proc, log = start(120)
+        wait_for(4, proc, log)
+    time.sleep(8)
+    assert proc.poll() is None, log.read_text()[-4000:]  # the outage came mid-run
+    with gcs_emulator.serve(str(root), port):
+        proc.wait(timeout=400)
+        text = log.read_text()
+        assert proc.returncode == 0, text[-4000:]
+        assert f"resumed from step {intact}" in text and "stale lock" in text
+        fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
+        rows = [json.loads(r) for r in fs.cat("bucket/outage/metrics.jsonl").decode().splitlines()]
+        assert [r["step"] for r in rows] == list(range(1, 9))

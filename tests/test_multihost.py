@@ -7,9 +7,12 @@ twice per run, as a user does on two hosts. Slow (three short runs), marked `slo
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import numpy as np
@@ -293,3 +296,118 @@ def test_two_processes_train_as_one_and_resume(tmp_path):
     assert json.loads((two / "summary.json").read_text()) == json.loads(
         (ref / "summary.json").read_text()
     )
+
+
+# ------------------------------------------------------------------------------- faults
+
+
+class _Output:
+    """A child's merged output, read on a thread; `seen(text)`: seconds from start to the
+    first line holding `text` (None if none yet)."""
+
+    def __init__(self, proc):
+        self.proc, self.t0, self.lines = proc, time.monotonic(), []
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic() - self.t0, line))
+
+    def seen(self, text):
+        return next((t for t, line in self.lines if text in line), None)
+
+    def text(self):
+        self.thread.join(timeout=30)
+        return "".join(line for _, line in self.lines)
+
+
+def _start(cmd, env):
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return proc, _Output(proc)
+
+
+def _flat(text):
+    return " ".join(text.split())
+
+
+@pytest.mark.slow
+def test_a_missing_peer_is_reported_then_given_up_on(tmp_path):
+    """Process 0 of 2 started alone: a line within 10 s of waiting, one paragraph naming the
+    flags after --peer_timeout_s."""
+    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={tmp_path}", *ARGS]
+    cmd += [f"--coordinator_address=127.0.0.1:{_free_port()}", "--num_processes=2"]
+    cmd += ["--process_id=0", "--peer_timeout_s=20"]
+    proc, out = _start(cmd, _env(4))
+    proc.wait(timeout=180)
+    total, text = time.monotonic() - out.t0, out.text()
+    assert proc.returncode == 2, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    waiting = [line for line in text.splitlines() if "waiting" in line]
+    assert waiting and "waiting 5 s so far" in waiting[0] and "--peer_timeout_s=20" in waiting[0]
+    flat = _flat(text)
+    for needle in ("gjax: process 0 of 2", "--peer_timeout_s=20", "--coordinator_address"):
+        assert needle in flat, text[-3000:]
+    assert "--num_processes" in flat and "--process_id" in flat
+    assert total < 20 + 60  # the timeout plus start-up (imports) and exit
+    print(f"missing peer: waiting line at {out.seen('waiting'):.1f} s, exit 2 at {total:.1f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
+def test_env_started_run_is_one_locked_run_and_a_dead_peer_ends_it(tmp_path):
+    """JAX_* in the environment (no flags) start one two-process run: it holds the workdir's
+    lock (a second run there is refused), and when one process is SIGKILLed the survivor
+    exits 2 within 60 s with one paragraph naming the last intact checkpoint."""
+    wd = tmp_path / "wd"
+    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={wd}", *ARGS]
+    cmd.append("--config.train.steps=500")
+    port = _free_port()
+    runs = [
+        _start(
+            cmd,
+            {
+                **_env(4),
+                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}",
+                "JAX_NUM_PROCESSES": "2",
+                "JAX_PROCESS_ID": str(i),
+            },
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 400
+        while not (wd / "checkpoints" / "2").exists():
+            assert all(p.poll() is None for p, _ in runs), runs[0][1].text()[-3000:]
+            assert time.monotonic() < deadline, runs[0][1].text()[-3000:]
+            time.sleep(0.5)
+        lock = json.loads((wd / ".lock").read_text())
+        assert lock["processes"] == 2 and lock["pid"] == runs[0][0].pid
+        second = subprocess.run(
+            cmd, env=_env(8), cwd=ROOT, capture_output=True, text=True, timeout=300
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert "the workdir is in use" in _flat(second.stderr) and "Traceback" not in second.stderr
+        assert f"rm {wd / '.lock'}" in _flat(second.stderr)
+
+        killed_at = time.monotonic()
+        runs[1][0].send_signal(signal.SIGKILL)
+        runs[0][0].wait(timeout=120)
+        took = time.monotonic() - killed_at
+    finally:
+        for p, _ in runs:
+            if p.poll() is None:
+                p.kill()
+    text = runs[0][1].text()
+    assert runs[0][0].returncode == 2, text[-3000:]
+    assert took < 60, (took, text[-3000:])
+    assert "Traceback" not in text, text[-3000:]
+    flat = _flat(text)
+    assert "gjax: another process of this run stopped responding (process 1 has" in flat, text
+    assert "The last intact checkpoint is step" in flat and "same command to resume" in flat
+    assert not (wd / ".lock").exists()  # the survivor released it
+    steps = [r["step"] for r in _rows(wd)]
+    assert steps == list(range(1, len(steps) + 1))  # one run wrote them, once each
+    print(f"dead peer: survivor exited 2 after {took:.1f} s")
