@@ -23,7 +23,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -269,10 +268,10 @@ class Learner:
             batch["ref_logps_BxT"] = self.logps(ref_params, batch)
         if self.anchors or self.recompute_old:
             old_BxT = self.logps(params, batch)
-            P, G, T = groups.completion_ids_PxGxN.shape
-            anchor_BxT = np.broadcast_to(groups.is_anchor_PxG.reshape(P * G, 1), (P * G, T))
-            anchor_BxT = self.transfer.put_rows(np.ascontiguousarray(anchor_BxT))
-            behaviour_BxT = jnp.where(anchor_BxT, old_BxT, batch["old_logps_BxT"])
+            # The whole batch's anchor flags are on the devices already (all-gathered, B rows
+            # in batch order): anchors take the teacher-forced log-probs, the rest the sampler's.
+            anchor_Bx1 = batch["is_anchor_PxG"].reshape(-1, 1)
+            behaviour_BxT = jnp.where(anchor_Bx1, old_BxT, batch["old_logps_BxT"])
             if not self.recompute_old:
                 batch["old_logps_BxT"] = behaviour_BxT
             else:
