@@ -1,15 +1,13 @@
-"""Host-side async reward pipeline: rewards and judge scores overlap device work.
+"""Host-side async reward pipeline: the reward functions and the judge of a batch, concurrently.
 
-One RL step (architecture.md): sample -> {host: rewards + judge scores} || {device: old/ref
-log-probs} -> advantages. The pipeline owns an asyncio event loop in a background thread;
-`submit(...)` schedules every reward function and the judge for rollout batch k and returns
-at once with a handle; the train step keeps dispatching device work and calls
-`handle.result()` only when the advantages need the rewards:
+Every reward function and the judge of one rollout batch run concurrently on an asyncio
+event loop in a background thread; `submit(...)` schedules them and returns at once with a
+handle, so the caller can go on (e.g. building the batch's anchors) and calls
+`handle.result()` only when the rewards are needed:
 
     with RewardPipeline({"accuracy": accuracy_fn}, judge=judge) as pipe:
         handle = pipe.submit(problems, completions, answers, demonstrations)
-        old_logps = old_logps_fn(params, batch)      # device work, dispatched meanwhile
-        ref_logps = ref_logps_fn(ref_params, batch)
+        ...                                          # other host work meanwhile
         res = handle.result()                        # rewards [B], valid [B], scores [B], metrics
 
 Reward functions have the signature of the reward registry (gjax/rewards/functions.py):
