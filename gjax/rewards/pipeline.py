@@ -71,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from gjax.errors import ConfigError, UserError
-from gjax.rewards.functions import REWARDS, RewardSpec, build_reward
+from gjax.rewards.functions import REWARDS, CombinedReward, RewardSpec, build_reward
 from gjax.rewards.judge import (
     ON_MISSING,
     Judge,
@@ -605,7 +605,7 @@ class RewardPipeline:
         for name, seconds in timings.parts.items():
             metrics[f"rewards/time_{name}_s"] = seconds
         for name, values in raw.per_fn.items():
-            if name in raw.fn_valid:  # a CombinedReward: its terms' means are in its metrics
+            if isinstance(self.reward_fns[name], CombinedReward):  # its metrics: its terms' means
                 continue
             finite = np.isfinite(values)
             metrics[f"rewards/{name}_mean"] = float(values[finite].mean()) if finite.any() else 0.0
