@@ -7,7 +7,8 @@ On resume from step k the sinks continue where the checkpoint ends: JSONL rows p
 dropped (and rows up to k that the file lacks are rebuilt from the checkpoint's history),
 and TensorBoard purges its events past k (`purge_step`), so no step appears twice.
 The progress bar starts at the first step written, so its rate and ETA leave out the
-first step's compilation.
+first step's compilation; it fits an 80-column terminal, and is drawn only on a terminal
+(a redirected stderr gets a logged progress line every `LOG_EVERY_S` seconds instead).
 """
 
 from __future__ import annotations
@@ -26,21 +27,35 @@ from gjax import paths
 
 log = logging.getLogger(__name__)
 
+# The progress line: short keys and few digits, so that the whole line fits 80 columns;
+# tqdm's own rate is left out (s/step says it).
 PROGRESS_KEYS = (
-    ("reward/mean", "reward"),
-    ("reward/accuracy", "train_acc"),
-    ("response/length_mean", "len"),
-    ("policy/entropy", "entropy"),
-    ("optim/grad_norm", "grad_norm"),
-    ("time/step_s", "s/step"),
+    ("reward/mean", "reward", ".2f"),
+    ("policy/entropy", "ent", ".2g"),
+    ("optim/grad_norm", "gnorm", ".2g"),
 )
+BAR_FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{remaining}{postfix}]"
 LEGEND = (
-    "progress: reward = mean reward of this step's samples; train_acc = fraction of them "
-    "answered correctly (training samples, not the held-out accuracy reported at the end); "
-    "len = mean completion tokens; entropy = policy entropy (nats/token); grad_norm = "
-    "gradient norm; s/step = seconds per step. The first step compiles, so the ETA starts "
-    "with the second."
+    "progress: reward = mean reward of this step's training samples; ent = policy entropy "
+    "(nats/token); gnorm = gradient norm; s/step = seconds per step. metrics.jsonl has every "
+    "figure. The first step compiles, so the ETA starts with the second."
 )
+# Without a terminal (stderr redirected to a file) no bar is drawn: the progress line is
+# logged once per this many seconds, and at the last step.
+LOG_EVERY_S = 60.0
+
+
+def interactive() -> bool:
+    """Whether stderr is a terminal: progress bars only there (a log file gets no bars)."""
+    return sys.stderr.isatty()
+
+
+def progress_postfix(metrics: Mapping[str, float]) -> str:
+    """`reward 0.55 ent 0.18 gnorm 0.74 1.25s/step` from a row (the figures it has)."""
+    parts = [f"{short} {metrics[k]:{fmt}}" for k, short, fmt in PROGRESS_KEYS if k in metrics]
+    if "time/step_s" in metrics:
+        parts.append(f"{metrics['time/step_s']:.3g}s/step")
+    return " ".join(parts)
 
 
 def to_host(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -107,6 +122,8 @@ class MetricsWriter:
             )
         self._progress, self._total = progress, total_steps
         self._bar = None
+        self._tty = interactive()
+        self._logged_at = -math.inf  # no terminal: when the progress line was last logged
 
     def _truncate_after(self, step: int, history: list[Mapping[str, Any]]) -> None:
         """On resume, drop rows the restored checkpoint does not cover (they will be redone),
@@ -151,7 +168,15 @@ class MetricsWriter:
             self._show(step, metrics)
 
     def _show(self, step: int, metrics: Mapping[str, float]) -> None:
-        shown = {short: f"{metrics[k]:.3g}" for k, short in PROGRESS_KEYS if k in metrics}
+        postfix = progress_postfix(metrics)
+        if not self._tty:  # a log file: one line now and then, no bar
+            now = time.monotonic()
+            if now - self._logged_at >= LOG_EVERY_S or step == self._total:
+                if self._logged_at == -math.inf:
+                    log.info("%s", LEGEND)
+                log.info("step %d/%d: %s", step, self._total, postfix)
+                self._logged_at = now
+            return
         if self._bar is None:  # started at the first step written: the ETA leaves out compiles
             from tqdm import tqdm  # imported only when log.progress is on
 
@@ -161,11 +186,12 @@ class MetricsWriter:
                 initial=step,
                 dynamic_ncols=True,
                 desc="train",
+                bar_format=BAR_FORMAT,
                 leave=True,
-                postfix=shown,
+                postfix=postfix,
             )
             return
-        self._bar.set_postfix(shown, refresh=False)
+        self._bar.set_postfix_str(postfix, refresh=False)
         self._bar.update(step - self._bar.n)
 
     def warn(self, message: str) -> None:

@@ -8,7 +8,8 @@ is one line, labelled by its workdir name. Training series are smoothed (EMA, `-
 evaluations are sparse and drawn as measured, one marker per evaluation. The held-out panel
 also takes the run's `summary.json` (accuracy before training at step 0, after training at
 the last step), so a run without `--config.log.eval_every` still shows where it started and
-ended.
+ended: those two points are markers only, since nothing was measured between them; a line
+joins a run's evaluations only when it evaluated during training.
 """
 
 from __future__ import annotations
@@ -126,7 +127,11 @@ def make_figure(workdirs: list[str], smooth: float = 0.6):
             steps, vals = map(np.asarray, zip(*pts))
             color = f"C{i}"
             if is_eval:
-                ax.plot(steps, vals, "o-", color=color, label=name, markersize=4)
+                # A line only through evaluations made during training (eval_every): with
+                # summary.json's before/after alone, nothing was measured in between.
+                measured = any(r.get(key) is not None for r in rows)
+                style = "o-" if measured else "o"
+                ax.plot(steps, vals, style, color=color, label=name, markersize=4)
             else:
                 ax.plot(steps, ema(vals.astype(float), smooth), color=color, label=name)
         ax.set_title(title)
@@ -149,11 +154,27 @@ def plot_runs(workdirs: list[str], out: str, smooth: float = 0.6) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("workdirs", nargs="+")
-    parser.add_argument("--out", default="curves.png")
-    parser.add_argument("--smooth", type=float, default=0.6)
+    parser = argparse.ArgumentParser(prog="python -m gjax.plot", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "workdirs",
+        nargs="+",
+        metavar="WORKDIR",
+        help="--workdir of a gjax.train run (holds metrics.jsonl); several runs are compared, "
+        "one line each, labelled by the directory's name",
+    )
+    parser.add_argument(
+        "--out", default="curves.png", help="PNG file to write (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--smooth",
+        type=float,
+        default=0.6,
+        help="EMA weight for the training curves, in [0, 1): 0 draws them raw, higher is "
+        "smoother; evaluations are never smoothed (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
+    if not 0 <= args.smooth < 1:
+        parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
     try:
         print(plot_runs(args.workdirs, args.out, args.smooth))
     except UserError as err:

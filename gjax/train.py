@@ -185,7 +185,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     if meta["heldout_accuracy_before"] is None:
         meta["heldout_before"] = evaluate(state.params)
         meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
-    log.info("held-out before: %s", _fmt_eval(_before(meta)))
+    if multihost.is_primary():  # a result: a plain line on stdout, as the summary at the end
+        print(f"held-out before: {_fmt_eval(_before(meta))}", flush=True)
 
     # --- the RL loop --------------------------------------------------------------------
     recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
@@ -320,7 +321,8 @@ def _restore(config, workdir: str, state):
 
 
 def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):
-    """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar."""
+    """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar (on a
+    terminal)."""
     return eval_lib.heldout_metrics(
         backend,
         params,

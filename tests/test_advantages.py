@@ -147,7 +147,8 @@ def test_agrae_eq12_ddas_by_hand():
     out = ADVANTAGES.get("a_grae")(r, _ones(r), group_level="none", eps=0.0)
     expect = [[G1P, G1N, G1N, G1N], [G2P, G2P, G2P, G2N], [0, 0, 0, 0]]
     np.testing.assert_allclose(out.adv_PxG, expect, rtol=1e-6, atol=1e-7)
-    np.testing.assert_allclose(out.metrics["omega_s"], 2 / 3, rtol=1e-6)
+    np.testing.assert_allclose(out.metrics["reward_mean"], 2 / 3, rtol=1e-6)  # omega_s
+    assert "omega_s" not in out.metrics  # one name for one figure
 
 
 def test_agrae_eq13_full_by_hand():
@@ -157,7 +158,7 @@ def test_agrae_eq13_full_by_hand():
     expect = [[c * G1P, G1N, G1N, G1N], [c * G2P, c * G2P, c * G2P, G2N], [0, 0, 0, 0]]
     np.testing.assert_allclose(full, expect, rtol=1e-6, atol=1e-7)
     m = ADVANTAGES.get("a_grae")(r, _ones(r), alpha=1.0).metrics
-    np.testing.assert_allclose([m["omega_s"], m["ass_scale"]], [c, c], rtol=1e-6)
+    np.testing.assert_allclose([m["reward_mean"], m["ass_scale"]], [c, c], rtol=1e-6)
     # alpha = 0.5 <= omega_s: min(1, 4/3) = 1 -> DDAS only.
     half = ADVANTAGES.get("a_grae")(r, _ones(r), alpha=0.5, eps=0.0).adv_PxG
     np.testing.assert_allclose(half[0], [G1P, G1N, G1N, G1N], rtol=1e-6)

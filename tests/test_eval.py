@@ -17,6 +17,7 @@ from gjax import eval as ev
 from gjax.data import benchmarks as bl
 from gjax.data.sources import DataError
 from gjax.data.synthetic import SyntheticConfig, generate
+from gjax.evaluation import sampling as sampling_lib
 from gjax.evaluation.heldout import HeldoutEval, heldout_metrics
 from gjax.evaluation.metrics import EvalError, summarize
 from gjax.evaluation.sampling import sample_and_score
@@ -248,7 +249,7 @@ def test_cli_on_a_checkpoint_and_a_local_benchmark(workdir, tmp_path):
     table = (out / "results.md").read_text()
     assert "| heldout | 8 | 4 |" in table and "| amc23 | 8 | 4 |" in table
     assert "pass@4" in proc.stdout and "results.json" in proc.stdout
-    assert "heldout: 100%" in proc.stderr  # the progress bar
+    assert "%|" not in proc.stderr  # stderr is a pipe, not a terminal: no progress bars
 
 
 class ScriptedBackend:
@@ -295,7 +296,13 @@ def heldout(tok, size):
     return build_prompt_data(cfg, tok, heldout=True)
 
 
-def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd):
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (pytest's capture is not one): progress bars are drawn."""
+    monkeypatch.setattr(sampling_lib, "interactive", lambda: True)
+
+
+def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd, terminal):
     data = heldout(tok, 10)
     backend = ScriptedBackend(tok, data)
     sampling = SamplingParams(max_new_tokens=12, temperature=0.6, stop_token_ids=(1,))
@@ -332,7 +339,9 @@ def test_sample_and_score_batches_every_problem_n_times(tok, verifier, capfd):
     np.testing.assert_array_equal(s.correct_PxN, np.tile([1, 0, 1, 0, 1, 0], (10, 1)))
 
 
-def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(tok, verifier, capfd):
+def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(
+    tok, verifier, capfd, terminal, monkeypatch
+):
     import ml_collections
 
     data = heldout(tok, 8)
@@ -365,9 +374,11 @@ def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(tok, verifier,
     assert "eval greedy: 100%" in err and "eval pass@4: 100%" in err
     # Sampling that differs from the rollout's: the evaluation's own shape.
     backend.calls.clear()
+    monkeypatch.setattr(sampling_lib, "interactive", lambda: False)  # a log file: no bars
     heldout_metrics(
         backend, None, tok, data, verifier, settings,
         rollout_sampling=dataclasses.replace(rollout, temperature=1.0), rollout_shape=(2, 2),
         **kw,
     )  # fmt: skip
     assert backend.calls[1][1] == 4
+    assert "eval " not in capfd.readouterr().err

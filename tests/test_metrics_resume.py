@@ -9,8 +9,15 @@ import time
 import pytest
 from tensorboardX.proto import event_pb2
 
+from gjax import metrics as metrics_lib
 from gjax.health import CollapseWatch
-from gjax.metrics import MetricsWriter, read_jsonl, workdir_layout
+from gjax.metrics import (
+    BAR_FORMAT,
+    MetricsWriter,
+    progress_postfix,
+    read_jsonl,
+    workdir_layout,
+)
 
 
 def tensorboard_scalars(logdir: str) -> dict[str, list[int]]:
@@ -81,7 +88,13 @@ def test_deleted_or_truncated_metrics_are_rebuilt_from_the_checkpoint_history(tm
     assert "lacked 4 of the 4 steps" in caplog.text and "rebuilt" in caplog.text
 
 
-def test_progress_bar_is_labelled_and_its_eta_leaves_out_the_first_step(tmp_path, capsys):
+@pytest.fixture
+def terminal(monkeypatch):
+    """stderr as a terminal (pytest's capture is not one): progress bars are drawn."""
+    monkeypatch.setattr(metrics_lib, "interactive", lambda: True)
+
+
+def test_progress_bar_is_labelled_and_its_eta_leaves_out_the_first_step(tmp_path, capsys, terminal):
     w = MetricsWriter(str(tmp_path), total_steps=10, tensorboard=False, progress=True)
     metrics = {"reward/mean": 0.5, "reward/accuracy": 0.25, "time/step_s": 0.1}
     w.write(1, metrics)  # step 1: its time is the compile
@@ -90,9 +103,50 @@ def test_progress_bar_is_labelled_and_its_eta_leaves_out_the_first_step(tmp_path
     w.write(2, metrics)
     w.close()
     err = capsys.readouterr().err
-    assert "train_acc=0.25" in err and "reward=0.5" in err and " acc=" not in err
-    assert "not the held-out accuracy" in err and "ETA starts" in err
+    assert "reward 0.50 0.1s/step]" in err and "acc" not in err  # no training "accuracy"
+    assert "training samples" in err and "ETA starts" in err
     assert err.endswith("\n")  # a closed bar ends its line: what follows has its own
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"reward/mean": 0.547, "policy/entropy": 0.179, "optim/grad_norm": 0.742, "time/step_s": 12.3},
+        {"reward/mean": -0.123, "policy/entropy": 0.0034, "optim/grad_norm": 12.3, "time/step_s": 123.4},
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "step, total, elapsed_s", [(1, 3, 0.0), (500, 1000, 6000.0), (5000, 10_000, 3e5)]
+)
+def test_progress_line_fits_80_columns_with_entropy_grad_norm_and_step_time(
+    row, step, total, elapsed_s
+):
+    from tqdm import tqdm
+
+    postfix = progress_postfix(row)
+    assert postfix.startswith("reward ") and " ent " in postfix and " gnorm " in postfix
+    line = tqdm.format_meter(
+        step, total, elapsed_s, ncols=80, prefix="train", bar_format=BAR_FORMAT, postfix=postfix
+    )
+    assert len(line) <= 80 and line.endswith(f", {postfix}]"), line  # whole, not trimmed
+    assert "█" in line or step * 8 < total  # room is left for the bar
+
+
+def test_without_a_terminal_progress_is_a_log_line_not_a_bar(tmp_path, capsys, caplog):
+    w = MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False, progress=True)
+    row = {"reward/mean": 0.5, "policy/entropy": 0.2, "optim/grad_norm": 0.7, "time/step_s": 0.1}
+    with caplog.at_level("INFO", logger="gjax.metrics"):
+        for step in (1, 2, 3):
+            w.write(step, row)
+    w.close()
+    assert w._bar is None and capsys.readouterr().err == ""  # no tqdm output at all
+    logged = [r.getMessage() for r in caplog.records]
+    # The legend once; the first step, then at most one line a minute, and the last.
+    assert logged[0].startswith("progress: reward = ")
+    assert logged[1:] == [
+        "step 1/3: reward 0.50 ent 0.2 gnorm 0.7 0.1s/step",
+        "step 3/3: reward 0.50 ent 0.2 gnorm 0.7 0.1s/step",
+    ]
 
 
 def test_workdir_layout_names_every_output():
@@ -119,7 +173,7 @@ def test_collapse_with_finite_numbers_is_warned_once(row, why):
     assert "lower optim.lr" in msg
 
 
-def test_warnings_go_above_the_progress_bar(tmp_path, capsys, caplog):
+def test_warnings_go_above_the_progress_bar(tmp_path, capsys, caplog, terminal):
     w = MetricsWriter(str(tmp_path), total_steps=3, tensorboard=False, progress=False)
     with caplog.at_level("WARNING", logger="gjax.metrics"):
         w.warn("no bar: logged")
@@ -130,4 +184,4 @@ def test_warnings_go_above_the_progress_bar(tmp_path, capsys, caplog):
     w.close()
     err = capsys.readouterr().err
     # tqdm clears the bar's line (\r), writes the warning on a line of its own, redraws.
-    assert "\rWARNING: collapsed\n" in err and err.index("WARNING") > err.index("train:")
+    assert "\rWARNING: collapsed\n" in err and err.index("WARNING") > err.index("train  33%")

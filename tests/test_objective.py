@@ -177,7 +177,7 @@ CASES = {
 
 EXTRA_METRICS = {
     "gpg": ["adv/alpha"],
-    "a_grae": ["adv/omega_s"],
+    "a_grae": ["adv/ass_scale"],
     "dagrpo": ["adv/masked_fraction"],
     "cw_grpo": ["tw/w_min", "tw/w_mean", "tw/w_max"],
     "kl_cov": ["loss/kl_cov"],

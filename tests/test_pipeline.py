@@ -318,6 +318,11 @@ def test_combined_reward_from_the_registry():
         res = pipe.submit(PROMPTS, COMPLETIONS, ANSWERS, completion_lengths=[3] * B).result()
     assert res.rewards.shape == (B,) and res.valid.shape == (B,)
     assert any(k.startswith("rewards/format") for k in res.metrics)
+    # One name per figure: the terms' means are the CombinedReward's, the total's the pipeline's.
+    m = res.metrics
+    assert m["rewards/format/mean"] == m["rewards/mean"] == float(res.rewards[res.valid].mean())
+    assert m["rewards/valid_fraction"] == float(res.valid.mean())
+    assert not {"rewards/reward_mean", "rewards/total/mean", "rewards/valid_frac"} & set(m)
 
 
 @pytest.mark.slow

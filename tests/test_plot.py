@@ -67,6 +67,11 @@ def test_heldout_and_other_eval_series_get_panels_with_summary_endpoints(tmp_pat
         heldout, pass_k = lines(axes[4]), lines(axes[5])
         assert heldout == {"run_a": ([0, 2, 4], [0.5, 0.6, 0.7]), "run_b": ([0, 3], [0.5, 0.55])}
         assert pass_k == {"run_a": ([4], [0.9])}  # None-valued eval keys get no panel
+        # Run a's evaluations during training are joined by a line; run b's summary-only
+        # before/after are two markers, no line (nothing was measured between them).
+        styles = {ln.get_label(): ln.get_linestyle() for ln in axes[4].lines}
+        assert styles == {"run_a": "-", "run_b": "None"}
+        assert all(ln.get_marker() == "o" for ln in axes[4].lines)
         assert lines(axes[0])["run_b"] == ([1, 2, 3], pytest.approx([0.1, 0.2, 0.3]))
         assert axes[3].get_yscale() == "log"
     finally:
@@ -99,3 +104,20 @@ def test_not_a_workdir_is_one_paragraph_and_exit_2(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("gjax: ") and "metrics.jsonl" in err and "Traceback" not in err
+
+
+def test_help_describes_every_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        plot.main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "WORKDIR --workdir of a gjax.train run" in out
+    assert "--out OUT PNG file to write (default: curves.png)" in out
+    assert "--smooth SMOOTH EMA weight for the training curves" in out
+
+
+def test_smooth_outside_0_1_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        plot.main([str(tmp_path), "--smooth", "1"])
+    assert exc.value.code == 2
+    assert "--smooth must be in [0, 1), got 1.0" in capsys.readouterr().err

@@ -10,6 +10,7 @@ import numpy as np
 from gjax import multihost
 from gjax.data.prompts import PromptData, left_pad
 from gjax.evaluation.metrics import Samples, answer_key
+from gjax.metrics import interactive
 from gjax.rollout import RolloutBackend, SamplingParams
 
 
@@ -47,7 +48,8 @@ def sample_and_score(
     once. `max_rows` bounds P x G per call; a problem's n samples span several calls when
     n > G. `batch_shape=(P, G)` and `width` (padded prompt length; default: the longest
     prompt, rounded up to 8) fix the shape instead, e.g. to the training rollout's so that
-    its compiled program is reused. `progress`: a tqdm bar (its description, if a string).
+    its compiled program is reused. `progress`: a tqdm bar (its description, if a string),
+    drawn only when stderr is a terminal (a redirected log gets no bars).
     `transfer` moves whole batches between host and devices in a multi-process run (every
     process samples every batch, the devices each decoding their rows; see `Transfer`, and
     the verifier's work is split over the processes); by default numpy arrays go in as they
@@ -72,7 +74,7 @@ def sample_and_score(
     lengths = np.zeros((n_problems, calls_per_problem * g), np.int32)
     truncated = np.zeros((n_problems, calls_per_problem * g), bool)
     bar = None
-    if progress:
+    if progress and interactive():
         from tqdm import tqdm  # optional: the progress bar
 
         bar = tqdm(

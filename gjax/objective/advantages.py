@@ -37,7 +37,7 @@ Conventions shared by all estimators
 
 Metrics (float32 scalars, full-batch statistics): ``adv_mean``, ``adv_std``, ``adv_min``,
 ``adv_max`` over kept samples; ``zero_var_frac``; ``num_valid``, ``num_kept``, ``nonfinite``,
-``reward_mean`` (over valid samples); plus per-estimator entries (``alpha``, ``omega_s``,
+``reward_mean`` (over valid samples); plus per-estimator entries (``alpha``, ``ass_scale``,
 ``masked_fraction``...).
 """
 
@@ -323,7 +323,7 @@ def a_grae(
     ``'dr_grpo'`` -> r - mean. Rewards are assumed in [0, 1] (binary in the paper).
 
     omega_s (eq. (11)) = mean reward over all valid samples of the global batch (clipped to
-    [0, 1] where used as a weight; the raw value is ``metrics['omega_s']``). p = group success
+    [0, 1] where used as a weight; the raw value is ``metrics['reward_mean']``). p = group success
     rate = mean valid reward of the group (= sum |r_i| / |G| for binary rewards), clipped to
     [0, 1]. As the paper prescribes, no rescaling happens at p in {0, 1}.
 
@@ -379,8 +379,7 @@ def a_grae(
         adv = jnp.where(pos, adv * beta, adv)
     elif group_level == "negative_dominant":
         adv = jnp.where(pos, adv / beta, adv)
-    extra = {
-        "omega_s": omega_raw,
+    extra = {  # omega_s unclipped is metrics["reward_mean"], the same masked mean
         "rewards_outside_01": jnp.sum(valid & ((r < 0.0) | (r > 1.0))),
     }
     if group_level == "ass":

@@ -51,7 +51,7 @@ Conventions (decisions where the papers are silent):
     tokens by LUFFY's shaped -f(pi) A, f(pi) = pi / (pi + gamma), without clipping.
 
 Metrics. ``prepare`` returns full-batch scalars (``adv/*``: the estimator's metrics, e.g.
-adv_mean/std/min/max, zero_var_frac, alpha (GPG), omega_s (A-GRAE), masked_fraction (DaGRPO);
+adv_mean/std/min/max, zero_var_frac, alpha (GPG), ass_scale (A-GRAE), masked_fraction (DaGRPO);
 ``tw/*``: token-weight metrics, e.g. CW kernel weight min/mean/max; ``count/*``: token and
 sequence counts). ``micro_batch_loss`` returns micro-batch-ADDITIVE sums: ``loss/*`` (the
 weighted loss parts pg, kl, kl_cov, entropy: these add up to the loss) and ``sum/*`` (plain
@@ -378,9 +378,8 @@ def prepare(
     metrics["count/trained_tokens"] = (weight_BxT > 0).sum().astype(jnp.float32)
     metrics["count/sequences"] = (mask_BxT.sum(axis=1) > 0).sum().astype(jnp.float32)
     metrics["count/kept_sequences"] = ((weight_BxT > 0).sum(axis=1) > 0).sum().astype(jnp.float32)
-    metrics["count/mean_response_length"] = metrics["count/loss_tokens"] / jnp.maximum(
-        metrics["count/sequences"], 1.0
-    )
+    # (The rollout's mean completion length is `response/length_mean`; the trained batch's is
+    # count/loss_tokens / count/sequences.)
     return prep, metrics
 
 

@@ -393,8 +393,8 @@ class CombinedReward:
             metrics[f"rewards/{name}/invalid_items"] = float(n_bad_items)
             metrics[f"rewards/{name}/time_s"] = dt
         rewards_B = np.where(valid_B, rewards_B, 0.0).astype(np.float32)
-        metrics["rewards/total/mean"] = float(rewards_B[valid_B].mean()) if valid_B.any() else 0.0
-        metrics["rewards/valid_frac"] = float(valid_B.mean()) if batch else 1.0
+        # The total's mean and the valid fraction are the pipeline's `rewards/mean` and
+        # `rewards/valid_fraction` (after the judge too): not repeated here.
         metrics["rewards/time_s"] = time.perf_counter() - t0
         return RewardResult(rewards_B, valid_B, components, metrics)
 

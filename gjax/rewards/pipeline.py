@@ -47,7 +47,9 @@ Timings (seconds, `perf_counter`) in `PipelineResult.metrics`:
   rewards/overlap_s  reward wall time hidden behind the caller's work: min(end, wait_begin) - start
   rewards/overlap_frac  overlap_s / wall_s (1.0 = fully hidden)
 plus per-function times `rewards/time_<name>_s`, `rewards/time_judge_s`, per-function means
-`rewards/<name>_mean`, failure counters and the judge's counters for the batch `judge/<counter>`.
+`rewards/<name>_mean` (none for a CombinedReward, whose metrics give its terms' means), the
+mean reward `rewards/mean` and `rewards/valid_fraction` over the batch, failure counters and
+the judge's counters for the batch `judge/<counter>`.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from typing import Any
 import numpy as np
 
 from gjax.errors import ConfigError, UserError
-from gjax.rewards.functions import REWARDS, RewardSpec, build_reward
+from gjax.rewards.functions import REWARDS, CombinedReward, RewardSpec, build_reward
 from gjax.rewards.judge import (
     ON_MISSING,
     Judge,
@@ -601,6 +603,8 @@ class RewardPipeline:
         for name, seconds in timings.parts.items():
             metrics[f"rewards/time_{name}_s"] = seconds
         for name, values in raw.per_fn.items():
+            if isinstance(self.reward_fns[name], CombinedReward):  # its metrics: its terms' means
+                continue
             finite = np.isfinite(values)
             metrics[f"rewards/{name}_mean"] = float(values[finite].mean()) if finite.any() else 0.0
         metrics["rewards/mean"] = float(rewards[valid].mean()) if valid.any() else 0.0
