@@ -56,12 +56,18 @@ from gjax.models import hf_import
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
+from gjax.rollout import factory as rollout_factory
 from gjax.rollout.collect import Rollout
 from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
 
 # The subsystems' config hooks `validate` asks, before anything loads or is written.
-CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
+CONFIG_CHECKS = (
+    data_builders.check_config,
+    rewards_pipeline.check_config,
+    eval_lib.check_config,
+    rollout_factory.check_config,
+)
 
 log = logging.getLogger("gjax")
 
