@@ -273,8 +273,9 @@ def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 def _load_data(config, tok):
     """The training prompts (each process templates its share) and the held-out set."""
-    train_data = build_sharded_prompts(config.data, tok)
-    heldout = build_prompt_data(config.data, tok, heldout=True)
+    data_cfg = data_builders.run_data_config(config)
+    train_data = build_sharded_prompts(data_cfg, tok)
+    heldout = build_prompt_data(data_cfg, tok, heldout=True)
     if config.anchors.per_group and not train_data.has_demonstrations:
         raise ConfigError(
             "config.anchors.per_group > 0 needs demonstrations: set "
