@@ -77,7 +77,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     return {
         "model.path": config.model.path,
         "algo": config.algo,
-        "objective": json.dumps(config.objective.to_dict(), sort_keys=True),
+        "objective": json.dumps(_objective_fields(config), sort_keys=True),
         "rollout.num_samples": config.rollout.num_samples,
         "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "rollout.max_new_tokens": config.rollout.max_new_tokens,
@@ -86,6 +86,14 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         "anchors.per_group": config.anchors.per_group,
         "seed": config.seed,
     }
+
+
+def _objective_fields(config: ml_collections.ConfigDict) -> dict:
+    """config.objective as the loss sees it: an unset temperature is the rollout's."""
+    fields = config.objective.to_dict()
+    if fields["temperature"] is None:
+        fields["temperature"] = config.rollout.temperature
+    return fields
 
 
 def main(argv) -> None:
@@ -131,7 +139,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    obj_cfg = schema.to_objective_config(config.objective)
+    obj_cfg = schema.to_objective_config(
+        config.objective, rollout_temperature=config.rollout.temperature
+    )
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     scope.enter_context(runlock.hold(workdir))  # one run (process set) per workdir
     _write_config(workdir, config)
