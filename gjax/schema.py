@@ -392,6 +392,11 @@ SCHEMA: dict[str, Any] = {
         "allow_nonfinite": Field(
             False, "go on after a non-finite loss or gradient norm instead of stopping"
         ),
+        "allow_config_change": Field(
+            False,
+            "resume a workdir with changed training fields (recorded in config_history.jsonl; "
+            "refused otherwise)",
+        ),
         "storage_timeout_s": Field(
             300.0,
             "seconds a workdir write (metrics upload, checkpoint save) may keep failing or "

@@ -11,9 +11,10 @@ update, hands the params back to the producer and writes the previous step's met
 
 SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with status 128 +
 the signal's number (143, 130), so a supervisor sees an unfinished run; a second one exits at
-once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
-once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved; the last
-intact checkpoint is named and kept.
+once, unsaved. A rerun with the same --workdir resumes exactly; one whose config changes
+training is refused at start unless train.allow_config_change (`gjax.config_record`). A run
+stops at once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved;
+the last intact checkpoint is named and kept.
 
 Faults end within bounded time, with one paragraph and exit status 2: a workdir holds one run
 (`WORKDIR/.lock`, `gjax.runlock`); a multi-process start-up waits --peer_timeout_s for its
@@ -40,7 +41,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, model_record, multihost, paths, runlock, schema, sharding
+from gjax import cli, config_record, model_record, multihost, paths, runlock, schema, sharding
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
 from gjax.data import builders as data_builders
@@ -144,7 +145,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     )
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     scope.enter_context(runlock.hold(workdir))  # one run (process set) per workdir
-    _write_config(workdir, config)
+    checkpointer = _checkpointer(config, workdir)
+    resuming = checkpointer.latest_step() is not None
+    # A resume's config against the workdir's record: a change to training is refused here,
+    # before anything loads, unless train.allow_config_change (gjax.config_record).
+    config_diff = config_record.check(workdir, config, fingerprint(config)) if resuming else {}
+    if not resuming:
+        _write_record(workdir, config_record.write, workdir, config)
 
     # --- mesh ---------------------------------------------------------------------------
     mesh, rollout_mesh = sharding.make_meshes(mesh_shape, config.mesh.rollout_devices)
@@ -178,8 +185,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         params=params,
         behaviour_logps=backend.returns_logps,
     )
-    checkpointer, state, meta = _restore(config, workdir, state)
+    state, meta = _restore(config, workdir, checkpointer, state)
     start = int(state.step)
+    if resuming:
+        _write_record(workdir, config_record.resumed, workdir, config, start, config_diff)
     data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
     rollout = Rollout(
         model_cfg=model_cfg,
@@ -267,13 +276,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     return signum
 
 
-def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """WORKDIR/config.json (process 0); an unwritable workdir is the user's error."""
+def _write_record(workdir: str, write, *args) -> None:
+    """`write(*args)`, a gjax.config_record writer, on process 0; an unwritable workdir is the
+    user's error."""
     try:
         if multihost.is_primary():
-            paths.write_text(
-                os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2)
-            )
+            write(*args)
     except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
         hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
         raise ConfigError(
@@ -310,16 +318,18 @@ def _prompt_iterator(config, train_data, layout, state) -> PromptIterator:
     )
 
 
-def _restore(config, workdir: str, state):
-    """The run's checkpointer, and its latest intact checkpoint's state and meta (or the
-    fresh state and empty meta)."""
-    checkpointer = ckpt_lib.Checkpointer(
+def _checkpointer(config, workdir: str) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         max_to_keep=config.checkpoint.keep,
         save_interval_steps=config.checkpoint.every,
         async_save=config.checkpoint.async_save,
         storage_timeout_s=config.train.storage_timeout_s,
     )
+
+
+def _restore(config, workdir: str, checkpointer, state):
+    """The latest intact checkpoint's state and meta (or the fresh state and empty meta)."""
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
@@ -333,7 +343,7 @@ def _restore(config, workdir: str, state):
             "to train (raise --config.train.steps to train further).",
             flush=True,
         )
-    return checkpointer, state, meta
+    return state, meta
 
 
 def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):

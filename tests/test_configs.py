@@ -260,7 +260,7 @@ def test_unknown_field_names_the_deepest_section_and_close_matches():
     msg = str(unknown_field("train.stepz", known))
     assert (
         "'config.train.steps'" in msg
-        and "config.train are: allow_nonfinite" in msg
+        and "config.train are: allow_config_change, allow_nonfinite" in msg
     )
     msg = str(unknown_field("trian.steps", known))
     assert "Did you mean 'config.train'" in msg and "The fields of config are: algo" in msg
