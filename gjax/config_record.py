@@ -73,14 +73,22 @@ def recorded(workdir: str) -> dict[str, Any] | None:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
     """{path: (old, new)} of the fields of `new` that differ from `old`. A field `old` lacks
-    (added to the schema since) counts as its default; one `new` lacks (removed) is skipped."""
+    (added to the schema since) counts as its default; one `new` lacks (removed) is skipped;
+    an unset objective.temperature is the rollout's (as the loss sees it)."""
     default = flat(schema.base())
+    old, new = _as_trained({**default, **old}), _as_trained(new)
     out = {}
     for path, value in new.items():
-        before = old.get(path, default.get(path))
+        before = old.get(path)
         if path != OPT_IN and before != value:
             out[path] = (before, value)
     return out
+
+
+def _as_trained(config: dict[str, Any]) -> dict[str, Any]:
+    if config.get("objective.temperature", 0) is None:
+        return {**config, "objective.temperature": config["rollout.temperature"]}
+    return config
 
 
 def check(

@@ -100,6 +100,11 @@ def test_a_fresh_start_drops_a_stale_history_and_old_fields_count_as_defaults(tm
     saved["train"]["gone"] = 1
     (tmp_path / "config.json").write_text(json.dumps(saved))
     assert _check(tmp_path, c) == {}
+    # A config.json from before objective.temperature followed rollout.temperature: the same
+    # temperature, set explicitly, is no change.
+    saved["objective"]["temperature"] = 0.7
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert _check(tmp_path, c) == {}
     c.sampling.overlong_penalty = 0.5
     with pytest.raises(ConfigError, match=r"sampling\.overlong_penalty: 1\.0 -> 0\.5"):
         _check(tmp_path, c)
