@@ -4,9 +4,9 @@
 (`gjax.schema.base()`: an unknown or mistyped key names the valid ones, a renamed one its new
 name), every numeric field against its `Range` in `gjax.schema.FIELDS`, the core names
 (dtypes, remat, rollout backend, objective parts), mesh/batch divisibility and length
-budgets, then asks each subsystem through its hook in `checks` (data, rewards, evaluation:
-`check_config(config)`, raising `ConfigError`), all before the model and the data load. It
-returns the resolved mesh shape.
+budgets, then asks each subsystem through its hook in `checks` (data, rewards, evaluation,
+rollout backend: `check_config(config)`, raising `ConfigError`), all before the model and the
+data load. It returns the resolved mesh shape.
 """
 
 from __future__ import annotations
