@@ -85,7 +85,7 @@ def run(k: int, split: bool, verifier) -> dict:
     n_roll = len(devices) // 2 if split else 0
     mesh, rollout_mesh = sharding.make_meshes({"data": -1}, n_roll, devices)
     with jax.set_mesh(mesh), sharding.use_rules():
-        obj_cfg = common.to_objective_config(c.objective)
+        obj_cfg = common.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
         path = resolve_model_path(c.model.path)
         cfg, params = hf_import.load_pretrained(
             path, mesh=mesh, param_dtype="float32", dtype="float32"

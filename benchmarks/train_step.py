@@ -92,7 +92,6 @@ def make_config(args):
     c.rollout.max_new_tokens = args.new_tokens
     c.rollout.temperature = args.temperature
     c.model.dtype = args.dtype
-    c.objective.temperature = args.temperature
     c.data.max_prompt_len = args.prompt_len
     c.data.num_examples = max(args.prompts * (args.warmup + args.repeats) * 2, 256)
     c.optim.warmup_steps = 0
@@ -130,7 +129,9 @@ class GjaxStep:
     def __init__(self, config, path: str, verifier: Verifier, data):
         mesh_shape = validate(config, jax.device_count())
         self.mesh = sharding.make_mesh(mesh_shape)
-        obj_cfg = common.to_objective_config(config.objective)
+        obj_cfg = common.to_objective_config(
+            config.objective, rollout_temperature=config.rollout.temperature
+        )
         self.cfg, params = hf_import.load_pretrained(
             path,
             mesh=self.mesh,

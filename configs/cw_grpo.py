@@ -19,7 +19,7 @@ def get_config(arg=None):
     arg = common.get_arg(arg)
     c = common.base()
     c.algo = "cw_grpo"
-    c.objective = common.objective("cw_grpo", temperature=0.7)
+    c.objective = common.objective("cw_grpo")
     # Sec. 2.3: covariance statistics and the normaliser N = sum_j |o_j| per group of G;
     # "batch" reads them over the whole update batch instead.
     c.objective.token_weights_kwargs.scope = "group"

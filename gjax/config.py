@@ -4,9 +4,9 @@
 (`gjax.schema.base()`: an unknown or mistyped key names the valid ones, a renamed one its new
 name), every numeric field against its `Range` in `gjax.schema.FIELDS`, the core names
 (dtypes, remat, rollout backend, objective parts), mesh/batch divisibility and length
-budgets, then asks each subsystem through its hook in `checks` (data, rewards, evaluation:
-`check_config(config)`, raising `ConfigError`), all before the model and the data load. It
-returns the resolved mesh shape.
+budgets, then asks each subsystem through its hook in `checks` (data, rewards, evaluation,
+rollout backend: `check_config(config)`, raising `ConfigError`), all before the model and the
+data load. It returns the resolved mesh shape.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         f"must be one of {ROLLOUT_BACKENDS}, got {config.rollout.backend!r}",
     )
     try:
-        schema.to_objective_config(config.objective)
+        schema.to_objective_config(config.objective, rollout_temperature=config.rollout.temperature)
     except (ValueError, KeyError) as e:
         msg = str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
         raise ConfigError(
@@ -213,10 +213,11 @@ def validate(
         "behaviour_correction='none'",
     )
     _require(
-        config.objective.temperature == r.temperature,
+        config.objective.temperature in (None, r.temperature),
         "objective.temperature",
         f"the loss must score log_softmax(logits / T) at the sampling temperature: got "
-        f"{config.objective.temperature} but rollout.temperature = {r.temperature}",
+        f"{config.objective.temperature} but rollout.temperature = {r.temperature} (leave "
+        "objective.temperature unset: it follows rollout.temperature)",
     )
     _require(
         s.overlong_buffer < r.max_new_tokens,

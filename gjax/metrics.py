@@ -249,6 +249,6 @@ def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bo
         ),
         f"  checkpoints/    steps {ckpts}; the same command resumes, gjax.export converts",
         "  summary.json    held-out accuracy before and after training",
-        "  config.json     the full config of the run",
+        "  config.json     the full config the run started with (changes: config_history.jsonl)",
     ]
     return "\n".join(lines).replace("WORKDIR", workdir)

@@ -299,7 +299,11 @@ SCHEMA: dict[str, Any] = {
             PRESET, "Dr.GRPO's constant denominator (None: max_new_tokens)", _POS, kind=float
         ),
         "temperature": Field(
-            PRESET, "temperature of the scored log-probs (= rollout.temperature)", _TEMPERATURE
+            None,
+            "temperature of the scored log-probs (None: rollout.temperature, which a set value "
+            "must equal)",
+            _TEMPERATURE,
+            kind=float,
         ),
         "anchor_treatment": Field(PRESET, "loss on DaGRPO anchors: ratio | luffy"),
         "luffy_gamma": Field(PRESET, "LUFFY's shaping gamma in pi / (pi + gamma)", _POS),
@@ -387,6 +391,11 @@ SCHEMA: dict[str, Any] = {
         "microbatches": Field(1, "gradient accumulation pieces per minibatch", _COUNT),
         "allow_nonfinite": Field(
             False, "go on after a non-finite loss or gradient norm instead of stopping"
+        ),
+        "allow_config_change": Field(
+            False,
+            "resume a workdir with changed training fields (recorded in config_history.jsonl; "
+            "refused otherwise)",
         ),
         "storage_timeout_s": Field(
             300.0,
@@ -503,7 +512,7 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
             value = ml_collections.ConfigDict(
                 {**hyperparameters(fn, getattr(chosen, fn)), **dict(value)}
             )
-        elif value is None:
+        elif value is None or f.name == "temperature":  # temperature: rollout's by default
             value = ml_collections.config_dict.placeholder(SCHEMA["objective"][f.name].kind)
         fields[f.name] = value
     unknown = sorted(set(overrides) - set(fields))
@@ -518,9 +527,14 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
     return cfg
 
 
-def to_objective_config(objective_cfg: ml_collections.ConfigDict) -> ObjectiveConfig:
-    """ConfigDict -> the frozen `ObjectiveConfig` (its own validation names bad fields)."""
+def to_objective_config(
+    objective_cfg: ml_collections.ConfigDict, *, rollout_temperature: float
+) -> ObjectiveConfig:
+    """ConfigDict -> the frozen `ObjectiveConfig` (its own validation names bad fields); an
+    unset temperature is `rollout_temperature` (the loss scores at the sampling one)."""
     d = objective_cfg.to_dict()
+    if d["temperature"] is None:
+        d["temperature"] = rollout_temperature
     for kind in ("advantage", "token_weights"):
         valid = hyperparameters(kind, d[kind])
         unknown = sorted(set(d[f"{kind}_kwargs"]) - set(valid))

@@ -32,6 +32,7 @@ from gjax.errors import ConfigError
 from gjax.evaluation import heldout as eval_lib
 from gjax.models import hf_import
 from gjax.rewards import pipeline as rewards_pipeline
+from gjax.rollout import factory as rollout_factory
 from gjax.rollout.backend import rollout_sampling
 
 # The subsystems' config hooks `validate` asks: the run's config is the trainer's.
@@ -65,6 +66,7 @@ def parse_address(address: str) -> tuple[str, int]:
 
 def build_server(config, workdir: str, *, sampling: str = "rollout"):
     """Starts the server; returns (server, watcher)."""
+    rollout_factory.require_jetstream("gjax.serve")  # before anything loads
     # These import JetStream, an optional dependency (the jetstream extra).
     from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
     from gjax.rollout.weight_push import WeightWatcher

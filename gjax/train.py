@@ -11,9 +11,10 @@ update, hands the params back to the producer and writes the previous step's met
 
 SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with status 128 +
 the signal's number (143, 130), so a supervisor sees an unfinished run; a second one exits at
-once, unsaved. A rerun with the same --workdir resumes exactly. A run stops at
-once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved; the last
-intact checkpoint is named and kept.
+once, unsaved. A rerun with the same --workdir resumes exactly; one whose config changes
+training is refused at start unless train.allow_config_change (`gjax.config_record`). A run
+stops at once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved;
+the last intact checkpoint is named and kept.
 
 Faults end within bounded time, with one paragraph and exit status 2: a workdir holds one run
 (`WORKDIR/.lock`, `gjax.runlock`); a multi-process start-up waits --peer_timeout_s for its
@@ -40,7 +41,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, model_record, multihost, paths, runlock, schema, sharding
+from gjax import cli, config_record, model_record, multihost, paths, runlock, schema, sharding
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
 from gjax.data import builders as data_builders
@@ -56,12 +57,18 @@ from gjax.models import hf_import
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
+from gjax.rollout import factory as rollout_factory
 from gjax.rollout.collect import Rollout
 from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
 
 # The subsystems' config hooks `validate` asks, before anything loads or is written.
-CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
+CONFIG_CHECKS = (
+    data_builders.check_config,
+    rewards_pipeline.check_config,
+    eval_lib.check_config,
+    rollout_factory.check_config,
+)
 
 log = logging.getLogger("gjax")
 
@@ -71,7 +78,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     return {
         "model.path": config.model.path,
         "algo": config.algo,
-        "objective": json.dumps(config.objective.to_dict(), sort_keys=True),
+        "objective": json.dumps(_objective_fields(config), sort_keys=True),
         "rollout.num_samples": config.rollout.num_samples,
         "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "rollout.max_new_tokens": config.rollout.max_new_tokens,
@@ -80,6 +87,14 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         "anchors.per_group": config.anchors.per_group,
         "seed": config.seed,
     }
+
+
+def _objective_fields(config: ml_collections.ConfigDict) -> dict:
+    """config.objective as the loss sees it: an unset temperature is the rollout's."""
+    fields = config.objective.to_dict()
+    if fields["temperature"] is None:
+        fields["temperature"] = config.rollout.temperature
+    return fields
 
 
 def main(argv) -> None:
@@ -125,10 +140,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     # The policy's config.json: found, supported, long enough; no weight is read yet.
     model_path = check_model(config, resolve_model_path(config.model.path))
-    obj_cfg = schema.to_objective_config(config.objective)
+    obj_cfg = schema.to_objective_config(
+        config.objective, rollout_temperature=config.rollout.temperature
+    )
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     scope.enter_context(runlock.hold(workdir))  # one run (process set) per workdir
-    _write_config(workdir, config)
+    checkpointer = _checkpointer(config, workdir)
+    resuming = checkpointer.latest_step() is not None
+    # A resume's config against the workdir's record: a change to training is refused here,
+    # before anything loads, unless train.allow_config_change (gjax.config_record).
+    config_diff = config_record.check(workdir, config, fingerprint(config)) if resuming else {}
+    if not resuming:
+        _write_record(workdir, config_record.write, workdir, config)
 
     # --- mesh ---------------------------------------------------------------------------
     mesh, rollout_mesh = sharding.make_meshes(mesh_shape, config.mesh.rollout_devices)
@@ -162,8 +185,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         params=params,
         behaviour_logps=backend.returns_logps,
     )
-    checkpointer, state, meta = _restore(config, workdir, state)
+    state, meta = _restore(config, workdir, checkpointer, state)
     start = int(state.step)
+    if resuming:
+        _write_record(workdir, config_record.resumed, workdir, config, start, config_diff)
     data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
     rollout = Rollout(
         model_cfg=model_cfg,
@@ -252,13 +277,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     return signum
 
 
-def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-    """WORKDIR/config.json (process 0); an unwritable workdir is the user's error."""
+def _write_record(workdir: str, write, *args) -> None:
+    """`write(*args)`, a gjax.config_record writer, on process 0; an unwritable workdir is the
+    user's error."""
     try:
         if multihost.is_primary():
-            paths.write_text(
-                os.path.join(workdir, "config.json"), config.to_json_best_effort(indent=2)
-            )
+            write(*args)
     except Exception as e:  # any filesystem's error (local, gcsfs): report it as the user's
         hint = " (gs:// needs the gcs extra and credentials)" if paths.is_url(workdir) else ""
         raise ConfigError(
@@ -268,8 +292,9 @@ def _write_config(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 def _load_data(config, tok):
     """The training prompts (each process templates its share) and the held-out set."""
-    train_data = build_sharded_prompts(config.data, tok)
-    heldout = build_prompt_data(config.data, tok, heldout=True)
+    data_cfg = data_builders.run_data_config(config)
+    train_data = build_sharded_prompts(data_cfg, tok)
+    heldout = build_prompt_data(data_cfg, tok, heldout=True)
     if config.anchors.per_group and not train_data.has_demonstrations:
         raise ConfigError(
             "config.anchors.per_group > 0 needs demonstrations: set "
@@ -294,16 +319,18 @@ def _prompt_iterator(config, train_data, layout, state) -> PromptIterator:
     )
 
 
-def _restore(config, workdir: str, state):
-    """The run's checkpointer, and its latest intact checkpoint's state and meta (or the
-    fresh state and empty meta)."""
-    checkpointer = ckpt_lib.Checkpointer(
+def _checkpointer(config, workdir: str) -> ckpt_lib.Checkpointer:
+    return ckpt_lib.Checkpointer(
         os.path.join(workdir, "checkpoints"),
         max_to_keep=config.checkpoint.keep,
         save_interval_steps=config.checkpoint.every,
         async_save=config.checkpoint.async_save,
         storage_timeout_s=config.train.storage_timeout_s,
     )
+
+
+def _restore(config, workdir: str, checkpointer, state):
+    """The latest intact checkpoint's state and meta (or the fresh state and empty meta)."""
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
@@ -317,7 +344,7 @@ def _restore(config, workdir: str, state):
             "to train (raise --config.train.steps to train further).",
             flush=True,
         )
-    return checkpointer, state, meta
+    return state, meta
 
 
 def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):

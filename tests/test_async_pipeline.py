@@ -38,7 +38,6 @@ def tiny_config(algo="grpo", **rollout):
     c = common.tiny(common.base())
     if algo == "dapo":
         c.objective = common.objective("dapo")
-        c.objective.temperature = c.rollout.temperature
         c.sampling.dynamic = True
     c.rollout.prompts_per_step, c.rollout.num_samples = 4, 4
     c.rollout.update(rollout)
@@ -58,7 +57,9 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
     shape = {"data": -1, "fsdp": 1, "tensor": 1}
     mesh, rollout_mesh = sharding.make_meshes(shape, rollout_devices, devices)
     with jax.set_mesh(mesh), sharding.use_rules():
-        obj_cfg = common.to_objective_config(config.objective)
+        obj_cfg = common.to_objective_config(
+            config.objective, rollout_temperature=config.rollout.temperature
+        )
         path = resolve_model_path(config.model.path)
         cfg, params = hf_import.load_pretrained(
             path, mesh=mesh, param_dtype="float32", dtype="float32"

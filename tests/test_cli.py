@@ -166,3 +166,50 @@ def test_gs_paths_without_the_gcs_extra_name_the_install_line(module, args, tmp_
         timeout=300,
     )
     assert_one_paragraph(proc, "pip install -e '.[gcs]'", "=gs://bucket/")
+
+
+@pytest.mark.parametrize(
+    "module, args",
+    [
+        ("gjax.train", ["--config.rollout.backend=jetstream"]),
+        ("gjax.train", ["--config.rollout.backend=jetstream_grpc"]),
+        ("gjax.serve", []),
+    ],
+)
+def test_jetstream_missing_fails_before_the_model_loads(module, args, tmp_path):
+    """JetStream made unimportable: one paragraph with the install line once, exit 2, at
+    config validation (was: after the model loaded, with two install hints)."""
+    import time
+
+    no_jetstream = (
+        "import runpy, sys; sys.modules['jetstream'] = None; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
+    env["PYTHONPATH"] = ROOT
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            no_jetstream,
+            f"--config={ROOT}/configs/grpo.py:tiny",
+            f"--workdir={tmp_path / 'wd'}",
+            *args,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    elapsed = time.perf_counter() - t0
+    hint = (
+        "pip install --no-deps google-jetstream==0.2.2 && "
+        "pip install grpcio prometheus-client shortuuid tiktoken"
+    )
+    assert_one_paragraph(proc, hint, "needs JetStream")
+    flat = " ".join(proc.stderr.split())
+    assert flat.count("pip install") == 2  # the one hint (two commands joined by &&)
+    assert "mesh" not in proc.stderr and not (tmp_path / "wd").exists()  # nothing set up
+    assert elapsed < 60, elapsed

@@ -1,6 +1,7 @@
 """Every config builds and validates; bad configs fail at start, naming the field."""
 
 import importlib
+import json
 import math
 import pathlib
 import re
@@ -33,7 +34,7 @@ def test_every_config_builds_and_validates(algo, arg):
     c = module.get_config(arg)
     assert c.algo == algo
     validate(c, num_devices=8 if arg is None else 1)
-    common.to_objective_config(c.objective)
+    common.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
     if arg == "tiny":
         assert c.model.path == common.EMBEDDED_POLICY and c.data.source == "synthetic"
         # The embedded task's difficulty is set; every other task field stays overridable.
@@ -115,11 +116,14 @@ def test_batch_must_split_over_data_parallel_devices():
 def test_objective_hyperparameters_are_checked():
     c = common.objective("a_grae")
     c.advantage_kwargs.alpha = 0.5  # a known one: fine
-    assert dict(common.to_objective_config(c).advantage_kwargs)["alpha"] == 0.5
+    assert (
+        dict(common.to_objective_config(c, rollout_temperature=1.0).advantage_kwargs)["alpha"]
+        == 0.5
+    )
     c.advantage_kwargs.unlock()
     c.advantage_kwargs.alpah = 0.5
     with pytest.raises(ValueError, match=r"advantage_kwargs: \['alpah'\].*valid: .*'alpha'"):
-        common.to_objective_config(c)
+        common.to_objective_config(c, rollout_temperature=1.0)
     with pytest.raises(ValueError, match=r"unknown objective field"):
         common.objective("grpo", eps=0.1)
 
@@ -254,7 +258,10 @@ def test_unknown_field_names_the_deepest_section_and_close_matches():
 
     known = dict(walk(common.base()))
     msg = str(unknown_field("train.stepz", known))
-    assert "'config.train.steps'" in msg and "config.train are: allow_nonfinite" in msg
+    assert (
+        "'config.train.steps'" in msg
+        and "config.train are: allow_config_change, allow_nonfinite" in msg
+    )
     msg = str(unknown_field("trian.steps", known))
     assert "Did you mean 'config.train'" in msg and "The fields of config are: algo" in msg
 
@@ -434,3 +441,27 @@ def test_heldout_overlap_is_refused_in_one_paragraph_unless_allowed():
     c.data.heldout_source = "math500"
     with pytest.raises(ConfigError, match="set only one of them"):
         validate(c, 8)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_the_loss_scores_at_the_rollout_temperature_from_one_flag(algo):
+    """objective.temperature is unset by default and follows rollout.temperature: one flag
+    changes both; the configs' own temperatures reach the loss unchanged (and the checkpoint
+    fingerprint holds the resolved value, as before the field followed)."""
+    from gjax.train import fingerprint
+
+    for arg, want in ((None, 0.7 if algo == "cw_grpo" else 1.0), ("tiny", 0.7)):
+        c = importlib.import_module(f"configs.{algo}").get_config(arg)
+        assert c.objective.temperature is None and c.rollout.temperature == want
+        obj = common.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
+        assert obj.temperature == want
+        assert json.loads(fingerprint(c)["objective"])["temperature"] == want
+    c.rollout.temperature = 0.5  # the one flag
+    validate(c, 1)
+    assert common.to_objective_config(c.objective, rollout_temperature=0.5).temperature == 0.5
+    assert json.loads(fingerprint(c)["objective"])["temperature"] == 0.5
+    c.objective.temperature = 0.5  # set explicitly to the same: fine
+    validate(c, 1)
+    c.objective.temperature = 0.9  # explicitly different: refused, naming both
+    with pytest.raises(ConfigError, match=r"objective\.temperature.*0\.9.*rollout\.temperature"):
+        validate(c, 1)

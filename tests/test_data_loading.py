@@ -655,3 +655,40 @@ def test_sharded_prompts_raise_the_same_error_on_every_host(tok):
     errors = build(strict=False, max_prompt_length=1)  # nothing kept
     assert all(isinstance(e, DataError) and "no prompts left" in str(e) for e in errors), errors
     assert str(errors[0]) == str(errors[1])
+
+
+def test_own_data_needs_demonstrations_only_for_anchors_or_a_judge(tok, tmp_path):
+    """A tiny config on a file without a demonstration column: a run without anchors or a
+    judge reads it (tiny() maps data.demonstration_field for the synthetic task); anchors
+    (DaGRPO) or a judge's references still need the column."""
+    from configs import dagrpo, grpo
+    from gjax.data.builders import run_data_config
+
+    path = tmp_path / "own.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"problem": f"Compute {i}+1.", "answer": str(i + 1)}) + "\n"
+            for i in range(40)
+        )
+    )
+
+    def config(module, **changes):
+        c = module.get_config("tiny")
+        c.data.source, c.data.heldout_fraction = str(path), 0.25
+        for key, value in changes.items():
+            section, name = key.split("__")
+            c[section][name] = value
+        return c
+
+    c = config(grpo)
+    assert c.data.demonstration_field == "demonstration"
+    data = build_prompt_data(run_data_config(c), tok)
+    held = build_prompt_data(run_data_config(c), tok, heldout=True)
+    assert (len(data), len(held)) == (30, 10) and data.demonstrations == [""] * 30
+    for c in (config(grpo, anchors__per_group=1), config(dagrpo)):
+        with pytest.raises(DataError, match="data.demonstration_field"):
+            build_prompt_data(run_data_config(c), tok)
+    c = config(grpo)
+    c.reward.judge.name = "rule"
+    with pytest.raises(DataError, match="data.demonstration_field"):
+        build_prompt_data(run_data_config(c), tok)

@@ -315,6 +315,39 @@ def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
     assert proc.returncode != 0 and "is not writable" in " ".join(proc.stderr.split())
 
 
+def test_a_resume_that_changes_training_is_refused_unless_opted_in(env, tmp_path):
+    """A resume with another optim.lr stops at start (one paragraph naming the field, old ->
+    new, and the ways on; config.json untouched); with train.allow_config_change it trains on,
+    config.json keeps the original and config_history.jsonl records the change and its step.
+    Extending train.steps alone is harmless."""
+    wd = tmp_path / "run"
+    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1", "--config.checkpoint.every=1")
+    original = (wd / "config.json").read_text()
+    changed = ["--config.train.steps=2", "--config.optim.lr=0.0001"]
+    proc = subprocess.run(
+        command("configs/grpo.py:tiny", wd, *changed),
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    flat = " ".join(proc.stderr.split())
+    assert "optim.lr: 3e-05 -> 0.0001" in flat and "train.steps" not in flat, flat
+    assert "new --workdir" in flat and "--config.train.allow_config_change=True" in flat
+    assert "mesh" not in proc.stderr  # refused before the model loads
+    assert (wd / "config.json").read_text() == original
+    assert not (wd / "config_history.jsonl").exists()
+    run("configs/grpo.py:tiny", wd, env, *changed, "--config.train.allow_config_change=True")
+    assert (wd / "config.json").read_text() == original
+    history = [json.loads(x) for x in (wd / "config_history.jsonl").read_text().splitlines()]
+    # Harmless changes (checkpoint.every back to tiny's 40) are recorded too.
+    changes = {"optim.lr": [3e-05, 0.0001], "train.steps": [1, 2], "checkpoint.every": [1, 40]}
+    assert history == [{"step": 1, "changes": changes}]
+    assert [r["step"] for r in rows(wd)] == [1, 2]
+
+
 def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
     """DaGRPO against a real HTTP judge on 127.0.0.1. (1) Every request fails (HTTP 500): the
     first steps train on substituted scores, which the metrics say (score_mean over real scores

@@ -205,6 +205,16 @@ def _check_local(source: str, where: str) -> None:
         )
 
 
+def run_data_config(config) -> dict[str, Any]:
+    """`config.data` as a run reads it: the demonstration column only where something uses it
+    (DaGRPO anchors, `anchors.per_group > 0`, or an LLM judge's references); otherwise a
+    source without that column is fine."""
+    d = config.data.to_dict()
+    if not config.anchors.per_group and config.reward.judge.name == "none":
+        d["demonstration_field"] = ""
+    return d
+
+
 def data_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``DATA_DEFAULTS`` updated by ``cfg`` (a dict or ``ConfigDict``); unknown keys raise."""
     cfg = dict((cfg.to_dict() if hasattr(cfg, "to_dict") else cfg) or {})

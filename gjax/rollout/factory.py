@@ -11,6 +11,34 @@ from gjax.errors import ConfigError
 from gjax.models.config import ModelConfig
 from gjax.rollout.backend import LocalSampler, RolloutBackend
 
+# JetStream 0.2.2 without seqio/TensorFlow (its metadata's), plus what it imports at load.
+JETSTREAM_INSTALL = (
+    "pip install --no-deps google-jetstream==0.2.2 && "
+    "pip install grpcio prometheus-client shortuuid tiktoken"
+)
+
+
+def require_jetstream(what: str, otherwise: str = "") -> None:
+    """Imports JetStream (gjax.rollout.jetstream_compat); if it is missing, raises ConfigError
+    saying that `what` needs it and how to install it (`otherwise`: an alternative)."""
+    try:  # optional dependency: google-jetstream (the jetstream extra)
+        import gjax.rollout.jetstream_compat  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(
+            f"{what} needs JetStream, which is not importable here ({e}). Install it with "
+            f"`{JETSTREAM_INSTALL}`{otherwise}."
+        ) from None
+
+
+def check_config(config) -> None:
+    """A JetStream backend is importable: a hook of `gjax.config.validate`, before the model
+    loads."""
+    if config.rollout.backend != "local":
+        require_jetstream(
+            f"config.rollout.backend={config.rollout.backend!r}",
+            ", or use --config.rollout.backend=local",
+        )
+
 
 def make_backend(
     config, model_cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
@@ -23,14 +51,9 @@ def make_backend(
             f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
             "a multi-process run samples with 'local' (each host its own rows)"
         )
-    try:  # optional dependency: google-jetstream (the jetstream extra)
-        from gjax.rollout import jetstream_backend
-    except ImportError as e:
-        raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} needs JetStream ({e}); install "
-            "it with `pip install --no-deps google-jetstream==0.2.2` on top of the test extra "
-            "(or `pip install -e '.[jetstream]'`, which also pulls TensorFlow), or use 'local'"
-        ) from e
+    require_jetstream(f"config.rollout.backend={config.rollout.backend!r}")
+    from gjax.rollout import jetstream_backend  # optional dependency: JetStream
+
     return jetstream_backend.from_config(
         config, model_cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )

@@ -103,10 +103,6 @@ def _import():
     )
 
 
-try:
-    jetstream = _import()
-except ImportError as e:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        f"rollout.backend=jetstream needs google-jetstream ({e}); install it with "
-        "`pip install -e '.[jetstream]'`"
-    ) from e
+# Without JetStream this raises ImportError; gjax.rollout.factory.require_jetstream turns
+# it into the user's paragraph with the install command.
+jetstream = _import()
