@@ -9,7 +9,10 @@ an HF checkpoint without weights); the export restores just the policy params of
 checkpoint (or `--step`), never the optimizer state nor the base model's weights, and writes
 safetensors shards (+ `model.safetensors.index.json` when there are several), `config.json`,
 `generation_config.json` and the tokenizer, loadable by
-`transformers.AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer`. `--workdir` and
+`transformers.AutoModelForCausalLM.from_pretrained(out)` and `AutoTokenizer`. The tokenizer's
+chat template is the run's prompt template (`data.template`, as Jinja from
+`gjax.data.templates.CHAT_TEMPLATES`), so `apply_chat_template` on one user turn with
+`add_generation_prompt=True` gives exactly the prompts it was trained on. `--workdir` and
 `--out` may be relative, absolute or gs:// paths. A workdir written before `model/` was
 recorded falls back to the base model named in its `config.json` (its config and tokenizer
 only).
@@ -25,6 +28,7 @@ from absl import flags
 
 from gjax import cli, model_record, paths
 from gjax.checkpoint import Checkpointer
+from gjax.data import templates
 from gjax.models import hf_export, hf_format
 from gjax.models.config import dtype_from_name
 
@@ -57,6 +61,7 @@ def export(
     except ValueError as e:
         raise model_record.RecordError(str(e)) from None
     cfg, source = model_record.load(workdir)
+    chat_template = _chat_template(model_record.prompt_template(workdir))
     abstract = jax.tree.map(
         lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
         hf_format.param_shapes(cfg),
@@ -69,9 +74,31 @@ def export(
         ckpt.close()
     out_path = str(paths.resolve(out))
     hf_export.save_pretrained(
-        params, cfg, out_path, tokenizer=source, max_shard_size=max_shard_size, dtype=dtype
+        params,
+        cfg,
+        out_path,
+        tokenizer=source,
+        max_shard_size=max_shard_size,
+        dtype=dtype,
+        chat_template=chat_template,
     )
     return step
+
+
+def _chat_template(name: str | None) -> str | None:
+    """The Jinja form of the run's prompt template; None (keep the tokenizer's) for `chat`,
+    whose prompts came from that template, and, with a warning, for one without a form."""
+    if name == "chat":
+        return None
+    if name not in templates.CHAT_TEMPLATES:
+        logging.warning(
+            "the run's prompt template %r has no chat template form "
+            "(gjax.data.templates.CHAT_TEMPLATES); the export keeps the tokenizer's, which may "
+            "not give the prompts the model was trained on",
+            name,
+        )
+        return None
+    return templates.CHAT_TEMPLATES[name]
 
 
 def main(argv):

@@ -55,3 +55,10 @@ def load(workdir: str) -> tuple[ModelConfig, str]:
         source = resolve_model_path(run_config["model"]["path"])
     cfg = hf_import.load_config(source, param_dtype=run_config["model"]["param_dtype"])
     return cfg, source
+
+
+def prompt_template(workdir: str) -> str | None:
+    """The name of the prompt template the run in `workdir` trained with (its `config.json`'s
+    `data.template`), or None for a config without one."""
+    run_config = json.loads((paths.resolve(workdir) / "config.json").read_text())
+    return run_config.get("data", {}).get("template")

@@ -7,7 +7,7 @@ Everything is made here, with gjax itself, from --seed: the character tokenizer
 warm-up (prompt tokens masked out; loss from gjax's chunked log-prob kernel). The result is
 written in Hugging Face format (safetensors + config + tokenizer). Float summation order is
 part of the result: after a change to the model's matmul layout, a rerun's loss differs
-from step 50 on and ends at another (similar) policy (README, "Embedded default").
+from step 50 on and ends at another (similar) policy (docs/embedded_policy.md).
 
 The warm-up corpus mixes two styles, as web text does: half of the targets are the worked
 demonstration (step lines, then the boxed answer), half the bare boxed answer. The policy
@@ -18,7 +18,7 @@ rather than knowledge it lacks. `warmup.json` logs greedy held-out accuracy and 
 of worked answers along the way, on this script's own held-out sample: the first 256 test
 problems of seed `--seed` + 2. `gjax.train` evaluates the first `data.heldout_size` test
 problems of `data.synthetic_seed` (0) instead, so the two figures differ for the same weights
-(committed policy: 0.527 here, 0.512 there; README, "Embedded default").
+(committed policy: 0.527 here, 0.512 there; docs/embedded_policy.md).
 """
 
 from __future__ import annotations

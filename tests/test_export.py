@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from configs import grpo  # noqa: E402
 from gjax import cli, export, model_record  # noqa: E402
 from gjax.checkpoint import Checkpointer, CheckpointError  # noqa: E402
+from gjax.data import builders, templates  # noqa: E402
 from gjax.learner import TrainState, make_optimizer  # noqa: E402
 from gjax.models import hf_export, hf_format, hf_import  # noqa: E402
 from gjax.models import transformer as T  # noqa: E402
@@ -46,15 +47,19 @@ def _trained(params, seed):
     return jax.tree.unflatten(treedef, moved)
 
 
-def make_workdir(workdir, *, record=True, base_path="/nonexistent/base_model"):
+def make_workdir(workdir, *, record=True, base_path="/nonexistent/base_model", template=None):
     """A workdir as `gjax.train` leaves it, with checkpoints at steps 1 and 2.
 
     The run's `model.path` names a directory that does not exist: the export must not need
-    the base model when the `model/` record is there. Returns {step: params}.
+    the base model when the `model/` record is there. `template`: the run's
+    `data.template` (default: the tiny config's). Returns (cfg, {step: params}).
     """
     config = grpo.get_config("tiny")
     with config.unlocked():
         config.model.path = base_path
+        if template is not None:
+            config.data.template = template
+            config.data.max_prompt_len = 512
     os.makedirs(workdir)
     with open(os.path.join(workdir, "config.json"), "w") as f:
         f.write(config.to_json_best_effort(indent=2))
@@ -184,3 +189,65 @@ def test_workdir_without_record_uses_the_base_models_config_and_tokenizer(tmp_pa
     cfg, saved = make_workdir(tmp_path / "old", record=False, base_path=EMBEDDED)
     assert export.export(str(tmp_path / "old"), str(tmp_path / "out")) == 2
     assert_logits_match(str(tmp_path / "out"), saved[2], cfg)
+
+
+def _training_prompts(workdir, tokenizer):
+    """(problems, prompts) as the run in `workdir` templates them: its held-out set, built
+    from its recorded `config.json` by the training data path."""
+    data = json.loads((workdir / "config.json").read_text())["data"]
+    prompts = builders.build_prompt_data({**data, "heldout_size": 8}, tokenizer, heldout=True)
+    return prompts.problems, prompts.prompts
+
+
+@pytest.mark.parametrize("template", [None, "qwen_boxed", "r1"])
+def test_chat_template_of_the_export_gives_the_training_prompt(tmp_path, template):
+    """Issue 18.6: the exported model's chat template is the prompt format it was trained on
+    (the tiny configs' `plain` one answered '' under the tokenizer's ChatML template)."""
+    make_workdir(tmp_path / "wd", template=template)
+    export.export(str(tmp_path / "wd"), str(tmp_path / "out"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    problems, prompts = _training_prompts(tmp_path / "wd", hf_import.load_tokenizer(EMBEDDED))
+    assert len(problems) == 8
+    for problem, prompt in zip(problems, prompts):
+        chat = [{"role": "user", "content": problem}]
+        got = tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        assert got == prompt
+    if template is None:  # the README's runs: the prompt is the problem and a newline
+        assert prompts[0] == problems[0] + "\n"
+
+
+def test_chat_run_keeps_the_tokenizers_template(tmp_path):
+    """A `chat` run was prompted by the tokenizer's own template: the export keeps it."""
+    make_workdir(tmp_path / "wd", template="chat")
+    export.export(str(tmp_path / "wd"), str(tmp_path / "out"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tok.chat_template == hf_import.load_tokenizer(EMBEDDED).chat_template
+    problems, prompts = _training_prompts(tmp_path / "wd", hf_import.load_tokenizer(EMBEDDED))
+    chat = [{"role": "user", "content": problems[0]}]
+    assert tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == prompts[0]
+
+
+@pytest.mark.parametrize("name", sorted(templates.CHAT_TEMPLATES))
+def test_chat_templates_render_as_the_prompt_templates(name):
+    """Each Jinja form equals its Python template on text with Jinja and escape syntax."""
+    tok = hf_import.load_tokenizer(EMBEDDED)
+    for problem in [
+        "Compute 3*((7+5)-4).",
+        " Find \\boxed{x}: {{ y }} {% raw %} \"q\" 's'\nline 2\t\u00e9 ",
+    ]:
+        got = tok.apply_chat_template(
+            [{"role": "user", "content": problem}],
+            tokenize=False,
+            add_generation_prompt=True,
+            chat_template=templates.CHAT_TEMPLATES[name],
+        )
+        assert got == templates.apply_template(name, problem)
+
+
+def test_template_without_a_chat_form_keeps_the_tokenizers_with_a_warning(tmp_path, caplog):
+    make_workdir(tmp_path / "wd", template="mine")  # registered by the user's own code
+    with caplog.at_level("WARNING"):
+        export.export(str(tmp_path / "wd"), str(tmp_path / "out"))
+    assert "prompt template 'mine' has no chat template form" in caplog.text
+    tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "out"))
+    assert tok.chat_template == hf_import.load_tokenizer(EMBEDDED).chat_template

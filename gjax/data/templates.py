@@ -15,9 +15,17 @@ name           prompt
 
 Each template is ``fn(problem: str, tokenizer) -> str``; only ``chat`` uses the tokenizer.
 Add your own with ``@TEMPLATES.register("name")``.
+
+``CHAT_TEMPLATES[name]`` is the same template as a Hugging Face chat template (Jinja), which
+``gjax.export`` writes with the checkpoint: ``tokenizer.apply_chat_template([{"role": "user",
+"content": problem}], tokenize=False, add_generation_prompt=True)`` then gives exactly the
+training prompt. ``chat`` has none (the tokenizer's own template is kept); give your own
+template one to have its exports match.
 """
 
 from __future__ import annotations
+
+import json
 
 from gjax.registry import Registry
 
@@ -71,3 +79,41 @@ def plain(problem: str, tokenizer=None) -> str:
 def apply_template(name: str, problem: str, tokenizer=None) -> str:
     """``TEMPLATES.get(name)(problem, tokenizer)``; unknown names list the valid ones."""
     return TEMPLATES.get(name)(problem, tokenizer)
+
+
+def _jinja(text: str) -> str:
+    """A Jinja expression printing `text` (Jinja unescapes string literals as Python does)."""
+    return "{{ " + json.dumps(text) + " }}"
+
+
+def _turns(system: str, user: tuple[str, str], assistant: str) -> str:
+    """A chat template: `system`, then each user turn between `user`'s prefix and suffix and
+    each assistant turn after `assistant`, then `assistant` as the generation prompt."""
+    return (
+        _jinja(system)
+        + "{% for m in messages %}{% if m['role'] == 'assistant' %}"
+        + _jinja(assistant)
+        + "{{ m['content'] }}{% else %}"
+        + _jinja(user[0])
+        + "{{ m['content'] }}"
+        + _jinja(user[1])
+        + "{% endif %}{% endfor %}{% if add_generation_prompt %}"
+        + _jinja(assistant)
+        + "{% endif %}"
+    )
+
+
+CHAT_TEMPLATES: dict[str, str] = {
+    # ChatML; a conversation without a system turn gets the boxed instruction as its system.
+    "qwen_boxed": (
+        "{% if messages[0]['role'] != 'system' %}"
+        + _jinja(f"<|im_start|>system\n{BOXED_INSTRUCTION}<|im_end|>\n")
+        + "{% endif %}{% for m in messages %}"
+        + "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+        + "{% endfor %}{% if add_generation_prompt %}"
+        + _jinja("<|im_start|>assistant\n")
+        + "{% endif %}"
+    ),
+    "r1": _turns(R1_SYSTEM, (" User: ", ""), " Assistant: <think>"),
+    "plain": _turns("", ("", "\n"), ""),
+}

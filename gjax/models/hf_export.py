@@ -136,6 +136,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     dtype=None,
     generation_config: dict[str, Any] | None = None,
+    chat_template: str | None = None,
 ) -> None:
     """Writes an HF checkpoint loadable by `transformers.AutoModelForCausalLM.from_pretrained`.
 
@@ -150,6 +151,8 @@ def save_pretrained(
       dtype: dtype to write (default: each param's own dtype, i.e. `cfg.param_dtype`).
       generation_config: extra `generation_config.json` fields (e.g. the source checkpoint's
         sampling defaults), merged over the bos/eos/pad ids taken from `cfg`.
+      chat_template: Jinja written as the tokenizer's chat template (`chat_template.jinja`,
+        which transformers reads before `tokenizer_config.json`'s); None keeps the tokenizer's.
     """
     path = os.fspath(path)
     _check_params(params, cfg)
@@ -202,6 +205,8 @@ def save_pretrained(
 
     saved_dtype = np.dtype(dtype).name if dtype else cfg.param_dtype
     _write_model_files(local, cfg, saved_dtype, tokenizer, generation_config)
+    if chat_template is not None:
+        _write_chat_template(local, chat_template)
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         _write_json(os.path.join(local, INDEX_FILE), index)
@@ -282,6 +287,21 @@ def _write_json(path: str, obj) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+def _write_chat_template(directory: str, template: str) -> None:
+    """Makes `template` the chat template of the tokenizer saved in `directory`: the
+    `chat_template.jinja` file, and `tokenizer_config.json`'s key where it has one (so no
+    reader sees the old one)."""
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    config_file = os.path.join(directory, "tokenizer_config.json")
+    if os.path.exists(config_file):
+        with open(config_file) as f:
+            config = json.load(f)
+        if "chat_template" in config:
+            config["chat_template"] = template
+            _write_json(config_file, config)
 
 
 def _save_tokenizer(tokenizer, directory: str) -> None:
