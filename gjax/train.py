@@ -146,12 +146,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     eval_settings = eval_lib.HeldoutEval.from_config(config.eval)
     scope.enter_context(runlock.hold(workdir))  # one run (process set) per workdir
     checkpointer = _checkpointer(config, workdir)
-    resuming = checkpointer.latest_step() is not None
-    # A resume's config against the workdir's record: a change to training is refused here,
-    # before anything loads, unless train.allow_config_change (gjax.config_record).
-    config_diff = config_record.check(workdir, config, fingerprint(config)) if resuming else {}
-    if not resuming:
-        _write_record(workdir, config_record.write, workdir, config)
+    config_diff = _check_config_record(config, workdir, checkpointer)  # None: a fresh run
 
     # --- mesh ---------------------------------------------------------------------------
     mesh, rollout_mesh = sharding.make_meshes(mesh_shape, config.mesh.rollout_devices)
@@ -187,7 +182,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     )
     state, meta = _restore(config, workdir, checkpointer, state)
     start = int(state.step)
-    if resuming:
+    if config_diff is not None:
         _write_record(workdir, config_record.resumed, workdir, config, start, config_diff)
     data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
     rollout = Rollout(
@@ -206,12 +201,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     stop = {"signal": None}
     scope.callback(stopping_lib.install(stop))
 
-    # --- held-out accuracy before training ----------------------------------------------
-    if meta["heldout_accuracy_before"] is None:
-        meta["heldout_before"] = evaluate(state.params)
-        meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
-    if multihost.is_primary():  # a result: a plain line on stdout, as the summary at the end
-        print(f"held-out before: {_fmt_eval(_before(meta))}", flush=True)
+    _heldout_before(meta, evaluate, state.params)  # evaluated once, printed at each (re)start
 
     # --- the RL loop --------------------------------------------------------------------
     recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
@@ -254,13 +244,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             host_metrics.update(evaluate(state.params))
             recorder.write()
         if checkpointer.should_save(step + 1) or stopping or last:
-            recorder.flush()  # the metrics a resume keeps are durable before their checkpoint
-            meta.update(
-                data=producer.data_state(),
-                history=recorder.history,
-                fingerprint=fingerprint(config),
-            )
-            checkpointer.save(step + 1, state, meta, force=True)
+            _save(config, checkpointer, step + 1, state, meta, recorder, producer)
         if stopping:
             break
     producer.close()
@@ -275,6 +259,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         _stopped(signum, checkpointer, int(state.step), start)
     checkpointer.close()
     return signum
+
+
+def _check_config_record(config, workdir: str, checkpointer) -> dict | None:
+    """A fresh run records its config (None); a resume's config is checked against the
+    workdir's record (gjax.config_record): a change to training is refused here, before
+    anything loads, unless train.allow_config_change; returns the accepted changes."""
+    if checkpointer.latest_step() is None:
+        _write_record(workdir, config_record.write, workdir, config)
+        return None
+    return config_record.check(workdir, config, fingerprint(config))
 
 
 def _write_record(workdir: str, write, *args) -> None:
@@ -367,6 +361,25 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
         progress=config.log.progress and multihost.is_primary(),
         transfer=learner.transfer,
     )
+
+
+def _heldout_before(meta: dict, evaluate, params) -> None:
+    """Held-out figures before training: evaluated by a fresh run, kept in `meta` (and so in
+    every checkpoint), printed as a result line (stdout, process 0)."""
+    if meta["heldout_accuracy_before"] is None:
+        meta["heldout_before"] = evaluate(params)
+        meta["heldout_accuracy_before"] = meta["heldout_before"]["eval/heldout_accuracy"]
+    if multihost.is_primary():  # a result: a plain line on stdout, as the summary at the end
+        print(f"held-out before: {_fmt_eval(_before(meta))}", flush=True)
+
+
+def _save(config, checkpointer, step: int, state, meta: dict, recorder, producer) -> None:
+    """The checkpoint of `step` (just trained); its metrics are durable before it is."""
+    recorder.flush()
+    meta.update(
+        data=producer.data_state(), history=recorder.history, fingerprint=fingerprint(config)
+    )
+    checkpointer.save(step, state, meta, force=True)
 
 
 def _before(meta: dict) -> dict[str, float]:
