@@ -210,6 +210,7 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
     out = _measure(lambda: jax.block_until_ready(compiled(*args)), reps)
     out["temp_mb"] = round(mem.temp_size_in_bytes / 2**20, 1)
     out["loss"] = float(compiled(*args)[0])
+    out["platform"] = jax.default_backend()
     return out
 
 
@@ -288,7 +289,8 @@ def _worker_main(argv):
 def _run_case(method, n, d, v, reps, timeout):
     env = dict(os.environ)
     env.setdefault("MALLOC_MMAP_THRESHOLD_", "1048576")  # big buffers go back to the OS on free
-    env.setdefault("JAX_PLATFORMS", "cpu")
+    # No JAX_PLATFORMS default: the worker runs where jax's default backend is (an
+    # accelerator when there is one; a forced "cpu" here once timed an H100 run on its host).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", method, str(n), str(d), str(v)]
