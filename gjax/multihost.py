@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from jax._src import distributed as jax_distributed  # the coordination client jax made
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 
@@ -160,8 +161,6 @@ class PeerWatch:
     BEAT_S = 2.0
 
     def __init__(self, on_failure: Callable[[str], None], dead_after_s: float = PEER_DEAD_S):
-        from jax._src import distributed as jax_distributed  # the client jax made
-
         self.client = jax_distributed.global_state.client
         self.on_failure, self.dead_after_s = on_failure, dead_after_s
         self.index, self.count = jax.process_index(), jax.process_count()

@@ -139,6 +139,9 @@ def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
         assert 0.0 <= r["reward/accuracy"] <= 1.0
     summary = json.loads((wd / "summary.json").read_text())
     assert set(summary) >= {"heldout_accuracy_before", "heldout_accuracy_after"}
+    held = summary["heldout"]  # which rows were held out, and from where
+    assert (held["source"], held["split"]) == ("synthetic", "test")
+    assert len(held["rows"]) == summary["heldout_size"] == c.data.heldout_size
     if algo == "dagrpo":
         assert "judge/score_mean" in got[0] and "adv/masked_fraction" in got[0]
     if algo == "gpg":

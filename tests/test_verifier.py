@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gjax.rewards.answers import (
+from gjax.answers import (
     EXTRACTORS,
     extract_answer,
     extract_answer_tag,

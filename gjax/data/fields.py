@@ -7,7 +7,7 @@ A field spec (``data.problem_field``, ``data.answer_field``, ``data.demonstratio
     prompt[-1].content           ``content`` of the last turn of the list column ``prompt``
     boxed(solution)              the last ``\\boxed{...}`` of the column ``solution``
 
-``name(path)`` applies an answer extractor of ``gjax.rewards.answers.EXTRACTORS``
+``name(path)`` applies an answer extractor of ``gjax.answers.EXTRACTORS``
 (``boxed``, ``answer_tag``) to the text at ``path``. A path step that is missing (no such
 key, an index out of range, a value of the wrong kind) or an extractor that finds nothing
 gives ``None``: the row is malformed (``gjax.data.prompts`` skips and counts it).
@@ -20,7 +20,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gjax.rewards.answers import EXTRACTORS
+from gjax.answers import EXTRACTORS
 
 _CALL = re.compile(r"^\s*([A-Za-z_]\w*)\((.*)\)\s*$")
 _STEP = re.compile(r"\.([^.\[\]]+)|\[(-?\d+)\]")

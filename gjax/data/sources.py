@@ -15,6 +15,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 
 from etils import epath
@@ -142,8 +143,6 @@ def _remote_files(source: str) -> list[str]:
 def _cached_copy(url: str) -> str:
     """A local copy of a remote data file under the gjax cache, refreshed when its size
     changes (datasets then reads it as any local file, also with HF_DATASETS_OFFLINE=1)."""
-    import shutil
-
     scheme, rest = url.split("://", 1)
     target = os.path.join(cache_dir(), "remote", scheme, rest)
     src = epath.Path(url)

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from gjax.answers import extract_answer
 from gjax.errors import UserError
-from gjax.rewards.answers import extract_answer
 
 
 class EvalError(UserError, ValueError):

@@ -1,6 +1,6 @@
 """Host-side rewards: the math-verify verifier, reward functions, judges, the async pipeline."""
 
-from gjax.rewards.answers import EXTRACTORS, extract_answer
+from gjax.answers import EXTRACTORS, extract_answer
 from gjax.rewards.functions import (
     REWARDS,
     CombinedReward,

@@ -52,8 +52,8 @@ from typing import Any
 
 import numpy as np
 
+from gjax.answers import EXTRACTORS
 from gjax.registry import Registry
-from gjax.rewards.answers import EXTRACTORS
 from gjax.rewards.verifier import Verifier
 
 logger = logging.getLogger(__name__)

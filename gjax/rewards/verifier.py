@@ -38,7 +38,7 @@ Outcomes (exactly one per item, counted): ``correct`` (the only one scoring 1), 
 ``gold_parse_failure`` (math-verify built no expression, only its raw-string fallback, and
 the strings differ), ``timeout`` (deadline), ``crash`` (the worker died or raised).
 
-Answers are extracted by ``VerifierConfig.extractors`` (gjax/rewards/answers.py, tried in
+Answers are extracted by ``VerifierConfig.extractors`` (gjax/answers.py, tried in
 order, the first hit wins) and handed to ``math_verify.parse`` as ``\\boxed{answer}`` (LaTeX)
 unless they already contain math delimiters (unescaped ``$``, ``\\(``, ``\\[``, ``\\boxed``), in which
 case math-verify extracts from them. Gold answers are treated the same way. Then
@@ -75,11 +75,12 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from multiprocessing import forkserver
 from typing import Any
 
 import numpy as np
 
-from gjax.rewards.answers import EXTRACTORS, extract_answer
+from gjax.answers import EXTRACTORS, extract_answer
 
 logger = logging.getLogger(__name__)
 
@@ -290,8 +291,6 @@ def _die_with_owner(owner_pid: int) -> None:
     # A forkserver child inherits the owner's end of the forkserver's "alive" pipe (for
     # children of its own); the forkserver only exits on EOF there, so a worker holding it
     # would keep its parent, hence itself, alive forever. Workers start no processes.
-    from multiprocessing import forkserver
-
     alive_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
     if alive_fd is not None:
         with contextlib.suppress(OSError):

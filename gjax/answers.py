@@ -9,7 +9,9 @@ Extractors (``VerifierConfig.extractors`` names them, tried in order, the first 
   * ``"math_verify"``: the whole response, left to math-verify's own extraction.
 
 The verifier's workers run them on every item (gjax/rewards/verifier.py); evaluation's maj@k
-votes with them (gjax/evaluation/metrics.py).
+votes with them (gjax/evaluation/metrics.py); data field specs such as ``boxed(solution)``
+read answers out of a dataset's columns with them (gjax/data/fields.py). A leaf module, so
+that rewards and data both use it without depending on each other.
 """
 
 from __future__ import annotations
