@@ -191,6 +191,8 @@ def _token_ids(responses) -> list[int]:
     for resp in responses:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
+    if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
+        raise RuntimeError("the engine produced non-finite logits for this request")
     return ids
 
 
