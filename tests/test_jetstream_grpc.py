@@ -1,6 +1,6 @@
 """`python -m gjax.serve` (JetStream's gRPC server) driven by `JetStreamGrpcBackend` on
 127.0.0.1: greedy tokens equal the local sampler's, a server killed mid-batch and restarted is
-survived through retries, a server that stays down costs dropped (masked) rows, not the step,
+survived through retries and used within a second of its ready line, a server that stays down costs dropped (masked) rows, not the step,
 and pushed weights are served."""
 
 import os
@@ -48,10 +48,9 @@ _ENV = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 
 def _start_server(port: int, workdir) -> subprocess.Popen:
     """A server on 127.0.0.1:port; `proc.ready_at` is when its ready line was read."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), **_ENV}
     proc = subprocess.Popen(
         _server_cmd(port, workdir),
-        env=env,
+        env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -101,17 +100,30 @@ def test_grpc_serving_greedy_kill_restart_and_push(policy, tmp_path):  # noqa: F
         np.testing.assert_array_equal(np.asarray(out.tokens_BxN), want)
         assert np.asarray(out.valid_B).all() and not be.returns_logps
 
-        # Killed between batches (SIGKILL); the next batch is sent while it is down and
-        # completes through retries once it is restarted.
+        # Killed mid-batch (SIGKILL while its requests are in flight on the frozen server),
+        # restarted on the same port 3 s later: the failed requests are retried, wait for the
+        # new server and are served within about a second of its ready line.
+        one = (batch.prompt_ids_PxS[:1], batch.prompt_mask_PxS[:1], jax.random.key(0))
+        result = {}
+
+        def client():
+            result["one"] = be.generate(params, *one, num_samples=1, sampling=sp)
+            result["first_at"] = time.monotonic()
+            result["out"] = be.generate(params, *args, num_samples=2, sampling=sp)
+
+        proc.send_signal(signal.SIGSTOP)
+        worker = threading.Thread(target=client)
+        worker.start()
+        time.sleep(1.0)  # the request is sent and waits on the frozen server
         proc.kill()
         proc.wait()
-        result = {}
-        worker = threading.Thread(
-            target=lambda: result.update(out=be.generate(params, *args, num_samples=2, sampling=sp))
-        )
-        worker.start()
+        time.sleep(3.0)
         proc = _start_server(port, tmp_path)
         worker.join(300)
+        delay = result["first_at"] - proc.ready_at
+        print(f"first request served {delay:.2f} s after the restarted server was ready")
+        assert delay < 2.0
+        np.testing.assert_array_equal(np.asarray(result["one"].tokens_BxN), want[:1])
         np.testing.assert_array_equal(np.asarray(result["out"].tokens_BxN), want)
         assert np.asarray(result["out"].valid_B).all()
         assert be.counters["retried"] > 0 and be.counters["dropped"] == 0
@@ -132,7 +144,7 @@ def test_grpc_serving_greedy_kill_restart_and_push(policy, tmp_path):  # noqa: F
 
         # A server that stays down: rows dropped (valid False) and counted, no exception.
         _stop(proc)
-        be.max_retries, be.backoff_s = 1, 0.1
+        be.max_retries, be.backoff_s, be.timeout_s = 1, 0.1, 3.0
         down = be.generate(new_params, *args, num_samples=2, sampling=sp)
         assert not np.asarray(down.valid_B).any() and np.asarray(down.lengths_B).sum() == 0
         assert be.metrics()["rollout/requests_dropped"] == len(down.valid_B)
@@ -253,3 +265,4 @@ def test_no_request_poisons_the_server(policy, tmp_path):  # noqa: F811
         channel.close()
     finally:
         _stop(proc)
+
