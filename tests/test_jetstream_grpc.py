@@ -17,6 +17,7 @@ import pytest
 
 from gjax.rollout import LocalSampler
 from tests.test_jetstream import _sampling, policy  # noqa: F401 - shared fixture
+from tests.test_train_e2e import env  # noqa: F401 - shared fixture
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 from gjax.rollout.weight_push import WeightPusher  # noqa: E402
@@ -266,3 +267,39 @@ def test_no_request_poisons_the_server(policy, tmp_path):  # noqa: F811
     finally:
         _stop(proc)
 
+
+def test_a_step_whose_requests_all_fail_stops_the_run(env, tmp_path):  # noqa: F811
+    """With no server answering, every request of the step's rollout is dropped on each of
+    its tries: the run stops (exit 2) with one paragraph naming the server and the last intact
+    checkpoint, before any update: no metrics row, checkpoint or pushed version for it."""
+    from gjax.rollout.collect import ALL_DROPPED_RETRIES
+    from gjax.rollout.weight_push import latest_version
+    from tests.test_train_e2e import command, rows, run
+
+    wd = tmp_path / "run"
+    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1")  # checkpoint 1, local rollouts
+    port = _free_port()  # nothing listens there
+    proc = subprocess.run(
+        command(
+            "configs/grpo.py:tiny",
+            wd,
+            "--config.train.steps=3",
+            "--config.rollout.backend=jetstream_grpc",
+            f"--config.rollout.server_address=127.0.0.1:{port}",
+            "--config.rollout.request_timeout_s=1",
+            "--config.train.allow_config_change=True",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    err = " ".join(proc.stderr.split())  # the paragraph, unwrapped
+    assert proc.returncode == 2, proc.stdout[-3000:] + err[-6000:]
+    assert "Traceback" not in err, err[-6000:]
+    assert f"failed on {ALL_DROPPED_RETRIES + 1} tries" in err
+    assert f"gjax.serve server at 127.0.0.1:{port}" in err
+    assert "The last intact checkpoint is step 1" in err
+    assert [r["step"] for r in rows(wd)] == [1]
+    assert sorted(p.name for p in (wd / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    assert latest_version(wd / "push") == 1  # the weights it started with; no update pushed

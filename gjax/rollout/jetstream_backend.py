@@ -155,7 +155,7 @@ class _JetStreamClient:
                     break
             pending += rejected
             if pending:
-                self.last_error = _short(error)
+                self.last_error = _short(error, self.timeout_s)
                 log.warning(
                     "JetStream: %d of %d requests dropped after at most %d retries within %.0f s "
                     "(last error: %s)",
@@ -163,7 +163,7 @@ class _JetStreamClient:
                     b_,
                     self.max_retries,
                     self.timeout_s,
-                    _short(error),
+                    _short(error, self.timeout_s),
                 )
             out = {
                 "tokens": np.full((b_, n_), sampling.pad_token_id, np.int32),
@@ -205,9 +205,11 @@ def _rejected(error) -> bool:
     return callable(code) and getattr(code(), "name", "") == "INVALID_ARGUMENT"
 
 
-def _short(error) -> str:
+def _short(error, timeout_s: float) -> str:
     if error is None:
         return "none"
+    if isinstance(error, TimeoutError):
+        return f"no answer within rollout.request_timeout_s={timeout_s:g} s"
     code = getattr(error, "code", None)
     if callable(code):
         return f"{code()} {getattr(error, 'details', lambda: '')()}"
