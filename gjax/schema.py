@@ -227,11 +227,13 @@ SCHEMA: dict[str, Any] = {
         ),
         "request_timeout_s": Field(
             600.0,
-            "jetstream*: deadline of one attempt at a batch of requests, seconds",
+            "jetstream*: deadline of a batch of requests, retries included, seconds",
             Range("(0, 86400]"),
         ),
         "max_retries": Field(
-            3, "jetstream*: retries (with backoff) before a request is dropped", _NONNEG
+            3,
+            "jetstream*: retries of a failed request (backoff; a server that is down is waited for)",
+            _NONNEG,
         ),
         "push_dir": Field(
             "", "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)"

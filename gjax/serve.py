@@ -3,8 +3,10 @@
     python -m gjax.serve --config=configs/a_grae.py:tiny [--config.x.y=v ...] [--workdir=DIR]
 
 Serves the run's policy (config.model.path) with the run's sampling settings on
-config.rollout.server_address (default 127.0.0.1:9000) through JetStream's own
-`server_lib.run` (its Driver, orchestrator and `Orchestrator.Decode` gRPC service). A trainer
+config.rollout.server_address (default 127.0.0.1:9000) through JetStream's own Driver and
+`Orchestrator.Decode` gRPC service (`gjax.rollout.grpc_server`: requests are checked first, a
+bad one gets INVALID_ARGUMENT; a port already in use is an error). Prefill (every bucket),
+insert and generate are compiled before the ready line, so a client is served at once. A trainer
 started with `--config.rollout.backend=jetstream_grpc` and the same --config/--workdir sends
 its rollouts here and pushes new weights after every update through the directory
 config.rollout.push_dir (default WORKDIR/push; see gjax.rollout.weight_push): this server
@@ -101,9 +103,17 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     except RuntimeError as e:
         watcher.stop()
         raise ConfigError(
-            f"config.rollout.server_address={config.rollout.server_address!r}: cannot serve "
-            f"there ({e}); is another server on that port?"
+            f"config.rollout.server_address={config.rollout.server_address!r}: cannot bind "
+            f"{host}:{port} ({e}): another process (another gjax.serve?) is using that port. "
+            "Stop it, or pass a free port with --config.rollout.server_address=HOST:PORT (and "
+            "the same to the trainer)."
         ) from e
+    try:
+        server.warm_up()
+    except BaseException:
+        server.stop()
+        watcher.stop()
+        raise
     log.info(
         "gjax.serve: JetStream on %s:%d, %d slots, policy version %d, weights from %s",
         host,
@@ -116,18 +126,11 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
 
 
 def start_server(engine, host: str, port: int):
-    """JetStream's `server_lib.run` over `engine` (interleaved: one engine prefills and
-    generates) on host:port; returns its JetStreamServer (`.stop()` shuts it down)."""
-    from gjax.rollout.jetstream_compat import jetstream  # optional dependency: JetStream
+    """JetStream's Driver and gRPC service over `engine` (interleaved: one engine prefills and
+    generates) on host:port; returns the `grpc_server.Server` (`.stop()` shuts it down)."""
+    from gjax.rollout import grpc_server  # optional dependency: JetStream
 
-    devices = jax.devices()
-    server_config = jetstream.server_lib.config_lib.ServerConfig(
-        interleaved_slices=(f"{jax.default_backend()}={len(devices)}",),
-        interleaved_engine_create_fns=(lambda _devices: engine,),
-    )
-    # JetStream 0.2.2 binds "[::]:PORT" (every interface); gjax binds the configured host.
-    jetstream.server_lib._HOST = f"[{host}]" if ":" in host else host
-    return jetstream.server_lib.run(port=port, config=server_config, devices=devices)
+    return grpc_server.Server(engine, host, port)
 
 
 def main(argv) -> None:

@@ -58,7 +58,7 @@ from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import factory as rollout_factory
-from gjax.rollout.collect import Rollout
+from gjax.rollout.collect import Rollout, ServingFailed
 from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
 
@@ -224,7 +224,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
-        produced = producer.get(step)
+        try:
+            produced = producer.get(step)
+        except ServingFailed as e:  # nothing was trained on the failed rollouts
+            checkpointer.wait()  # so the checkpoint named below is complete
+            raise ServingFailed(
+                f"step {step + 1}: {e} {checkpointer.last_intact()} Start the server again "
+                "(or fix config.rollout.server_address), then rerun the same command."
+            ) from e
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()

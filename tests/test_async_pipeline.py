@@ -116,13 +116,13 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
         return jax.device_get(state.params), rows, versions
 
 
-def fake_producer(k, *, fail_at=None, start=0, stop=7):
+def fake_producer(k, *, fail_at=None, start=0, stop=7, error=None):
     """An AsyncProducer over a fake rollout that records which params it was handed."""
     seen = []
 
     def produce(step, params, version):
         if step == fail_at:
-            raise ValueError("sampler exploded")
+            raise error or ValueError("sampler exploded")
         seen.append((step, params["v"]))
         time.sleep(0.01)
         return collect.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
@@ -158,6 +158,19 @@ def test_producer_error_reaches_the_learner():
     prod.push({"v": 2}, 2)
     with pytest.raises(RuntimeError, match="sampler exploded"):
         prod.get(2)
+    prod.close()
+
+
+def test_producer_user_error_reaches_the_learner_as_itself():
+    """A rollout's user error (e.g. a server that stays down) keeps its type and paragraph."""
+    err = collect.ServingFailed("every rollout request failed")
+    prod, _ = fake_producer(0, fail_at=1, error=err)
+    prod.begin({"v": 0}, None)
+    prod.get(0)
+    prod.push({"v": 1}, 1)
+    with pytest.raises(collect.ServingFailed) as got:
+        prod.get(1)
+    assert got.value is err
     prod.close()
 
 

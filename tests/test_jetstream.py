@@ -2,6 +2,7 @@
 sampler and the trainer's teacher-forced log-probs, on the embedded policy."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -140,3 +141,70 @@ def test_weight_push_changes_generations_without_recompiling(policy):
         assert be.metrics()["rollout/version_lag_max"] == 0.0
     finally:
         be.close()
+
+
+def _engine_tokens(engine, state, prompts, steps, poison=None):
+    """Greedy tokens [steps, S] of `prompts` inserted into slots 0.. of `state` (the engine
+    API without JetStream's threads); `poison(state)` runs after the inserts."""
+    from gjax.rollout import engine as eng
+
+    for slot, ids in enumerate(prompts):
+        padded, n = eng.jetstream.token_utils.pad_tokens(
+            np.asarray(ids, np.int32),
+            eng.BOS_SENTINEL,
+            0,
+            max_prefill_length=engine.max_prefill_length,
+            jax_padding=False,
+        )
+        prefix = engine.prefill(params=engine.holder, padded_tokens=padded, true_length=n)
+        state = engine.insert(prefix, state, slot)
+    if poison is not None:
+        state = poison(state)
+    out = []
+    for _ in range(steps):
+        state, result = engine.generate(engine.holder, state)
+        out.append(np.asarray(result.data)[:, :2])
+    return np.stack(out)  # [steps, S, (token, valid)]
+
+
+def test_slot_contents_never_reach_the_next_request(policy):
+    """A slot whose cache holds NaN beyond the prompt (left by a failed request) decodes the
+    same tokens as a clean slot; a slot with non-finite logits emits ERROR_TOKEN once and
+    ends, and the other slots' tokens are unchanged."""
+    from gjax.rollout import engine as eng
+
+    cfg, params, tok, batch, eos, pad, config = policy
+    engine = eng.Engine(
+        cfg,
+        params,
+        sampling=_sampling(eos, pad, 0.0, n=12),
+        max_concurrent_decodes=2,
+        max_prefill_length=eng.prefill_bucket(config.data.max_prompt_len),
+    )
+    prompts = [
+        np.asarray(batch.prompt_ids_PxS[i])[np.asarray(batch.prompt_mask_PxS[i], bool)]
+        for i in range(2)
+    ]
+    clean = _engine_tokens(engine, engine.init_decode_state(), prompts, 12)
+    assert clean[0, :, 1].all() and (clean[:, :, 0] >= 0).all()  # both slots decoded
+
+    def nan_everywhere(state):
+        state = dict(state)
+        for name in ("cache_k", "cache_v"):
+            state[name] = [jnp.full_like(c, jnp.nan) for c in state[name]]
+        return state
+
+    # A decode state with NaN in every cache position (as a failed request leaves it), then
+    # the same prompts inserted: the tokens are the clean slots'.
+    poisoned = nan_everywhere(engine.init_decode_state())
+    np.testing.assert_array_equal(_engine_tokens(engine, poisoned, prompts, 12), clean)
+
+    # Non-finite logits in slot 0 only: it emits ERROR_TOKEN, then nothing; slot 1 is clean.
+    def nan_logits(state):
+        state = dict(state)
+        state["logits_SxV"] = state["logits_SxV"].at[0].set(jnp.nan)
+        return state
+
+    failed = _engine_tokens(engine, engine.init_decode_state(), prompts, 12, poison=nan_logits)
+    assert failed[0, 0].tolist() == [eng.ERROR_TOKEN, 1] and not failed[1:, 0, 1].any()
+    np.testing.assert_array_equal(failed[:, 1], clean[:, 1])

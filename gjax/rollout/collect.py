@@ -27,11 +27,20 @@ import jax
 import numpy as np
 
 from gjax import multihost
+from gjax.errors import UserError
 from gjax.experience import Groups, append_anchors, select_groups
 from gjax.models.config import ModelConfig
 from gjax.rewards.functions import soft_overlong_penalty
 from gjax.rollout.backend import RolloutBackend, rollout_sampling, stop_and_pad
 from gjax.rollout.sampler import SampleOutput
+
+# A rollout in which every request failed (all rows dropped) is tried this many more times;
+# then the run stops: an update on no rows would log reward 0 and push a new version.
+ALL_DROPPED_RETRIES = 2
+
+
+class ServingFailed(UserError, RuntimeError):
+    """Every request of a rollout failed, on every try: the serving backend is not answering."""
 
 
 @dataclasses.dataclass
@@ -122,14 +131,25 @@ class Rollout:
         # process: host arrays, placed by the sampler's jit on the params' mesh (the rollout
         # mesh when rollouts have devices of their own).
         put = self.transfer.put_rows if self.transfer.layout.count > 1 else np.asarray
-        out: SampleOutput = self.backend.generate(
-            params,
-            put(prompts.prompt_ids_PxS),
-            put(prompts.prompt_mask_PxS),
-            rng,
-            num_samples=g_on,
-            sampling=self.sampling,
-        )
+        for _ in range(ALL_DROPPED_RETRIES + 1):
+            out: SampleOutput = self.backend.generate(
+                params,
+                put(prompts.prompt_ids_PxS),
+                put(prompts.prompt_mask_PxS),
+                rng,
+                num_samples=g_on,
+                sampling=self.sampling,
+            )
+            # Every process's rows dropped: nothing to learn from (all processes agree).
+            if out.valid_B is None or multihost.any_process(np.asarray(out.valid_B).any()):
+                break
+        else:
+            raise ServingFailed(
+                f"every rollout request failed on {ALL_DROPPED_RETRIES + 1} tries of the same rollout "
+                f"({len(out.valid_B)} requests each; {_backend_error(self.backend)}): "
+                f"{_backend_name(self.backend)} is not answering, so the run stopped before "
+                "training on empty rollouts."
+            )
         local = lambda x: self.transfer.local_rows(x).reshape(P, g_on, self.T)
         tokens = local(out.tokens_BxN)
         mask = local(out.mask_BxN).astype(bool)
@@ -222,6 +242,18 @@ class Rollout:
             "response/length_max": float(len_all[on].max()),
             "response/clipped_frac": float(trunc_all[on].mean()),
         }
+
+
+def _backend_name(backend) -> str:
+    address = getattr(backend, "address", None)
+    if address is not None:
+        return f"the gjax.serve server at {address} (config.rollout.server_address)"
+    return f"the rollout backend {type(backend).__name__}"
+
+
+def _backend_error(backend) -> str:
+    error = getattr(backend, "last_error", None)
+    return f"last error: {error}" if error else "see the warnings above"
 
 
 def collect_step(

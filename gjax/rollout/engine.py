@@ -20,6 +20,12 @@ Decode state (a pytree; `S` slots, `C` = max_prefill_length + max_new_tokens cac
 T) over the full vocabulary, T = 1 for greedy), then runs the decoder on the sampled tokens.
 A slot finishes after emitting a stop id (which is returned, as in the local sampler) or
 `max_new_tokens` tokens; JetStream sees it as `valid = 0` on the next step and frees it.
+A slot whose logits are not finite emits `ERROR_TOKEN` (-2, valid) and finishes: the server
+ends that request with an error status (`gjax.rollout.grpc_server`); no other slot reads it.
+
+`insert` writes the whole cache row of its slot (the prompt's K/V, zeros after it), so what a
+slot held before (a previous request's tokens, NaN from a failed one) never reaches the next:
+attention gives masked positions probability 0, but 0 x NaN in a stale V would still be NaN.
 
 Requests arrive with JetStream's BOS in front (its token path without a BOS is broken in
 0.2.2: `pad_tokens` reads `.shape` of a list), so the tokenizer's `bos_id` is the sentinel
@@ -56,6 +62,7 @@ from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SamplingParams, _sample
 
 BOS_SENTINEL = -1
+ERROR_TOKEN = -2  # a slot's logits were not finite: its request ends with an error
 # JetStream's prefill buckets (token_utils.pad_tokens); max_prefill_length must be one.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # ResultTokens columns: JetStream reads [tokens | valid | lengths]; gjax's backend also reads
@@ -131,6 +138,7 @@ class Tokenizer(jetstream.tokenizer_api.Tokenizer):
         )
 
     def decode(self, token_ids, **kwargs) -> str:
+        token_ids = [t for t in token_ids if t >= 0]  # ERROR_TOKEN has no text
         return "" if self.hf is None else self.hf.decode(token_ids)
 
     @property
@@ -352,13 +360,16 @@ class Engine(jetstream.engine_api.Engine):
 
     def _insert_fn(self, state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, slot, key_data, serial):
         at = (slot, 0, 0, 0)
+        # The slot's whole row: the prompt, then zeros over whatever the slot held before.
+        tail = ((0, 0), (0, state["cache_k"][0].shape[2] - k_LxKxSxDh.shape[2]), (0, 0))
+        row = lambda x, c: jnp.pad(x.astype(c.dtype), tail)[None]
         state = dict(state)
         state["cache_k"] = [
-            jax.lax.dynamic_update_slice(c, k_LxKxSxDh[i][None], at)
+            jax.lax.dynamic_update_slice(c, row(k_LxKxSxDh[i], c), at)
             for i, c in enumerate(state["cache_k"])
         ]
         state["cache_v"] = [
-            jax.lax.dynamic_update_slice(c, v_LxKxSxDh[i][None], at)
+            jax.lax.dynamic_update_slice(c, row(v_LxKxSxDh[i], c), at)
             for i, c in enumerate(state["cache_v"])
         ]
         state["lengths_S"] = state["lengths_S"].at[slot].set(length)
@@ -425,7 +436,13 @@ class Engine(jetstream.engine_api.Engine):
         if sp.stop_token_ids:
             stop = jnp.asarray(sp.stop_token_ids, jnp.int32)
             done_S = done_S | (alive_S & jnp.isin(token_S, stop))
-        logits, cache_k, cache_v = self._decode(params, state, token_S)
+        failed_S = alive_S & ~jnp.all(jnp.isfinite(state["logits_SxV"]), axis=-1)
+        done_S = done_S | failed_S
+        logits, cache_k, cache_v = self._decode(
+            params, state, jnp.where(failed_S, sp.pad_token_id, token_S)
+        )
+        token_S = jnp.where(failed_S, ERROR_TOKEN, token_S)
+        logp_S = jnp.where(failed_S, 0.0, logp_S)
         state = dict(state)
         state.update(
             cache_k=cache_k,

@@ -2,9 +2,12 @@
 
 Both send all P x G requests at once as JetStream `DecodeRequest`s carrying the exact prompt
 token ids (the engine drops the BOS JetStream adds; see `gjax.rollout.engine`) and gather
-the streamed token ids. A request that fails or misses the deadline is retried with
-exponential backoff; after `max_retries` it is dropped: its row comes back empty with
-`valid_B = False`, which masks it out of its group, and the step goes on.
+the streamed token ids. A request that fails is retried with exponential backoff, at most
+`max_retries` times and within `timeout_s` of the batch's start (`rollout.request_timeout_s`);
+then it is dropped: its row comes back empty with `valid_B = False`, which masks it out of its
+group, and the step goes on (a request the server rejects as invalid is dropped at once). Over
+gRPC a call waits for a server that is down (`wait_for_ready`), and the channel retries the
+connection every 0.5 s at most, so a restarted server is used within about a second.
 
 In-process (`JetStreamBackend`), the gjax `Engine` records each generated token's log-prob
 (same definition as the local sampler) and params version, so on-policy rows need no second
@@ -41,6 +44,15 @@ class PromptTooLong(UserError, ValueError):
     """A prompt that does not fit the engine's largest prefill bucket."""
 
 
+# A server that is back is reconnected to within ~0.5 s: gRPC's default reconnect backoff
+# grows to 120 s while a server is down.
+_CHANNEL_OPTIONS = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 500),
+)
+
+
 class _JetStreamClient:
     """Shared request building, retries and assembly; subclasses submit one request."""
 
@@ -56,10 +68,11 @@ class _JetStreamClient:
         self.version = 0  # the version new requests are served with
         self.latest_version = 0  # the newest pushed (ahead of `version` if a push is unacked)
         self.counters = {"requests": 0, "retried": 0, "dropped": 0}
+        self.last_error = None  # the last dropped request's error, for the run's message
         self._last = {}
 
     # subclasses
-    def _submit(self, request) -> concurrent.futures.Future: ...
+    def _submit(self, request, deadline: float) -> concurrent.futures.Future: ...
     def _push(self, params) -> int: ...
     def _prepare(self, sampling: SamplingParams) -> None: ...
     def _finish(self, rows: dict, out: dict) -> None: ...
@@ -116,32 +129,41 @@ class _JetStreamClient:
                 )
                 for b in range(b_)
             ]
-            rows, retried, error = {}, 0, None
-            pending = list(range(b_))
+            rows, retried, error, pending, rejected = {}, 0, None, list(range(b_)), []
+            deadline = time.monotonic() + self.timeout_s  # the whole batch, retries included
             for attempt in range(self.max_retries + 1):
                 if attempt:
-                    time.sleep(self.backoff_s * 2 ** (attempt - 1))
+                    wait = self.backoff_s * 2 ** (attempt - 1)
+                    time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
                     retried += len(pending)
-                futures = {b: self._submit(requests[b]) for b in pending}
-                deadline = time.monotonic() + self.timeout_s
+                if time.monotonic() >= deadline:
+                    break
+                futures = {b: self._submit(requests[b], deadline) for b in pending}
                 failed = []
                 for b, fut in futures.items():
                     try:
                         rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
                     except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
                         fut.cancel()
-                        failed.append(b)
                         error = e
+                        if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
+                            rejected.append(b)
+                        else:
+                            failed.append(b)
                 pending = failed
                 if not pending:
                     break
+            pending += rejected
             if pending:
+                self.last_error = _short(error, self.timeout_s)
                 log.warning(
-                    "JetStream: %d of %d requests dropped after %d retries (last error: %s)",
+                    "JetStream: %d of %d requests dropped after at most %d retries within %.0f s "
+                    "(last error: %s)",
                     len(pending),
                     b_,
                     self.max_retries,
-                    _short(error),
+                    self.timeout_s,
+                    _short(error, self.timeout_s),
                 )
             out = {
                 "tokens": np.full((b_, n_), sampling.pad_token_id, np.int32),
@@ -177,9 +199,17 @@ class _JetStreamClient:
         )
 
 
-def _short(error) -> str:
+def _rejected(error) -> bool:
+    """The server answered INVALID_ARGUMENT: a retry would get the same answer."""
+    code = getattr(error, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "INVALID_ARGUMENT"
+
+
+def _short(error, timeout_s: float) -> str:
     if error is None:
         return "none"
+    if isinstance(error, TimeoutError):
+        return f"no answer within rollout.request_timeout_s={timeout_s:g} s"
     code = getattr(error, "code", None)
     if callable(code):
         return f"{code()} {getattr(error, 'details', lambda: '')()}"
@@ -191,6 +221,8 @@ def _token_ids(responses) -> list[int]:
     for resp in responses:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
+    if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
+        raise RuntimeError("the engine produced non-finite logits for this request")
     return ids
 
 
@@ -269,7 +301,8 @@ class JetStreamBackend(_JetStreamClient):
     async def _decode(self, request):
         return _token_ids([r async for r in self._orchestrator.Decode(request)])
 
-    def _submit(self, request):
+    def _submit(self, request, deadline):
+        del deadline  # the caller waits on the future until then
         # Coroutines start in submission order and place their request before their first
         # await, so the k-th request placed is the k-th prefilled: its serial.
         fut = asyncio.run_coroutine_threadsafe(self._decode(request), self._loop)
@@ -334,7 +367,7 @@ class JetStreamGrpcBackend(_JetStreamClient):
             backoff_s=backoff_s,
         )
         self.address = address
-        self._channel = grpc.insecure_channel(address)
+        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = jetstream.jetstream_pb2_grpc.OrchestratorStub(self._channel)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jetstream-grpc")
         self.weights = weights  # a weight_push.WeightPusher, or None (server keeps its own)
@@ -378,9 +411,17 @@ class JetStreamGrpcBackend(_JetStreamClient):
     def _prepare(self, sampling):
         pass
 
-    def _submit(self, request):
+    def _submit(self, request, deadline):
+        # wait_for_ready: a call made while the server is down waits for it (until the
+        # deadline) instead of failing at once, and runs as soon as the channel reconnects.
         return self._pool.submit(
-            lambda: _token_ids(self._stub.Decode(request, timeout=self.timeout_s))
+            lambda: _token_ids(
+                self._stub.Decode(
+                    request,
+                    timeout=max(0.01, deadline - time.monotonic()),
+                    wait_for_ready=True,
+                )
+            )
         )
 
     def _finish(self, rows, out):

@@ -59,6 +59,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
+from gjax.errors import UserError
 from gjax.experience import Groups
 from gjax.rollout.backend import RolloutBackend
 from gjax.rollout.collect import Rollout, StepBatch, collect_step
@@ -189,6 +190,8 @@ class AsyncProducer:
             while step not in self._ready and self._error is None:
                 self._cv.wait()
             if step not in self._ready:  # batches made before a failure are still served
+                if isinstance(self._error, UserError):  # its paragraph, not a traceback
+                    raise self._error
                 raise RuntimeError(f"rollout producer failed: {self._error!r}") from self._error
             batch = self._ready.pop(step)
         if step - batch.version > self.k or batch.step != step:

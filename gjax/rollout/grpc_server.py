@@ -1,0 +1,154 @@
+"""JetStream's gRPC service (`Orchestrator.Decode`) over one gjax `Engine`, for `gjax.serve`.
+
+JetStream's own `Driver` (its prefill, generate and detokenize threads) and `LLMOrchestrator`
+servicer, with two additions a shared server needs:
+* every request is checked before it reaches the Driver (`check_request`); a bad one is
+  answered INVALID_ARGUMENT with what was wrong, and never touches a decode slot;
+* a request whose decode slot produced non-finite logits (the engine's `ERROR_TOKEN`) ends
+  with INTERNAL instead of returning garbage with status OK.
+The port is bound without SO_REUSEPORT, so a second server on a taken port fails to start
+instead of sharing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+import grpc
+
+from gjax.rollout.engine import Engine
+from gjax.rollout.jetstream_compat import jetstream
+
+pb = jetstream.jetstream_pb2
+
+
+def check_request(request, *, vocab_size: int, max_prefill_length: int, max_tokens: int, hf=None):
+    """What is wrong with a `DecodeRequest` for this server, or None if nothing is."""
+    which = request.WhichOneof("content")
+    if which is None:
+        return "the request has no content: set token_content.token_ids (or text_content.text)"
+    if request.session_cache:
+        return "session_cache is not supported: send the whole prompt"
+    if which == "text_content":
+        if hf is None:
+            return "this server has no tokenizer: send token_content.token_ids"
+        ids = hf(request.text_content.text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = list(request.token_content.token_ids)
+    if not ids:
+        return f"the prompt is empty: {which} has no tokens"
+    if len(ids) + 1 > max_prefill_length:
+        return (
+            f"the prompt has {len(ids)} tokens; this server takes at most "
+            f"{max_prefill_length - 1} (max_prefill_length={max_prefill_length}, one position "
+            "is JetStream's BOS)"
+        )
+    bad = sorted({t for t in ids if not 0 <= t < vocab_size})
+    if bad:
+        return f"token ids must lie in [0, {vocab_size}) (the model's vocabulary); got {bad[:8]}"
+    if not 1 <= request.max_tokens <= max_tokens:
+        return f"max_tokens={request.max_tokens} must be in [1, {max_tokens}] (the server's limit)"
+    return None
+
+
+class Servicer(jetstream.orchestrator.LLMOrchestrator):
+    """`LLMOrchestrator` that checks requests and fails requests whose slot failed."""
+
+    def __init__(self, driver, engine: Engine):
+        super().__init__(driver=driver)
+        self._check = dict(
+            vocab_size=engine.cfg.vocab_size,
+            max_prefill_length=engine.max_prefill_length,
+            max_tokens=engine.max_new_tokens,
+            hf=engine._hf_tokenizer,
+        )
+
+    async def Decode(self, request, context=None):  # noqa: N802 - the gRPC method's name
+        problem = check_request(request, **self._check)
+        if problem is not None:
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        async for response in super().Decode(request, context):
+            if any(t < 0 for s in response.stream_content.samples for t in s.token_ids):
+                await _abort(
+                    context,
+                    grpc.StatusCode.INTERNAL,
+                    "the model produced non-finite logits for this request; it was ended "
+                    "(other requests are unaffected). Check the served weights.",
+                )
+            yield response
+
+
+async def _abort(context, code, details: str):
+    if context is None:  # called in-process
+        raise ValueError(f"{code.name}: {details}")
+    await context.abort(code, details)
+
+
+class Server:
+    """JetStream's Driver and the `Servicer` on host:port. Raises RuntimeError if the port
+    cannot be bound; `stop()` shuts it down."""
+
+    def __init__(self, engine: Engine, host: str, port: int):
+        self.engine = engine
+        self.driver = jetstream.orchestrator.Driver(
+            prefill_engines=[engine],
+            generate_engines=[engine],
+            prefill_params=[engine.holder],
+            generate_params=[engine.holder],
+            interleaved_mode=True,
+        )
+        threads = max(self.driver.get_total_concurrent_requests(), 64)
+        self._executor = concurrent.futures.ThreadPoolExecutor(threads)
+        self._loop = asyncio.new_event_loop()
+        self._loop.set_default_executor(self._executor)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gjax-serve")
+        self._thread.start()
+        self.servicer = Servicer(self.driver, engine)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+        async def start():
+            server = grpc.aio.server(self._executor, options=[("grpc.so_reuseport", 0)])
+            jetstream.jetstream_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server)
+            server.add_insecure_port(address)  # RuntimeError if taken
+            await server.start()
+            return server
+
+        try:
+            self._grpc = self._run(start())
+        except BaseException:
+            self._grpc = None
+            self.stop()
+            raise
+
+    def _run(self, coro, timeout=None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def decode(self, request, timeout: float | None = None) -> list[int]:
+        """One request through the servicer, in-process (the server's warm-up)."""
+
+        async def collect():
+            out = []
+            async for r in self.servicer.Decode(request):
+                for s in r.stream_content.samples:
+                    out.extend(s.token_ids)
+            return out
+
+        return self._run(collect(), timeout)
+
+    def warm_up(self) -> None:
+        """Compiles prefill (every bucket), insert and generate before the first client."""
+        from gjax.rollout.engine import PREFILL_BUCKETS
+
+        for bucket in PREFILL_BUCKETS[: PREFILL_BUCKETS.index(self.engine.max_prefill_length) + 1]:
+            content = pb.DecodeRequest.TokenContent(token_ids=[0] * (bucket - 1))
+            self.decode(pb.DecodeRequest(token_content=content, max_tokens=1))
+
+    def stop(self) -> None:
+        self.driver.stop()
+        if self._grpc is not None:
+            self._run(self._grpc.stop(grace=5))
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._executor.shutdown(wait=False, cancel_futures=True)
