@@ -26,3 +26,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 from tests.gcs_emulator import gcs  # noqa: E402, F401 - fixture: a GCS emulator on 127.0.0.1
+
+
+def pytest_collection_modifyitems(items):
+    """The end-to-end (`slow`) tests first, in their files' order: with the suite's two
+    workers (pytest-xdist, pyproject's addopts) the long ones start at once, instead of
+    closing the run one after another while the other worker idles."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
