@@ -167,20 +167,23 @@ class Checkpointer:
             time.sleep(delay)
             delay = min(2 * delay, 30.0)
             left = None if bound is None else max(bound - (time.monotonic() - start), 0.1)
-            self._bounded(lambda: self._discard_unfinished(step), step, left)
+            if self._bounded(lambda: self._discard_unfinished(step), step, left):
+                return True  # the failed try had committed the step (it failed after that)
 
-    def _discard_unfinished(self, step: int) -> None:
+    def _discard_unfinished(self, step: int) -> bool:
         """Deletes what a failed save of `step` left in storage (never a committed step) and
-        re-reads the listing, so the next try writes the step anew."""
+        re-reads the listing, so the next try writes the step anew. True if the step turns
+        out to be committed (the try failed after its commit, e.g. deleting an old step)."""
         try:
             self._mngr.reload()
             if step in self._mngr.all_steps():
-                return  # committed after all
+                return True
             partial = self.directory / str(step)
             if partial.exists():
                 partial.rmtree()
         except Exception as e:  # storage still failing: the next try fails and says so
             log.warning("could not clear the unfinished step %s in %s: %s", step, self.directory, e)
+        return False
 
     def check(self) -> None:
         """Raises `CheckpointSaveError` if an asynchronous save has failed; never blocks on

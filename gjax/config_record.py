@@ -23,8 +23,10 @@ CONFIG = "config.json"
 HISTORY = "config_history.jsonl"
 OPT_IN = "train.allow_config_change"
 
-# Fields a resume may change without changing what a step trains: the run's length, cadences,
-# timeouts, parallelism and where output goes.
+# Fields a resume may change without changing what a step trains: the run's length (but see
+# `_training_changes`: a cosine schedule decays over it), checkpoint and log cadences, storage
+# and request timeouts, the server's address and the verifier's worker count. Anything else,
+# parallelism and mesh included, needs the opt-in.
 HARMLESS = frozenset(
     {
         OPT_IN,
@@ -105,7 +107,7 @@ def check(
     fixed = tuple(fixed)
     if any(p == f or p.startswith(f + ".") for p in diff for f in fixed):
         return diff
-    training = [p for p in diff if p not in HARMLESS]
+    training = _training_changes(diff, config)
     if training and not config.train.allow_config_change:
         listed = "; ".join(f"{p}: {diff[p][0]!r} -> {diff[p][1]!r}" for p in training)
         raise ConfigError(
@@ -116,6 +118,14 @@ def check(
             f"original config; the change and the step it starts from go to {HISTORY})."
         )
     return diff
+
+
+def _training_changes(diff: dict, config: ml_collections.ConfigDict) -> list[str]:
+    """The changed fields that change how the next steps train. `train.steps` is the length
+    a cosine learning-rate schedule decays over (gjax.learner.make_optimizer): longer or
+    shorter, it changes the rate of every remaining step."""
+    cosine = config.optim.schedule == "cosine"
+    return [p for p in diff if p not in HARMLESS or (p == "train.steps" and cosine)]
 
 
 def write(workdir: str, config: ml_collections.ConfigDict) -> None:

@@ -350,3 +350,58 @@ def test_behaviour_correction_needs_a_backend_that_returns_logps():
     c.rollout.backend = "jetstream_grpc"
     with pytest.raises(ConfigError, match="token ids only"):
         validate(c, 8)
+
+
+class _DroppingSampler(LocalSampler):
+    """A serving backend whose first `drop` batches lose every request at once (a server
+    that rejects them); later batches are the local sampler's."""
+
+    def __init__(self, cfg, drop: int):
+        super().__init__(cfg)
+        self.drop, self.calls = drop, 0
+
+    def generate(self, *args, **kw):
+        out = super().generate(*args, **kw)
+        self.calls += 1
+        return out._replace(valid_B=np.full(out.tokens_BxN.shape[0], self.calls > self.drop))
+
+    def failure(self) -> str:
+        return "last error: INVALID_ARGUMENT; served by a test server"
+
+
+@pytest.mark.parametrize("drop", [collect.ALL_DROPPED_RETRIES, collect.ALL_DROPPED_RETRIES + 1])
+def test_a_rollout_whose_requests_all_drop_is_tried_again_then_stops(drop, verifier):
+    """Every request dropped at once: the rollout is tried again (ALL_DROPPED_RETRIES more
+    times within the request deadline); still nothing: ServingFailed, one paragraph naming
+    the backend, before anything trains on the empty rollout."""
+    config = tiny_config()
+    path = resolve_model_path(config.model.path)
+    cfg, params = hf_import.load_pretrained(path, param_dtype="float32", dtype="float32")
+    tok = hf_import.load_tokenizer(path)
+    mesh, _ = sharding.make_meshes({"data": 1, "fsdp": 1, "tensor": 1}, 0, jax.devices()[:1])
+    with jax.set_mesh(mesh), sharding.use_rules():
+        obj_cfg = common.to_objective_config(config.objective, rollout_temperature=1.0)
+        _, learner = build_learner(config, mesh=mesh, model_cfg=cfg, obj_cfg=obj_cfg, params=params)
+        backend = _DroppingSampler(cfg, drop)
+        rollout = collect.Rollout(
+            model_cfg=cfg,
+            backend=backend,
+            tokenizer=tok,
+            rewards=build_rewards(config, verifier),
+            transfer=learner.transfer,
+            config=config,
+        )
+        data = build_prompt_data(config.data, tok)
+        it = PromptIterator(data, global_batch_size=config.rollout.prompts_per_step, seed=0)
+        prompts, key = next(it), jax.random.key(0)
+        if drop <= collect.ALL_DROPPED_RETRIES:
+            res = rollout(params, prompts, key)
+            assert backend.calls == drop + 1 and res.groups.valid_PxG.all()
+        else:
+            with pytest.raises(collect.ServingFailed) as err:
+                rollout(params, prompts, key)
+            tries = collect.ALL_DROPPED_RETRIES + 1
+            assert backend.calls == tries
+            msg = str(err.value)
+            assert f"failed on {tries} tries of the same rollout" in msg
+            assert "INVALID_ARGUMENT; served by a test server" in msg and "\n" not in msg

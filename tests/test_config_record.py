@@ -34,6 +34,19 @@ def test_an_unchanged_or_harmless_resume_passes(tmp_path):
     }
 
 
+def test_a_longer_run_under_a_cosine_schedule_changes_training(tmp_path):
+    """A cosine learning rate decays over train.steps: extending the run changes the rate of
+    every remaining step, so it needs the opt-in (a constant schedule's does not)."""
+    c = _config()
+    c.optim.schedule = "cosine"
+    config_record.write(str(tmp_path), c)
+    c.train.steps = 400
+    with pytest.raises(ConfigError, match=r"train\.steps: 120 -> 400"):
+        _check(tmp_path, c)
+    c.train.allow_config_change = True
+    assert _check(tmp_path, c) == {"train.steps": (120, 400)}
+
+
 def test_a_training_change_is_refused_naming_each_field(tmp_path):
     c = _config()
     config_record.write(str(tmp_path), c)

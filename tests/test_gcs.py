@@ -279,3 +279,26 @@ def test_a_failed_save_to_gcs_is_retried_from_scratch_within_the_bound(gcs, capl
         ckpt.save(5, w, {"data": {"pos": 5}}, force=True)
     assert time.monotonic() - t0 < 4
     assert "storage down" in str(e.value) and "last intact checkpoint is step 3" in str(e.value)
+
+
+def test_a_save_that_fails_after_its_commit_is_a_saved_step(gcs):
+    """A try that committed the step and failed afterwards (e.g. deleting an old step during
+    an outage) is not written again: the save succeeds and the step restores."""
+    ckpt = Checkpointer("gs://bucket/late/checkpoints", async_save=False, storage_timeout_s=60)
+    real_save, tries = ckpt._mngr.save, []
+
+    def fails_after_commit(step, **kw):
+        tries.append(step)
+        saved = real_save(step, **kw)
+        if len(tries) == 1:
+            raise ConnectionResetError("deleting an old step: connection reset")
+        return saved
+
+    ckpt._mngr.save = fails_after_commit
+    w = {"w": jnp.arange(4.0)}
+    assert ckpt.save(2, w, {"data": {"pos": 2}}, force=True)
+    ckpt.wait()
+    assert tries == [2]  # not saved twice (orbax would refuse: the step exists)
+    step, got, _ = Checkpointer("gs://bucket/late/checkpoints").restore(w)
+    assert step == 2
+    np.testing.assert_array_equal(got["w"], w["w"])

@@ -47,6 +47,11 @@ class RolloutBackend(Protocol):
         """The last batch's serving figures, for the step's metrics row ({} if none)."""
         ...
 
+    def failure(self) -> str:
+        """Who failed the last batch's dropped requests and the last error, for a user's
+        message ('' for a backend whose requests cannot be dropped)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -76,6 +81,9 @@ class LocalSampler:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+    def failure(self) -> str:
+        return ""  # no request to drop: sampling errors are raised
 
     def close(self) -> None:
         pass

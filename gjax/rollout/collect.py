@@ -94,6 +94,7 @@ class Rollout:
         self.sampling = rollout_sampling(config, model_cfg, tokenizer)
         self.overlong_buffer = config.sampling.overlong_buffer
         self.overlong_penalty = config.sampling.overlong_penalty
+        self.request_timeout_s = config.rollout.request_timeout_s
 
     def __call__(self, params, prompts, rng) -> RolloutResult:
         t0 = time.perf_counter()
@@ -131,7 +132,9 @@ class Rollout:
         # process: host arrays, placed by the sampler's jit on the params' mesh (the rollout
         # mesh when rollouts have devices of their own).
         put = self.transfer.put_rows if self.transfer.layout.count > 1 else np.asarray
-        for _ in range(ALL_DROPPED_RETRIES + 1):
+        start, tries = time.monotonic(), 0
+        while True:
+            tries += 1
             out: SampleOutput = self.backend.generate(
                 params,
                 put(prompts.prompt_ids_PxS),
@@ -143,13 +146,16 @@ class Rollout:
             # Every process's rows dropped: nothing to learn from (all processes agree).
             if out.valid_B is None or multihost.any_process(np.asarray(out.valid_B).any()):
                 break
-        else:
-            raise ServingFailed(
-                f"every rollout request failed on {ALL_DROPPED_RETRIES + 1} tries of the same rollout "
-                f"({len(out.valid_B)} requests each; {_backend_error(self.backend)}): "
-                f"{_backend_name(self.backend)} is not answering, so the run stopped before "
-                "training on empty rollouts."
-            )
+            # Tried again only while the first try's request deadline lasts: a try that waited
+            # it out (a server that is down) is not repeated.
+            spent = time.monotonic() - start
+            if tries > ALL_DROPPED_RETRIES or spent >= self.request_timeout_s:
+                raise ServingFailed(
+                    f"every rollout request failed on {tries} tr{'y' if tries == 1 else 'ies'} "
+                    f"of the same rollout in {spent:.0f} s ({len(out.valid_B)} requests each; "
+                    f"{self.backend.failure()}), so the run stopped before training on empty "
+                    "rollouts."
+                )
         local = lambda x: self.transfer.local_rows(x).reshape(P, g_on, self.T)
         tokens = local(out.tokens_BxN)
         mask = local(out.mask_BxN).astype(bool)
@@ -242,18 +248,6 @@ class Rollout:
             "response/length_max": float(len_all[on].max()),
             "response/clipped_frac": float(trunc_all[on].mean()),
         }
-
-
-def _backend_name(backend) -> str:
-    address = getattr(backend, "address", None)
-    if address is not None:
-        return f"the gjax.serve server at {address} (config.rollout.server_address)"
-    return f"the rollout backend {type(backend).__name__}"
-
-
-def _backend_error(backend) -> str:
-    error = getattr(backend, "last_error", None)
-    return f"last error: {error}" if error else "see the warnings above"
 
 
 def collect_step(

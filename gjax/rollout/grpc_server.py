@@ -146,9 +146,11 @@ class Server:
             self.decode(pb.DecodeRequest(token_content=content, max_tokens=1))
 
     def stop(self) -> None:
-        self.driver.stop()
+        # gRPC first: it stops taking requests and ends those in flight while the driver
+        # still runs (the other way round they would wait out the grace period).
         if self._grpc is not None:
             self._run(self._grpc.stop(grace=5))
+        self.driver.stop()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._executor.shutdown(wait=False, cancel_futures=True)

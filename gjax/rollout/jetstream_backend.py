@@ -89,6 +89,13 @@ class _JetStreamClient:
         """The last batch's serving figures (for the step's metrics row)."""
         return dict(self._last)
 
+    def failure(self) -> str:
+        error = f"last error: {self.last_error}" if self.last_error else "see the warnings above"
+        return f"{error}; served by {self.served_by()}"
+
+    def served_by(self) -> str:
+        return "the in-process JetStream engine (config.rollout.backend=jetstream)"
+
     def generate(
         self,
         params,
@@ -426,6 +433,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
 
     def _finish(self, rows, out):
         pass
+
+    def served_by(self) -> str:
+        return f"the gjax.serve server at {self.address} (config.rollout.server_address)"
 
     def close(self):
         self._pool.shutdown(wait=False, cancel_futures=True)
