@@ -171,3 +171,29 @@ def test_server_down_falls_back_to_the_directory(policy, tmp_path):  # noqa: F81
         if server is not None:
             server.stop()
         pusher.close()
+
+
+def test_benchmark_smoke():
+    """benchmarks/weight_push.py at a toy size: JSON lines, consistent bytes and summary."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/weight_push.py", "--sizes=0.01", "--repeats=1"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r.get("path") for r in rows] == ["memcpy", "directory", "grpc", "grpc_bf16", None]
+    by = {r["path"]: r for r in rows[1:-1]}
+    assert by["directory"]["bytes"] == by["grpc"]["bytes"] == 2 * by["grpc_bf16"]["bytes"]
+    assert by["grpc"]["bytes"] == pytest.approx(0.01e9, abs=4)
+    ratio = rows[-1]["directory_over_grpc"]["0.01"]
+    assert ratio == pytest.approx(by["directory"]["s_per_gb"] / by["grpc"]["s_per_gb"], rel=0.01)
+    assert set(rows[-1]["predicted_push_s_bf16_server"]) == {"1.5B", "8B"}
