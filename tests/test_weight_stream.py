@@ -16,6 +16,7 @@ import pytest
 from gjax.rollout import LocalSampler
 from tests.test_jetstream import _sampling, policy  # noqa: F401 - shared fixture
 from tests.test_jetstream_grpc import _free_port
+from tests.test_train_e2e import env  # noqa: F401 - shared fixture
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 from gjax.rollout import grpc_server, weight_push, weight_stream  # noqa: E402
@@ -197,3 +198,30 @@ def test_benchmark_smoke():
     ratio = rows[-1]["directory_over_grpc"]["0.01"]
     assert ratio == pytest.approx(by["directory"]["s_per_gb"] / by["grpc"]["s_per_gb"], rel=0.01)
     assert set(rows[-1]["predicted_push_s_bf16_server"]) == {"1.5B", "8B"}
+
+
+@pytest.mark.slow
+def test_trainer_streams_its_weights_to_gjax_serve(env, tmp_path):  # noqa: F811
+    """`--config.rollout.weight_transfer=grpc`: every step's update reaches a real
+    `gjax.serve` over the stream (bytes counted in the metrics), none through the directory."""
+    from tests.test_jetstream_grpc import _start_server, _stop
+    from tests.test_train_e2e import rows, run
+
+    wd, port = tmp_path / "run", _free_port()
+    proc = _start_server(port, wd)
+    try:
+        run(
+            "configs/grpo.py:tiny",
+            wd,
+            env,
+            "--config.train.steps=2",
+            "--config.rollout.backend=jetstream_grpc",
+            f"--config.rollout.server_address=127.0.0.1:{port}",
+            "--config.rollout.weight_transfer=grpc",
+        )
+    finally:
+        _stop(proc)
+    got = rows(wd)
+    assert [r["rollout/policy_version"] for r in got] == [1, 2]
+    assert all(r["rollout/push_bytes"] > 0 and r["rollout/push_s"] > 0 for r in got), got
+    assert weight_push.latest_version(wd / "push") is None  # no fallback was needed

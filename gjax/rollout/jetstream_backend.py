@@ -18,8 +18,8 @@ Weights: `generate(params, ...)` pushes `params` when they are a new object (aft
 update). In-process this swaps the engine's `ParamsHolder` (no recompilation); over gRPC it
 writes them to a versioned directory the server watches (`gjax.rollout.weight_push`), or with
 `rollout.weight_transfer='grpc'` streams them to the server (`gjax.rollout.weight_stream`; the
-directory stays the fallback). Each push's seconds and bytes are the step's `rollout/push_s`
-and `rollout/push_bytes` (0 for a step without a push).
+directory stays the fallback). The seconds and bytes of the push since the last metrics row
+are the step's `rollout/push_s` and `rollout/push_bytes` (0 without a push).
 """
 
 from __future__ import annotations
@@ -95,8 +95,11 @@ class _JetStreamClient:
             return self.version
 
     def metrics(self) -> dict[str, float]:
-        """The last batch's serving figures (for the step's metrics row)."""
-        return dict(self._last)
+        """The last batch's serving figures and the push since the last call (for the step's
+        metrics row; a push before the first step, e.g. for an evaluation, counts in it)."""
+        out = {**self._last, **self._pushed}
+        self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
+        return out
 
     def generate(
         self,
@@ -197,9 +200,7 @@ class _JetStreamClient:
             "rollout/policy_version": float(self.latest_version),
             "rollout/version_lag_max": float(lag.max()) if lag.size else 0.0,
             "rollout/version_lag_mean": float(lag.mean()) if lag.size else 0.0,
-            **self._pushed,
         }
-        self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
         return SampleOutput(
             out["tokens"],
             out["mask"],
