@@ -83,6 +83,13 @@ def test_grpc_push_is_served_token_for_token(policy, served):  # noqa: F811
     # A step without new params pushes nothing.
     be.generate(new_params, *args, num_samples=2, sampling=sp)
     assert be.metrics()["rollout/push_bytes"] == 0 and server.engine.holder.version == v
+    # A server restarted from an empty push directory (version 0, the original params) is
+    # noticed before the next batch and gets the params again.
+    server.engine.holder.swap(params, version=0)
+    again = be.generate(new_params, *args, num_samples=2, sampling=sp)
+    np.testing.assert_array_equal(np.asarray(again.tokens_BxN), np.asarray(want.tokens_BxN))
+    assert be.metrics()["rollout/push_bytes"] == f32_bytes
+    assert server.engine.holder.version == v + 1 == be.version
     be.close()
 
 

@@ -406,6 +406,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
                 num_samples=num_samples,
                 sampling=sampling,
             )
+        behind = getattr(self.weights, "behind", None)  # the gRPC stream's restart check
+        if behind is not None and id(params) == self._params_id and behind():
+            self._params_id = None  # the server restarted from an older version: push again
         return super().generate(
             params,
             prompt_tokens_PxS,

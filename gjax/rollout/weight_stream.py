@@ -3,6 +3,7 @@
 A small service on the server's port, with raw-bytes messages (no compiled protos):
 
     /gjax.Weights/Spec  unary:  b"" -> JSON {"version": v, "leaves": [[path, dtype, shape], ...]}
+    /gjax.Weights/Version  unary:  b"" -> JSON {"version": v}
     /gjax.Weights/Push  client-streaming: messages -> JSON {"version": v}
 
 Each Push message is `<u32 header length><JSON header><raw bytes>`: first {"version": v},
@@ -16,7 +17,9 @@ the previous version.
 
 The versioned push directory (`gjax.rollout.weight_push`) stays the fallback and the restart
 path: `GrpcWeightPusher` writes there when the stream fails, and a restarted server starts from
-the directory's LATEST (which gRPC pushes do not update).
+the directory's LATEST (which gRPC pushes do not update): the rollout client asks the served
+version before each batch and pushes again if it is behind, so only requests retried within the
+batch that met the restart are served by the older weights.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class WeightReceiver:
             SERVICE,
             {
                 "Spec": grpc.unary_unary_rpc_method_handler(self._spec),
+                "Version": grpc.unary_unary_rpc_method_handler(self._version),
                 "Push": grpc.stream_unary_rpc_method_handler(self._push),
             },
         )
@@ -130,6 +134,10 @@ class WeightReceiver:
     async def _spec(self, request: bytes, context) -> bytes:
         del request, context
         return json.dumps({"version": self.holder.version, "leaves": self.spec}).encode()
+
+    async def _version(self, request: bytes, context) -> bytes:
+        del request, context
+        return json.dumps({"version": self.holder.version}).encode()
 
     async def _push(self, requests, context) -> bytes:
         incoming, committed = None, None
@@ -217,6 +225,7 @@ class GrpcWeightPusher:
         self._channel = grpc.insecure_channel(address, options=options)
         self._spec_call = self._channel.unary_unary(f"/{SERVICE}/Spec")
         self._push_call = self._channel.stream_unary(f"/{SERVICE}/Push")
+        self._version_call = self._channel.unary_unary(f"/{SERVICE}/Version")
         self._spec = None
         self.version = fallback.version if fallback is not None else 0
         self.last_bytes = 0
@@ -292,6 +301,15 @@ class GrpcWeightPusher:
         self.last_bytes = self.fallback.last_bytes
         self.version = version
         return served
+
+    def behind(self) -> bool:
+        """True if the server serves an older version than the last pushed (it restarted from
+        the directory); False if it is current or does not answer within connect_s."""
+        try:
+            reply = self._version_call(b"", timeout=self.connect_s, wait_for_ready=True)
+        except grpc.RpcError:
+            return False  # the requests themselves wait for it and retry
+        return int(json.loads(reply)["version"]) < self.version
 
     def close(self):
         self._channel.close()
