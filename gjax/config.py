@@ -80,6 +80,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 # Rollout backends `gjax.rollout.factory.make_backend` builds; a new backend adds its name here.
 ROLLOUT_BACKENDS = ("local", "jetstream", "jetstream_grpc")
+WEIGHT_TRANSFERS = ("directory", "grpc")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -118,6 +119,11 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         config.rollout.backend in ROLLOUT_BACKENDS,
         "rollout.backend",
         f"must be one of {ROLLOUT_BACKENDS}, got {config.rollout.backend!r}",
+    )
+    _require(
+        config.rollout.weight_transfer in WEIGHT_TRANSFERS,
+        "rollout.weight_transfer",
+        f"must be one of {WEIGHT_TRANSFERS}, got {config.rollout.weight_transfer!r}",
     )
     try:
         schema.to_objective_config(config.objective, rollout_temperature=config.rollout.temperature)

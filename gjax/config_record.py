@@ -41,6 +41,7 @@ HARMLESS = frozenset(
         "eval.max_rows",
         "rollout.server_address",
         "rollout.request_timeout_s",
+        "rollout.weight_transfer",
         "reward.workers",
     }
 )

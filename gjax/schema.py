@@ -238,6 +238,12 @@ SCHEMA: dict[str, Any] = {
         "push_dir": Field(
             "", "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)"
         ),
+        "weight_transfer": Field(
+            "directory",
+            "jetstream_grpc: how new weights reach the server: directory (orbax files in "
+            "push_dir) | grpc (streamed to server_address in the server's dtype; push_dir "
+            "stays the fallback and restart path)",
+        ),
         "prompts_per_step": Field(128, "P: prompts per rollout batch (global)", _COUNT),
         "num_samples": Field(
             8,

@@ -11,6 +11,8 @@ started with `--config.rollout.backend=jetstream_grpc` and the same --config/--w
 its rollouts here and pushes new weights after every update through the directory
 config.rollout.push_dir (default WORKDIR/push; see gjax.rollout.weight_push): this server
 loads each new version between decode steps, and a restarted server starts from the newest.
+With config.rollout.weight_transfer=grpc they are streamed to this port instead
+(gjax.rollout.weight_stream), the directory being the fallback.
 SIGTERM/SIGINT stop it cleanly.
 """
 

@@ -234,6 +234,7 @@ def test_harmful_values_are_rejected(path, value, match):
         ("reward.functions", "accuracy,overlong", r"retired.*config\.sampling\.overlong_buffer"),
         ("data.template", "qwen", r"data\.template: unknown template 'qwen'.*qwen_boxed"),
         ("rollout.backend", "vllm", r"rollout\.backend: must be one of \('local',"),
+        ("rollout.weight_transfer", "nfs", r"rollout\.weight_transfer: must be one of \('dir"),
         ("model.remat", "some", r"model\.remat"),
         ("model.dtype", "fp8", r"model\.dtype"),
         ("objective.advantage", "grpoo", r"config\.objective: unknown advantage estimator 'grpoo'"),

@@ -103,6 +103,15 @@ class ParamsHolder:
             self._current = (params, version)
         return version
 
+    def swap_if_newer(self, params, version: int) -> bool:
+        """Swaps in `params` as `version` unless that is not newer than what is held (two
+        hand-offs, the push directory and the gRPC stream, may race)."""
+        with self._lock:
+            if int(version) <= self._current[1]:
+                return False
+            self._current = (params, int(version))
+        return True
+
 
 def _unwrap(params):
     return params.get() if isinstance(params, ParamsHolder) else (params, 0)

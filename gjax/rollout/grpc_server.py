@@ -6,6 +6,8 @@ servicer, with two additions a shared server needs:
   answered INVALID_ARGUMENT with what was wrong, and never touches a decode slot;
 * a request whose decode slot produced non-finite logits (the engine's `ERROR_TOKEN`) ends
   with INTERNAL instead of returning garbage with status OK.
+The same port serves `gjax.Weights` (`gjax.rollout.weight_stream`): new params streamed by the
+trainer, swapped into the engine's ParamsHolder between decode steps.
 The port is bound without SO_REUSEPORT, so a second server on a taken port fails to start
 instead of sharing it.
 """
@@ -20,6 +22,7 @@ import grpc
 
 from gjax.rollout.engine import Engine
 from gjax.rollout.jetstream_compat import jetstream
+from gjax.rollout.weight_stream import SERVER_OPTIONS, WeightReceiver
 
 pb = jetstream.jetstream_pb2
 
@@ -106,11 +109,14 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gjax-serve")
         self._thread.start()
         self.servicer = Servicer(self.driver, engine)
+        self.weights = WeightReceiver(engine.holder)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
         async def start():
-            server = grpc.aio.server(self._executor, options=[("grpc.so_reuseport", 0)])
+            options = [("grpc.so_reuseport", 0), *SERVER_OPTIONS]
+            server = grpc.aio.server(self._executor, options=options)
             jetstream.jetstream_pb2_grpc.add_OrchestratorServicer_to_server(self.servicer, server)
+            server.add_generic_rpc_handlers((self.weights.handler(),))
             server.add_insecure_port(address)  # RuntimeError if taken
             await server.start()
             return server

@@ -16,7 +16,10 @@ forward. The gRPC reply carries token ids only, so `JetStreamGrpcBackend` return
 
 Weights: `generate(params, ...)` pushes `params` when they are a new object (after every
 update). In-process this swaps the engine's `ParamsHolder` (no recompilation); over gRPC it
-writes them to a versioned directory the server watches (`gjax.rollout.weight_push`).
+writes them to a versioned directory the server watches (`gjax.rollout.weight_push`), or with
+`rollout.weight_transfer='grpc'` streams them to the server (`gjax.rollout.weight_stream`; the
+directory stays the fallback). The seconds and bytes of the push since the last metrics row
+are the step's `rollout/push_s` and `rollout/push_bytes` (0 without a push).
 """
 
 from __future__ import annotations
@@ -70,24 +73,33 @@ class _JetStreamClient:
         self.counters = {"requests": 0, "retried": 0, "dropped": 0}
         self.last_error = None  # the last dropped request's error, for the run's message
         self._last = {}
+        self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
 
     # subclasses
     def _submit(self, request, deadline: float) -> concurrent.futures.Future: ...
-    def _push(self, params) -> int: ...
+    def _push(self, params) -> tuple[int, int]: ...  # (version, bytes sent)
     def _prepare(self, sampling: SamplingParams) -> None: ...
     def _finish(self, rows: dict, out: dict) -> None: ...
 
     def push(self, params) -> int:
         """Serves `params` from now on; returns their policy version."""
         with self._lock:
+            t0 = time.perf_counter()
             self._params_id = id(params)
-            self.version = self._push(params)
+            self.version, nbytes = self._push(params)
             self.latest_version = max(self.latest_version + 1, self.version)
+            self._pushed = {
+                "rollout/push_s": time.perf_counter() - t0,
+                "rollout/push_bytes": float(nbytes),
+            }
             return self.version
 
     def metrics(self) -> dict[str, float]:
-        """The last batch's serving figures (for the step's metrics row)."""
-        return dict(self._last)
+        """The last batch's serving figures and the push since the last call (for the step's
+        metrics row; a push before the first step, e.g. for an evaluation, counts in it)."""
+        out = {**self._last, **self._pushed}
+        self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
+        return out
 
     def failure(self) -> str:
         error = f"last error: {self.last_error}" if self.last_error else "see the warnings above"
@@ -299,8 +311,8 @@ class JetStreamBackend(_JetStreamClient):
         self._serial_of: dict[int, int] = {}  # id(future) -> request serial
         self._placed = 0
 
-    def _push(self, params) -> int:
-        return self.holder.swap(params)
+    def _push(self, params):
+        return self.holder.swap(params), 0  # the same process: nothing is sent
 
     def _prepare(self, sampling):
         self.engine.set_sampling(sampling)
@@ -377,7 +389,8 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = jetstream.jetstream_pb2_grpc.OrchestratorStub(self._channel)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jetstream-grpc")
-        self.weights = weights  # a weight_push.WeightPusher, or None (server keeps its own)
+        # weight_push.WeightPusher or weight_stream.GrpcWeightPusher; None: the server keeps its own
+        self.weights = weights
         # A DecodeRequest carries no sampling settings: the server samples with the run's
         # (`server_sampling`); other settings (greedy held-out evaluation) run on `local`.
         self.server_sampling = server_sampling
@@ -400,6 +413,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
                 num_samples=num_samples,
                 sampling=sampling,
             )
+        behind = getattr(self.weights, "behind", None)  # the gRPC stream's restart check
+        if behind is not None and id(params) == self._params_id and behind():
+            self._params_id = None  # the server restarted from an older version: push again
         return super().generate(
             params,
             prompt_tokens_PxS,
@@ -410,10 +426,10 @@ class JetStreamGrpcBackend(_JetStreamClient):
             **kw,
         )
 
-    def _push(self, params) -> int:
+    def _push(self, params):
         if self.weights is None:
-            return self.version
-        return self.weights.push(params)
+            return self.version, 0
+        return self.weights.push(params), self.weights.last_bytes
 
     def _prepare(self, sampling):
         pass
@@ -438,6 +454,8 @@ class JetStreamGrpcBackend(_JetStreamClient):
         return f"the gjax.serve server at {self.address} (config.rollout.server_address)"
 
     def close(self):
+        if hasattr(self.weights, "close"):
+            self.weights.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()
 
@@ -458,12 +476,19 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             max_retries=r.max_retries,
         )
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    weights = WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s)
+    if r.weight_transfer == "grpc":
+        from gjax.rollout.weight_stream import GrpcWeightPusher
+
+        weights = GrpcWeightPusher(
+            r.server_address, fallback=weights, timeout_s=r.request_timeout_s
+        )
     return JetStreamGrpcBackend(
         r.server_address,
         max_prompt_len=config.data.max_prompt_len,
         server_sampling=rollout_sampling(config, model_cfg, tokenizer),
         local=LocalSampler(model_cfg),
-        weights=WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        weights=weights,
         timeout_s=r.request_timeout_s,
         max_retries=r.max_retries,
     )

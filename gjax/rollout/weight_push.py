@@ -68,9 +68,12 @@ class WeightPusher:
         self.ack_timeout_s = ack_timeout_s
         self.poll_s = poll_s
         self.version = latest_version(self.root) or 0
+        self.last_bytes = 0  # bytes the last push wrote
 
-    def push(self, params) -> int:
-        version = self.version + 1
+    def push(self, params, version: int | None = None) -> int:
+        """Saves `params` as `version` (default: the next one); returns the served version."""
+        version = self.version + 1 if version is None else version
+        self.last_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         path = version_dir(self.root, version)
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(path.resolve(), params, force=True)
@@ -111,7 +114,8 @@ class WeightWatcher:
         if version is None or version <= self.holder.version:
             return False
         params = restore(self.root, version, self.holder.params)
-        self.holder.swap(params, version)
+        if not self.holder.swap_if_newer(params, version):
+            return False  # a newer version arrived over gRPC meanwhile
         _write_int(self.root / "SERVED", version)
         log.info("serving policy version %d", version)
         return True
