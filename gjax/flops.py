@@ -5,14 +5,16 @@ are left out, as in the usual 6ND convention (PaLM, appendix B). Per layer and t
 costs 2 x `layer_matmul_params` (q, k, v, o, gate, up, down kernels); each position whose
 logits are taken costs 2 x D x V (the LM head; the embedding lookup is a gather, 0 FLOPs);
 each (query, key) pair costs 4 x H x Dh per layer (q k^T, then p v). A backward pass is twice
-its forward (gradients with respect to activations and weights); `remat` adds the recomputed
-forward.
+its forward (gradients with respect to activations and weights); `remat` adds what it
+recomputes, and the update's fused loss kernel runs the head 4 times (`FUSED_HEAD_MATMULS`).
 
-"Useful" counts real tokens only: the L-layer stack over each row's prompt + completion
-tokens that are not padding, the head at its real completion tokens, and causal attention
-(the i-th real token attends i real keys). "Executed" counts the shapes the code runs: every
-row at the padded length S, the head at all T completion slots, and the full [S x S] score
-matrix that `dot_attention` computes before masking.
+"Useful" counts real tokens only (6 x params x tokens for forward + backward, 2 x for a
+forward, where params are the matmul weights a token passes through: the layer stack for
+every real prompt + completion token, the head for real completion tokens only, the only
+positions whose logits the learner takes), plus causal attention (the i-th real token of a
+row attends i real keys). "Executed" counts the shapes the code runs: every row at the
+padded length S, the head at all T completion slots (rows padded to the loss kernel's token
+chunk), and the full [S x S] score matrix that `dot_attention` computes before masking.
 """
 
 from __future__ import annotations
@@ -49,13 +51,33 @@ def causal_pairs(lengths_B) -> int:
     return int((n_B * (n_B + 1) // 2).sum())
 
 
-def _recomputed_fraction(cfg: ModelConfig, dense: int, attn: int) -> int:
-    """Forward FLOPs a remat policy recomputes in the backward (`gjax.models.transformer`)."""
-    if cfg.remat == "full":  # the whole layer
-        return dense + attn
-    if cfg.remat == "dots_with_no_batch_dims":  # attention einsums have a batch dim
+def _remat_flops(cfg: ModelConfig, *, tokens: int, attn_pairs: int) -> int:
+    """Forward FLOPs a remat policy redoes in the backward (`gjax.models.transformer`).
+
+    "full" recomputes what the layer's gradients read: q, k, v, gate, up and both attention
+    einsums; the o and down projections' outputs are read by nothing, so JAX drops them.
+    "dots_with_no_batch_dims" keeps the projections and redoes the attention einsums (they
+    have a batch dim); "dots" and "none" keep every matmul output.
+    """
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = 4 * cfg.num_layers * h * dh * attn_pairs
+    if cfg.remat == "full":
+        read = d * h * dh + 2 * d * k * dh + 2 * d * cfg.intermediate_size
+        return 2 * cfg.num_layers * read * tokens + attn
+    if cfg.remat == "dots_with_no_batch_dims":
         return attn
-    return 0  # "none", "dots": every matmul output is kept
+    return 0
+
+
+def chunk_padded(rows: int, token_chunk: int) -> int:
+    """Rows a chunked log-prob kernel runs: `rows` padded to a multiple of its chunk."""
+    c = max(1, min(token_chunk, rows))
+    return c * -(-rows // c)
+
+
+# The update's fused loss kernel (gjax.objective.logprobs.fused_token_loss, store_logits
+# False) makes 4 head matmuls per position: logits, their recompute, dhidden, dhead.
+FUSED_HEAD_MATMULS = 4
 
 
 def learner_flops(
@@ -67,14 +89,19 @@ def learner_flops(
     padded_completion_len_T: int,
     extra_forwards: int,
     num_iterations: int = 1,
+    update_pieces: int = 1,
+    update_token_chunk: int = 1024,
+    logps_token_chunk: int = 256,
 ) -> dict[str, int]:
     """Useful and executed FLOPs of a learner step on B rows `prompt ++ completion`.
 
     `seq_lengths_B`: real (non-padding) tokens per row; `completion_lengths_B`: real
     completion tokens per row; the rows run padded to `padded_len_S`, the head to
     `padded_completion_len_T`. `extra_forwards`: teacher-forced passes before the update
-    (reference and/or old log-probs); the update makes `num_iterations` forward+backward
-    passes over the batch.
+    (reference and/or old log-probs, `token_logps` with `logps_token_chunk`); the update makes
+    `num_iterations` forward+backward passes over the batch in `update_pieces` (minibatches x
+    microbatches) pieces, each through the fused loss kernel with `update_token_chunk`.
+    Useful counts the head as forward + backward (3 matmuls); executed as the kernel runs it.
     """
     rows = len(np.asarray(seq_lengths_B))
     real = int(np.sum(seq_lengths_B))
@@ -84,21 +111,53 @@ def learner_flops(
         logit_tokens=int(np.sum(completion_lengths_B)),
         attn_pairs=causal_pairs(seq_lengths_B),
     )
-    stack_x = forward_flops(cfg, tokens=rows * padded_len_S, logit_tokens=0, attn_pairs=0)
-    attn_x = forward_flops(cfg, tokens=0, logit_tokens=0, attn_pairs=rows * padded_len_S**2)
-    head_x = forward_flops(cfg, tokens=0, logit_tokens=rows * padded_completion_len_T, attn_pairs=0)
-    fwd_x = stack_x + attn_x + head_x
-    update_x = num_iterations * (3 * fwd_x + _recomputed_fraction(cfg, stack_x, attn_x))
+    tokens_x, pairs_x = rows * padded_len_S, rows * padded_len_S**2
+    stack_x = forward_flops(cfg, tokens=tokens_x, logit_tokens=0, attn_pairs=pairs_x)
+    head_rows = rows * padded_completion_len_T
+    logps_x = stack_x + forward_flops(
+        cfg, tokens=0, logit_tokens=chunk_padded(head_rows, logps_token_chunk), attn_pairs=0
+    )
+    piece_rows = chunk_padded(head_rows // update_pieces, update_token_chunk)
+    update_head_x = 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * update_pieces * piece_rows
+    update_stack_x = 3 * stack_x + _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x)
     return {
         "real_tokens": real,
-        "padded_tokens": rows * padded_len_S,
+        "padded_tokens": tokens_x,
         "logps_useful": extra_forwards * fwd_useful,
-        "logps_executed": extra_forwards * fwd_x,
+        "logps_executed": extra_forwards * logps_x,
         "update_useful": 3 * num_iterations * fwd_useful,
-        "update_executed": update_x,
+        "update_stack_executed": num_iterations * update_stack_x,
+        "update_head_executed": num_iterations * update_head_x,
+        "update_executed": num_iterations * (update_stack_x + update_head_x),
         "useful": (extra_forwards + 3 * num_iterations) * fwd_useful,
-        "executed": extra_forwards * fwd_x + update_x,
+        "executed": extra_forwards * logps_x + num_iterations * (update_stack_x + update_head_x),
     }
+
+
+def update_flops_as_xla_counts(
+    cfg: ModelConfig,
+    *,
+    rows: int,
+    padded_len_S: int,
+    padded_completion_len_T: int,
+    update_pieces: int = 1,
+    update_token_chunk: int = 1024,
+) -> int:
+    """The update's executed FLOPs as XLA's cost analysis reports them: it counts a while
+    loop's body once, so one layer (the layer scan, forward and backward), one piece (the
+    iteration / minibatch / microbatch scans) and one token chunk of the loss kernel. Its
+    vocab-tile loop is counted once too: equal only while V fits one tile (4096)."""
+    piece = rows // update_pieces
+    one = learner_flops(
+        cfg.replace(num_layers=1),
+        seq_lengths_B=np.zeros(piece, np.int64),
+        completion_lengths_B=np.zeros(piece, np.int64),
+        padded_len_S=padded_len_S,
+        padded_completion_len_T=padded_completion_len_T,
+        extra_forwards=0,
+    )
+    chunk = max(1, min(update_token_chunk, piece * padded_completion_len_T))
+    return one["update_stack_executed"] + 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * chunk
 
 
 def sampler_flops(

@@ -49,18 +49,33 @@ def test_learner_flops_by_hand():
     )
     got = flops.learner_flops(cfg, **kw)
     # Useful forward: 2*2*576*8 + 2*80*3 + 64*21 = 18432 + 480 + 1344 = 20256.
-    # Executed forward: 2*2*576*12 + 2*80*6 + 64*(2*36) = 27648 + 960 + 4608 = 33216.
+    # Executed stack: 2*2*576*12 + 64*(2*36) = 27648 + 4608 = 32256; head rows 2*3 = 6 (one
+    # chunk): 2*80*6 = 960 per matmul, 1 in the log-prob pass, 4 in the fused loss.
     assert got["real_tokens"] == 8 and got["padded_tokens"] == 12
-    assert got["logps_useful"] == 20256 and got["logps_executed"] == 33216
-    assert got["update_useful"] == 3 * 20256 and got["update_executed"] == 3 * 33216
-    assert got["useful"] == 4 * 20256 and got["executed"] == 4 * 33216
-    # Full remat recomputes the layer stack (dense + attention, not the head) in the backward;
-    # two iterations double the update, not the log-prob pass.
+    assert got["logps_useful"] == 20256 and got["logps_executed"] == 32256 + 960
+    assert got["update_useful"] == 3 * 20256
+    assert got["update_executed"] == 3 * 32256 + 4 * 960
+    assert got["useful"] == 4 * 20256
+    assert got["executed"] == 4 * 32256 + 5 * 960
+    # Full remat redoes q, k, v, gate, up (8*8 + 2*8*4 + 2*8*16 = 384 per layer and token) and
+    # attention: 2*2*384*12 + 4608. Two iterations double the update, not the log-prob pass.
     full = flops.learner_flops(cfg.replace(remat="full"), **{**kw, "num_iterations": 2})
-    assert full["update_executed"] == 2 * (3 * 33216 + 27648 + 4608)
-    assert full["update_useful"] == 6 * 20256 and full["logps_executed"] == 33216
-    dots = flops.learner_flops(cfg.replace(remat="dots"), **kw)
-    assert dots["update_executed"] == 3 * 33216
+    assert full["update_executed"] == 2 * (3 * 32256 + 18432 + 4608 + 4 * 960)
+    assert full["update_useful"] == 6 * 20256 and full["logps_executed"] == 32256 + 960
+    assert flops.learner_flops(cfg.replace(remat="dots"), **kw) == got
+    # Chunks pad the head rows: 6 rows in chunks of 4 run 8; two pieces of 3 rows in chunks
+    # of 2 run 2 x 4.
+    chunked = flops.learner_flops(cfg, **kw, logps_token_chunk=4, update_token_chunk=2)
+    assert chunked["logps_executed"] == 32256 + 2 * 80 * 8
+    halves = flops.learner_flops(cfg, **kw, update_pieces=2, update_token_chunk=2)
+    assert halves["update_head_executed"] == 4 * 2 * 80 * 2 * 4
+    # As XLA counts: one layer (stack 2*576*12 + 32*72 = 16128, x3), one piece, one chunk.
+    assert (
+        flops.update_flops_as_xla_counts(
+            cfg, rows=2, padded_len_S=6, padded_completion_len_T=3, update_pieces=1
+        )
+        == 3 * 16128 + 4 * 960
+    )
 
 
 def test_sampler_flops_by_hand():
