@@ -134,16 +134,20 @@ def policy_dir(args, tmp: str) -> tuple[str, str]:
     from gjax.models.transformer import init_params
 
     tok = build_tokenizer()
-    cfg = make_tiny_policy.model_config(tok)
-    made = "untrained, make_tiny_policy.model_config architecture"
-    if args.shape is not None:
-        dims = SHAPES[args.shape]
-        head_dim = dims["hidden_size"] // dims["num_heads"]
-        cfg = cfg.replace(**dims, head_dim=head_dim, max_position_embeddings=32768)
-        made = f"untrained, {args.shape} shape"
+    cfg = shape_config(make_tiny_policy.model_config(tok), args.shape)
+    made = f"untrained, {args.shape or 'make_tiny_policy.model_config'} shape"
     out = os.path.join(tmp, args.shape or "tiny_qwen2")
     hf_export.save_pretrained(init_params(cfg, jax.random.key(0)), cfg, out, tokenizer=tok)
     return out, made
+
+
+def shape_config(tiny_cfg, shape: str | None):
+    """`make_tiny_policy.model_config` resized to `SHAPES[shape]` (None: unchanged)."""
+    if shape is None:
+        return tiny_cfg
+    dims = SHAPES[shape]
+    head_dim = dims["hidden_size"] // dims["num_heads"]
+    return tiny_cfg.replace(**dims, head_dim=head_dim, max_position_embeddings=32768)
 
 
 def pareto_lengths(rng: np.random.Generator, rows: int, max_len: int) -> np.ndarray:
