@@ -42,8 +42,37 @@ At scale, gjax alone (`--policy DIR --skip-trl --dtype bfloat16`): a Qwen2.5-Mat
 policy (random weights, the character tokenizer) on one H100, P=16 x G=8, 32 + 512 tokens:
 5.34 s/step (sample 1.93, old+ref log-probs and rewards 0.85, update 2.56).
 
+FLOPs and MFU (gjax side; formulas in `gjax/flops.py`): each gjax step reports useful FLOPs
+(6 x params x real tokens for the update, 2 x per teacher-forced pass -- here the reference's
+--, plus causal attention over real tokens; real = prompt + completion tokens that are not
+padding) and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len +
+max_new_tokens, the full score matrix, remat's recompute, the fused loss's 4 head matmuls),
+for the learner part (`update_s`: reference log-probs + update) and for the whole step (the
+sampler's prefill and decode added). The summary gives their ratio (the padding waste),
+useful FLOP/s, and MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`,
+bf16 dense, times the device count), on CPU a best-of-5 f32 2048^3 matmul measured in the
+same run, or `--peak-flops`. It also compiles the update once more and puts XLA's cost
+analysis next to the formula counted as XLA counts (a loop body once: one layer, one
+microbatch, one loss chunk). `--length-dist pareto` cuts each completion to a Pareto length (mean <= T / 4) after
+sampling (the sampler still runs all T steps), so the learner gets ragged rows; `--shape
+qwen2-0.5b|qwen2-1.5b` builds an untrained policy of that Qwen2.5 size.
+
+Measured on this shared 2-core CPU (other work ran beside it; load 1.2-2.3), embedded policy,
+P=16 x G=8, 32 + 48 tokens:
+* default (full length, with TRL): gjax 1.44 s/step, TRL 15.3 s (the load hit TRL hardest;
+  not comparable to the idle figures above). Learner: 55.4 GFLOP useful, 84.6 executed
+  (x1.53: prompts average 17 of 32 tokens, the full score matrix, remat, the 4th head matmul);
+  whole step 66.2 vs 96.3 (x1.45); 49.2 useful GFLOP/s in the learner, MFU 0.34 (learner) /
+  0.32 (step) against 143 GFLOP/s measured for the peak in that run.
+* `--skip-trl --length-dist pareto`: completions average 10.8 of 48 tokens; 0.70 s/step;
+  learner 23.0 GFLOP useful vs 84.6 executed (x3.67), step x3.74; 46.5 useful GFLOP/s, MFU
+  0.10 / 0.08 against 460 GFLOP/s measured in that run.
+The same matmul measured 143-460 GFLOP/s across runs, so on a shared CPU compare useful
+FLOP/s, not MFU. XLA's count of the compiled update was 1.036x the formula's (the elementwise
+ops and the optimizer it also counts).
+
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
-`trl_step_s`, `speedup` (TRL time / gjax time) and the settings.
+`trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
 """
 
 from __future__ import annotations
@@ -613,10 +642,13 @@ def main():
 
     med = lambda recs, k: statistics.median(r[k] for r in recs) if recs else None
 
-    def mfu(flops_key, time_key):  # median over the timed steps of useful FLOP/s / peak
-        if not (gjax_times and peak):
+    def rate(flops_key, time_key):  # median over the timed steps of useful FLOP/s
+        if not gjax_times:
             return None
-        return statistics.median(r[flops_key] / r[time_key] for r in gjax_times) / peak
+        return statistics.median(r[flops_key] / r[time_key] for r in gjax_times)
+
+    def mfu(flops_key, time_key):
+        return rate(flops_key, time_key) / peak if (gjax_times and peak) else None
 
     mean = lambda k: float(np.mean([r[k] for r in gjax_times])) if gjax_times else None
     mfu_fields = {
@@ -630,12 +662,14 @@ def main():
         "learner_executed_over_useful": (
             mean("learner_executed_flops") / mean("learner_useful_flops") if gjax_times else None
         ),
+        "learner_useful_flops_per_s": rate("learner_useful_flops", "update_s"),
         "learner_mfu": mfu("learner_useful_flops", "update_s"),
         "step_useful_flops": mean("step_useful_flops"),
         "step_executed_flops": mean("step_executed_flops"),
         "step_executed_over_useful": (
             mean("step_executed_flops") / mean("step_useful_flops") if gjax_times else None
         ),
+        "step_useful_flops_per_s": rate("step_useful_flops", "step_s"),
         "step_mfu": mfu("step_useful_flops", "step_s"),
         **xla_check,
         "peak_flops": peak,
