@@ -43,18 +43,18 @@ policy (random weights, the character tokenizer) on one H100, P=16 x G=8, 32 + 5
 5.34 s/step (sample 1.93, old+ref log-probs and rewards 0.85, update 2.56).
 
 FLOPs and MFU (gjax side; formulas in `gjax/flops.py`): each gjax step reports useful FLOPs
-(6 x params x real tokens for the update, 2 x per teacher-forced pass -- here the reference's
---, plus causal attention over real tokens; real = prompt + completion tokens that are not
-padding) and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len +
-max_new_tokens, the full score matrix, remat's recompute, the fused loss's 4 head matmuls),
-for the learner part (`update_s`: reference log-probs + update) and for the whole step (the
-sampler's prefill and decode added). The summary gives their ratio (the padding waste),
-useful FLOP/s, and MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`,
-bf16 dense, times the device count), on CPU a best-of-5 f32 2048^3 matmul measured in the
-same run, or `--peak-flops`. It also compiles the update once more and puts XLA's cost
-analysis next to the formula counted as XLA counts (a loop body once: one layer, one
-microbatch, one loss chunk). `--length-dist pareto` cuts each completion to a Pareto length (mean <= T / 4) after
-sampling (the sampler still runs all T steps), so the learner gets ragged rows; `--shape
+(6 x params x real tokens for the update, 2 x per teacher-forced pass -- here the reference's --,
+plus causal attention over real tokens; real = prompt + completion tokens that are not padding)
+and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len + max_new_tokens,
+the full score matrix, remat's recompute, the fused loss's 4 head matmuls), for the learner
+part (`update_s`: reference log-probs + update) and for the whole step (the sampler's prefill
+and decode added). The summary gives their ratio (the padding waste), useful FLOP/s, and
+MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`, bf16 dense, times the
+device count), on CPU a best-of-5 f32 2048^3 matmul measured in the same run, or
+`--peak-flops`. It also compiles the update once more and puts XLA's cost analysis next to the
+formula counted as XLA counts (a loop body once: one layer, one microbatch, one loss chunk).
+`--length-dist pareto` cuts each completion to a Pareto length (mean <= T / 4) after sampling
+(the sampler still runs all T steps), so the learner gets ragged rows; `--shape
 qwen2-0.5b|qwen2-1.5b` builds an untrained policy of that Qwen2.5 size.
 
 Measured on this shared 2-core CPU (other work ran beside it; load 1.2-2.3), embedded policy,
