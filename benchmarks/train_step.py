@@ -42,8 +42,37 @@ At scale, gjax alone (`--policy DIR --skip-trl --dtype bfloat16`): a Qwen2.5-Mat
 policy (random weights, the character tokenizer) on one H100, P=16 x G=8, 32 + 512 tokens:
 5.34 s/step (sample 1.93, old+ref log-probs and rewards 0.85, update 2.56).
 
+FLOPs and MFU (gjax side; formulas in `gjax/flops.py`): each gjax step reports useful FLOPs
+(6 x params x real tokens for the update, 2 x per teacher-forced pass -- here the reference's --,
+plus causal attention over real tokens; real = prompt + completion tokens that are not padding)
+and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len + max_new_tokens,
+the full score matrix, remat's recompute, the fused loss's 4 head matmuls), for the learner
+part (`update_s`: reference log-probs + update) and for the whole step (the sampler's prefill
+and decode added). The summary gives their ratio (the padding waste), useful FLOP/s, and
+MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`, bf16 dense, times the
+device count), on CPU a best-of-5 f32 2048^3 matmul measured in the same run, or
+`--peak-flops`. It also compiles the update once more and puts XLA's cost analysis next to the
+formula counted as XLA counts (a loop body once: one layer, one microbatch, one loss chunk).
+`--length-dist pareto` cuts each completion to a Pareto length (mean <= T / 4) after sampling
+(the sampler still runs all T steps), so the learner gets ragged rows; `--shape
+qwen2-0.5b|qwen2-1.5b` builds an untrained policy of that Qwen2.5 size.
+
+Measured on this shared 2-core CPU (other work ran beside it; load 1.2-2.3), embedded policy,
+P=16 x G=8, 32 + 48 tokens:
+* default (full length, with TRL): gjax 1.44 s/step, TRL 15.3 s (the load hit TRL hardest;
+  not comparable to the idle figures above). Learner: 55.4 GFLOP useful, 84.6 executed
+  (x1.53: prompts average 17 of 32 tokens, the full score matrix, remat, the 4th head matmul);
+  whole step 66.2 vs 96.3 (x1.45); 49.2 useful GFLOP/s in the learner, MFU 0.34 (learner) /
+  0.32 (step) against 143 GFLOP/s measured for the peak in that run.
+* `--skip-trl --length-dist pareto`: completions average 10.8 of 48 tokens; 0.70 s/step;
+  learner 23.0 GFLOP useful vs 84.6 executed (x3.67), step x3.74; 46.5 useful GFLOP/s, MFU
+  0.10 / 0.08 against 460 GFLOP/s measured in that run.
+The same matmul measured 143-460 GFLOP/s across runs, so on a shared CPU compare useful
+FLOP/s, not MFU. XLA's count of the compiled update was 1.036x the formula's (the elementwise
+ops and the optimizer it also counts).
+
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
-`trl_step_s`, `speedup` (TRL time / gjax time) and the settings.
+`trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
 """
 
 from __future__ import annotations
@@ -64,7 +93,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import common, grpo  # noqa: E402
-from gjax import sharding  # noqa: E402
+from gjax import flops, sharding  # noqa: E402
 from gjax.config import validate  # noqa: E402
 from gjax.data.builders import build_prompt_data  # noqa: E402
 from gjax.data.iterator import PromptIterator  # noqa: E402
@@ -78,6 +107,26 @@ from gjax.rollout import LocalSampler  # noqa: E402
 from gjax.rollout.collect import Rollout  # noqa: E402
 
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
+# Qwen2.5 sizes for `--shape` (random weights, the character tokenizer; head_dim = D / H,
+# tied embeddings and q/k/v bias as in make_tiny_policy.model_config).
+SHAPES = {
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+    ),
+    "qwen2-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+    ),
+}
 
 
 def emit(record: dict) -> None:
@@ -105,7 +154,7 @@ def policy_dir(args, tmp: str) -> tuple[str, str]:
     """(HF dir, how it was made)."""
     if args.policy:
         return resolve_model_path(args.policy), "given"
-    if os.path.isdir(EMBEDDED):
+    if args.shape is None and os.path.isdir(EMBEDDED):
         return EMBEDDED, "embedded (gjax/assets/tiny_qwen2)"
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import make_tiny_policy
@@ -114,10 +163,74 @@ def policy_dir(args, tmp: str) -> tuple[str, str]:
     from gjax.models.transformer import init_params
 
     tok = build_tokenizer()
-    cfg = make_tiny_policy.model_config(tok)
-    out = os.path.join(tmp, "tiny_qwen2")
+    cfg = shape_config(make_tiny_policy.model_config(tok), args.shape)
+    made = f"untrained, {args.shape or 'make_tiny_policy.model_config'} shape"
+    out = os.path.join(tmp, args.shape or "tiny_qwen2")
     hf_export.save_pretrained(init_params(cfg, jax.random.key(0)), cfg, out, tokenizer=tok)
-    return out, "untrained, make_tiny_policy.model_config architecture"
+    return out, made
+
+
+def shape_config(tiny_cfg, shape: str | None):
+    """`make_tiny_policy.model_config` resized to `SHAPES[shape]` (None: unchanged)."""
+    if shape is None:
+        return tiny_cfg
+    dims = SHAPES[shape]
+    head_dim = dims["hidden_size"] // dims["num_heads"]
+    return tiny_cfg.replace(**dims, head_dim=head_dim, max_position_embeddings=32768)
+
+
+def pareto_lengths(rng: np.random.Generator, rows: int, max_len: int) -> np.ndarray:
+    """Pareto(alpha 2, x_m = max_len / 8) lengths, floored and clipped to [1, max_len].
+
+    Unclipped, the mean is alpha x_m / (alpha - 1) = max_len / 4; flooring and clipping only
+    lower it (x_m >= 1 needs max_len >= 8).
+    """
+    x_m = max_len / 8
+    lengths = np.floor(x_m * (1.0 + rng.pareto(2.0, rows))).astype(np.int32)
+    return np.clip(lengths, 1, max_len)
+
+
+class ParetoStop:
+    """A `RolloutBackend` around another that stops each completion at a Pareto length.
+
+    A stop rule applied to the sampler's output (gjax's sampler is unchanged and still runs
+    all `max_new_tokens` steps): tokens past the row's length become padding, out of the mask
+    and the log-probs, as if the row had stopped there, so the learner sees ragged rows.
+    """
+
+    def __init__(self, inner, seed: int = 0):
+        self.inner = inner
+        self.returns_logps = inner.returns_logps
+        self.rng = np.random.default_rng(seed)
+
+    def generate(self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling):
+        out = self.inner.generate(
+            params,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples=num_samples,
+            sampling=sampling,
+        )
+        mask_BxN = np.asarray(out.mask_BxN)
+        b, n = mask_BxN.shape
+        keep_BxN = np.arange(n)[None] < pareto_lengths(self.rng, b, n)[:, None]
+        mask_BxN = (mask_BxN * keep_BxN).astype(np.int32)
+        return out._replace(
+            tokens_BxN=np.where(keep_BxN, np.asarray(out.tokens_BxN), sampling.pad_token_id),
+            mask_BxN=mask_BxN,
+            logps_BxN=np.where(keep_BxN, np.asarray(out.logps_BxN), 0.0).astype(np.float32),
+            lengths_B=mask_BxN.sum(-1).astype(np.int32),
+        )
+
+    def push(self, params) -> None:
+        self.inner.push(params)
+
+    def metrics(self) -> dict[str, float]:
+        return self.inner.metrics()
+
+    def close(self) -> None:
+        self.inner.close()
 
 
 # ------------------------------------------------------------------------------------- gjax
@@ -126,7 +239,7 @@ def policy_dir(args, tmp: str) -> tuple[str, str]:
 class GjaxStep:
     """The body of `gjax.train.main`'s RL loop for one step (one rollout round)."""
 
-    def __init__(self, config, path: str, verifier: Verifier, data):
+    def __init__(self, config, path: str, verifier: Verifier, data, length_dist: str = "full"):
         mesh_shape = validate(config, jax.device_count())
         self.mesh = sharding.make_mesh(mesh_shape)
         obj_cfg = common.to_objective_config(
@@ -153,9 +266,12 @@ class GjaxStep:
             train_cfg=config.train,
         )
         self.pipeline = build_rewards(config, verifier)
+        backend = LocalSampler(self.cfg)
+        if length_dist == "pareto":
+            backend = ParetoStop(backend, seed=config.seed)
         self.rollout = Rollout(
             model_cfg=self.cfg,
-            backend=LocalSampler(self.cfg),
+            backend=backend,
             tokenizer=self.tok,
             rewards=self.pipeline,
             transfer=self.learner.transfer,
@@ -164,6 +280,18 @@ class GjaxStep:
         # Full-length completions (no EOS stop), as on the TRL side.
         self.rollout.sampling = dataclasses.replace(self.rollout.sampling, stop_token_ids=())
         self.P = config.rollout.prompts_per_step
+        # Teacher-forced passes in `Learner.batch`: the reference's, and the policy's own
+        # when old log-probs are recomputed (never here: the sampler's are used).
+        self.extra_forwards = 1 + int(self.learner.anchors or self.learner.recompute_old)
+        t = config.train
+        chunk = obj_cfg.token_chunk  # None: each kernel's default
+        self.kernel_shapes = dict(
+            num_iterations=t.num_iterations,
+            update_pieces=t.minibatches * t.microbatches,
+            update_token_chunk=chunk or 1024,
+            logps_token_chunk=chunk or 256,
+        )
+        self.last_batch = None
         self.data_iter = PromptIterator(data, global_batch_size=self.P, seed=0, shuffle=True)
         self.base_key = jax.random.key(config.seed)
         self.i = 0
@@ -183,8 +311,10 @@ class GjaxStep:
         )
         jax.block_until_ready((self.state, metrics))
         t2 = time.perf_counter()
+        self.last_batch = batch
         lengths = groups.completion_mask_PxGxN.sum(-1)
         return {
+            **self.flops(groups, batch),
             "step_s": t2 - t0,
             "step_cpu_s": time.process_time() - c0,
             "sample_s": res.metrics["time/sample_s"],
@@ -193,6 +323,72 @@ class GjaxStep:
             "reward_mean": res.metrics["reward/mean"],
             "completion_tokens": int(lengths.sum()),
             "loss": float(metrics["loss/total"]) if "loss/total" in metrics else None,
+        }
+
+    def flops(self, groups, batch) -> dict:
+        """Useful and executed FLOPs of this step's learner part and of the whole step."""
+        p, g, n = groups.completion_mask_PxGxN.shape
+        prompt_P = groups.prompt_mask_PxS.sum(-1)
+        completion_B = groups.completion_mask_PxGxN.reshape(p * g, n).sum(-1)
+        learner = flops.learner_flops(
+            self.cfg,
+            seq_lengths_B=np.repeat(prompt_P, g) + completion_B,
+            completion_lengths_B=completion_B,
+            padded_len_S=batch["input_ids_BxS"].shape[1],
+            padded_completion_len_T=batch["targets_BxT"].shape[1],
+            extra_forwards=self.extra_forwards,
+            **self.kernel_shapes,
+        )
+        # No stop tokens: the sampler's decode loop runs all max_new_tokens steps.
+        assert self.rollout.sampling.stop_token_ids == ()
+        steps = self.rollout.sampling.max_new_tokens
+        sampler = flops.sampler_flops(
+            self.cfg,
+            prompt_lengths_P=prompt_P,
+            completion_lengths_B=completion_B,
+            padded_prompt_len_S=groups.prompt_ids_PxS.shape[1],
+            decode_steps_N=steps,
+            cache_len_N=steps,
+        )
+        return {
+            "real_tokens": learner["real_tokens"],
+            "padded_tokens": learner["padded_tokens"],
+            "learner_useful_flops": learner["useful"],
+            "learner_executed_flops": learner["executed"],
+            "step_useful_flops": learner["useful"] + sampler["useful"],
+            "step_executed_flops": learner["executed"] + sampler["executed"],
+        }
+
+    def xla_update_check(self) -> dict:
+        """XLA's FLOP count of the compiled update next to the formula's, for the last batch.
+
+        XLA's cost analysis counts a while-loop body once, so the formula is taken as it does
+        (`flops.update_flops_as_xla_counts`); XLA also counts elementwise ops, which the
+        formula leaves out.
+        """
+        batch = self.last_batch
+        try:
+            compiled = self.learner.update.lower(self.state, batch, self.base_key).compile()
+            analysis = compiled.cost_analysis()
+            if isinstance(analysis, list):  # older jax: one dict per computation
+                analysis = analysis[0]
+            xla = float(analysis["flops"])
+        except Exception as e:  # noqa: BLE001 (a backend without cost analysis)
+            return {"xla_update_flops": None, "xla_update_note": f"unavailable: {e!r}"[:200]}
+        b, t = batch["targets_BxT"].shape
+        formula = flops.update_flops_as_xla_counts(
+            self.cfg,
+            rows=b,
+            padded_len_S=batch["input_ids_BxS"].shape[1],
+            padded_completion_len_T=t,
+            update_pieces=self.kernel_shapes["update_pieces"],
+            update_token_chunk=self.kernel_shapes["update_token_chunk"],
+        )
+        return {
+            "xla_update_flops": xla,
+            "update_executed_flops_as_xla_counts": formula,
+            "xla_over_formula": xla / formula,
+            "xla_update_note": "XLA counts a loop body once: one layer, piece and token chunk",
         }
 
     def close(self):
@@ -313,6 +509,39 @@ def run_trl(args, config, path: str, verifier: Verifier, data, between=None) -> 
     return times
 
 
+# -------------------------------------------------------------------------------------- MFU
+
+
+def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of `repeats` f32 [n x n] @ [n x n] matmuls on the default device."""
+    a = jax.random.normal(jax.random.key(0), (n, n), np.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), np.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    matmul(a, b).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        matmul(a, b).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best
+
+
+def peak_flops(given: float | None) -> tuple[float | None, str]:
+    """(peak FLOP/s of all devices, where it came from)."""
+    if given:
+        return given, "--peak-flops"
+    dev = jax.devices()[0]
+    if dev.platform == "cpu":
+        return measured_matmul_flops(), (
+            "measured in this run: best of 5 f32 2048^3 matmuls (jit, all cores of this CPU)"
+        )
+    found = flops.table_peak_flops(dev.device_kind)
+    if found is None:
+        return None, f"unknown device kind {dev.device_kind!r}: pass --peak-flops"
+    peak, name = found
+    return peak * jax.device_count(), f"table: {name} x {jax.device_count()} device(s)"
+
+
 # ------------------------------------------------------------------------------------- main
 
 
@@ -330,7 +559,21 @@ def main():
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per engine")
     ap.add_argument("--reward-workers", type=int, default=1)
     ap.add_argument("--skip-trl", action="store_true", help="only time gjax")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default=None, help="untrained Qwen2.5-sized policy"
+    )
+    ap.add_argument(
+        "--length-dist",
+        choices=("full", "pareto"),
+        default="full",
+        help="completion lengths: all max_new_tokens, or Pareto with mean <= max_new_tokens / 4",
+    )
+    ap.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU")
     args = ap.parse_args()
+    if args.shape and args.policy:
+        ap.error("--shape builds its own policy: give --shape or --policy, not both")
+    if args.length_dist == "pareto" and args.new_tokens < 8:
+        ap.error(f"--length-dist pareto needs --new-tokens >= 8, got {args.new_tokens}")
 
     config = make_config(args)
     import torch
@@ -342,7 +585,7 @@ def main():
         path, made = policy_dir(args, tmp)
         t0 = time.perf_counter()
         data = build_prompt_data(config.data, hf_import.load_tokenizer(path))
-        gjax_step = GjaxStep(config, path, verifier, data)
+        gjax_step = GjaxStep(config, path, verifier, data, length_dist=args.length_dist)
         settings = {
             "policy": made,
             "params": int(sum(x.size for x in jax.tree.leaves(gjax_step.state.params))),
@@ -352,6 +595,7 @@ def main():
             "max_prompt_len": args.prompt_len,
             "max_new_tokens": args.new_tokens,
             "eos_stop": False,
+            "length_dist": args.length_dist,
             "temperature": args.temperature,
             "objective": "grpo (ppo_clip 0.2, k3 KL beta 0.04, seq_mean_token_mean)",
             "prompt_tokens_mean": float(np.mean([len(x) for x in data.prompt_ids])),
@@ -392,9 +636,45 @@ def main():
             "update": gjax_step.learner.update._cache_size(),
             "logps": gjax_step.learner.logps._cache_size(),
         }
+        xla_check = gjax_step.xla_update_check()
         gjax_step.close()
+    peak, peak_source = peak_flops(args.peak_flops)
 
     med = lambda recs, k: statistics.median(r[k] for r in recs) if recs else None
+
+    def rate(flops_key, time_key):  # median over the timed steps of useful FLOP/s
+        if not gjax_times:
+            return None
+        return statistics.median(r[flops_key] / r[time_key] for r in gjax_times)
+
+    def mfu(flops_key, time_key):
+        return rate(flops_key, time_key) / peak if (gjax_times and peak) else None
+
+    mean = lambda k: float(np.mean([r[k] for r in gjax_times])) if gjax_times else None
+    mfu_fields = {
+        "gjax_completion_len_mean": (
+            mean("completion_tokens") / (args.prompts * args.samples) if gjax_times else None
+        ),
+        "gjax_real_tokens": mean("real_tokens"),
+        "gjax_padded_tokens": mean("padded_tokens"),
+        "learner_useful_flops": mean("learner_useful_flops"),
+        "learner_executed_flops": mean("learner_executed_flops"),
+        "learner_executed_over_useful": (
+            mean("learner_executed_flops") / mean("learner_useful_flops") if gjax_times else None
+        ),
+        "learner_useful_flops_per_s": rate("learner_useful_flops", "update_s"),
+        "learner_mfu": mfu("learner_useful_flops", "update_s"),
+        "step_useful_flops": mean("step_useful_flops"),
+        "step_executed_flops": mean("step_executed_flops"),
+        "step_executed_over_useful": (
+            mean("step_executed_flops") / mean("step_useful_flops") if gjax_times else None
+        ),
+        "step_useful_flops_per_s": rate("step_useful_flops", "step_s"),
+        "step_mfu": mfu("step_useful_flops", "step_s"),
+        **xla_check,
+        "peak_flops": peak,
+        "peak_source": peak_source,
+    }
     g = med(gjax_times, "step_s")
     t = med(trl_times, "step_s")
     emit(
@@ -424,6 +704,7 @@ def main():
             "gjax_update_compiles": compiles["update"],
             "gjax_logps_compiles": compiles["logps"],
             "gjax_steps_timed": len(gjax_times),
+            **mfu_fields,
             "trl_steps_timed": len(trl_times),
             **settings,
         }

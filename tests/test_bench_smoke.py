@@ -3,11 +3,14 @@ and the last line is the summary with consistent figures. Speed itself is never 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import jax
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,3 +50,70 @@ def test_train_step_benchmark_smoke():
     # EOS stopping is off on both sides: every completion is full length.
     assert gjax["completion_tokens"] == 8 * 6
     assert trl["completion_len"] == 6
+    # FLOPs: full-length completions leave only prompt padding; the CPU peak is measured.
+    assert s["learner_executed_flops"] >= s["learner_useful_flops"] > 0
+    assert s["step_useful_flops"] > s["learner_useful_flops"]
+    assert s["learner_mfu"] > 0 and s["peak_source"].startswith("measured")
+    # XLA counts every matmul the formula does, plus elementwise ops.
+    assert 1.0 <= s["xla_over_formula"] <= 1.15
+
+
+def _train_step_module():
+    spec = importlib.util.spec_from_file_location(
+        "train_step_bench", os.path.join(ROOT, "benchmarks", "train_step.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "shape, params", [("qwen2-0.5b", 494_032_768), ("qwen2-1.5b", 1_543_714_304)]
+)
+def test_shapes_have_qwen25_parameter_counts(shape, params):
+    # The parameter counts of Qwen/Qwen2.5-0.5B and -1.5B (tied embeddings, q/k/v bias).
+    bench = _train_step_module()
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import make_tiny_policy
+
+    from gjax.data.tokenizer import build_tokenizer
+    from gjax.models.transformer import abstract_params
+
+    cfg = bench.shape_config(make_tiny_policy.model_config(build_tokenizer()), shape)
+    assert cfg.head_dim * cfg.num_heads == cfg.hidden_size
+    assert sum(x.size for x in jax.tree.leaves(abstract_params(cfg))) == params
+
+
+def test_pareto_lengths_mean_at_most_a_quarter():
+    bench = _train_step_module()
+    lengths = bench.pareto_lengths(np.random.default_rng(0), 200_000, 48)
+    assert lengths.min() >= 1 and lengths.max() <= 48
+    assert lengths.max() == 48  # a heavy tail: some rows still run to the limit
+    assert lengths.mean() <= 48 / 4
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_pareto_smoke():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "train_step.py"),
+            *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--skip-trl"),
+            *("--warmup", "0", "--repeats", "1", "--length-dist", "pareto"),
+            *("--peak-flops", "1e12"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    s, step = records[-1], next(r for r in records if r["what"] == "gjax_step")
+    assert s["length_dist"] == "pareto" and 0 < step["completion_tokens"] < 8 * 16
+    assert s["learner_executed_over_useful"] > 1.5  # ragged rows padded to 32 + 16
+    assert s["peak_flops"] == 1e12 and s["peak_source"] == "--peak-flops"
+    assert s["learner_mfu"] == pytest.approx(step["learner_useful_flops"] / step["update_s"] / 1e12)

@@ -1,0 +1,220 @@
+"""Matmul FLOP counts of gjax's transformer passes, for MFU (benchmarks/train_step.py).
+
+Only matmuls count (2 FLOPs per multiply-add); norms, RoPE, softmax, biases and the optimizer
+are left out, as in the usual 6ND convention (PaLM, appendix B). Per layer and token a pass
+costs 2 x `layer_matmul_params` (q, k, v, o, gate, up, down kernels); each position whose
+logits are taken costs 2 x D x V (the LM head; the embedding lookup is a gather, 0 FLOPs);
+each (query, key) pair costs 4 x H x Dh per layer (q k^T, then p v). A backward pass is twice
+its forward (gradients with respect to activations and weights); `remat` adds what it
+recomputes, and the update's fused loss kernel runs the head 4 times (`FUSED_HEAD_MATMULS`).
+
+"Useful" counts real tokens only (6 x params x tokens for forward + backward, 2 x for a
+forward, where params are the matmul weights a token passes through: the layer stack for
+every real prompt + completion token, the head for real completion tokens only, the only
+positions whose logits the learner takes), plus causal attention (the i-th real token of a
+row attends i real keys). "Executed" counts the shapes the code runs: every row at the
+padded length S, the head at all T completion slots (rows padded to the loss kernel's token
+chunk), and the full [S x S] score matrix that `dot_attention` computes before masking.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gjax.models.config import ModelConfig
+
+
+def layer_matmul_params(cfg: ModelConfig) -> int:
+    """Kernel weights of one decoder layer (attention q/k/v/o and the SwiGLU MLP)."""
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    q_o = 2 * d * cfg.num_heads * cfg.head_dim
+    k_v = 2 * d * cfg.num_kv_heads * cfg.head_dim
+    return q_o + k_v + 3 * d * f
+
+
+def head_matmul_params(cfg: ModelConfig) -> int:
+    return cfg.hidden_size * cfg.vocab_size
+
+
+def forward_flops(cfg: ModelConfig, *, tokens: int, logit_tokens: int, attn_pairs: int) -> int:
+    """One forward pass: the layer stack over `tokens` positions, the head at `logit_tokens`,
+    attention over `attn_pairs` (query, key) pairs summed over rows."""
+    stack = 2 * cfg.num_layers * layer_matmul_params(cfg) * tokens
+    head = 2 * head_matmul_params(cfg) * logit_tokens
+    attn = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * attn_pairs
+    return int(stack + head + attn)
+
+
+def causal_pairs(lengths_B) -> int:
+    """(query, key) pairs of causal attention over rows of `lengths_B` real tokens."""
+    n_B = np.asarray(lengths_B, np.int64)
+    return int((n_B * (n_B + 1) // 2).sum())
+
+
+def _remat_flops(cfg: ModelConfig, *, tokens: int, attn_pairs: int) -> int:
+    """Forward FLOPs a remat policy redoes in the backward (`gjax.models.transformer`).
+
+    "full" recomputes what the layer's gradients read: q, k, v, gate, up and both attention
+    einsums; the o and down projections' outputs are read by nothing, so JAX drops them.
+    "dots_with_no_batch_dims" keeps the projections and redoes the attention einsums (they
+    have a batch dim); "dots" and "none" keep every matmul output.
+    """
+    d, h, k, dh = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    attn = 4 * cfg.num_layers * h * dh * attn_pairs
+    if cfg.remat == "full":
+        read = d * h * dh + 2 * d * k * dh + 2 * d * cfg.intermediate_size
+        return 2 * cfg.num_layers * read * tokens + attn
+    if cfg.remat == "dots_with_no_batch_dims":
+        return attn
+    return 0
+
+
+def chunk_padded(rows: int, token_chunk: int) -> int:
+    """Rows a chunked log-prob kernel runs: `rows` padded to a multiple of its chunk."""
+    c = max(1, min(token_chunk, rows))
+    return c * -(-rows // c)
+
+
+# The update's fused loss kernel (gjax.objective.logprobs.fused_token_loss, store_logits
+# False) makes 4 head matmuls per position: logits, their recompute, dhidden, dhead.
+FUSED_HEAD_MATMULS = 4
+
+
+def learner_flops(
+    cfg: ModelConfig,
+    *,
+    seq_lengths_B,
+    completion_lengths_B,
+    padded_len_S: int,
+    padded_completion_len_T: int,
+    extra_forwards: int,
+    num_iterations: int = 1,
+    update_pieces: int = 1,
+    update_token_chunk: int = 1024,
+    logps_token_chunk: int = 256,
+) -> dict[str, int]:
+    """Useful and executed FLOPs of a learner step on B rows `prompt ++ completion`.
+
+    `seq_lengths_B`: real (non-padding) tokens per row; `completion_lengths_B`: real
+    completion tokens per row; the rows run padded to `padded_len_S`, the head to
+    `padded_completion_len_T`. `extra_forwards`: teacher-forced passes before the update
+    (reference and/or old log-probs, `token_logps` with `logps_token_chunk`); the update makes
+    `num_iterations` forward+backward passes over the batch in `update_pieces` (minibatches x
+    microbatches) pieces, each through the fused loss kernel with `update_token_chunk`.
+    Useful counts the head as forward + backward (3 matmuls); executed as the kernel runs it.
+    """
+    rows = len(np.asarray(seq_lengths_B))
+    real = int(np.sum(seq_lengths_B))
+    fwd_useful = forward_flops(
+        cfg,
+        tokens=real,
+        logit_tokens=int(np.sum(completion_lengths_B)),
+        attn_pairs=causal_pairs(seq_lengths_B),
+    )
+    tokens_x, pairs_x = rows * padded_len_S, rows * padded_len_S**2
+    stack_x = forward_flops(cfg, tokens=tokens_x, logit_tokens=0, attn_pairs=pairs_x)
+    head_rows = rows * padded_completion_len_T
+    logps_x = stack_x + forward_flops(
+        cfg, tokens=0, logit_tokens=chunk_padded(head_rows, logps_token_chunk), attn_pairs=0
+    )
+    piece_rows = chunk_padded(head_rows // update_pieces, update_token_chunk)
+    update_head_x = 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * update_pieces * piece_rows
+    update_stack_x = 3 * stack_x + _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x)
+    return {
+        "real_tokens": real,
+        "padded_tokens": tokens_x,
+        "logps_useful": extra_forwards * fwd_useful,
+        "logps_executed": extra_forwards * logps_x,
+        "update_useful": 3 * num_iterations * fwd_useful,
+        "update_stack_executed": num_iterations * update_stack_x,
+        "update_head_executed": num_iterations * update_head_x,
+        "update_executed": num_iterations * (update_stack_x + update_head_x),
+        "useful": (extra_forwards + 3 * num_iterations) * fwd_useful,
+        "executed": extra_forwards * logps_x + num_iterations * (update_stack_x + update_head_x),
+    }
+
+
+def update_flops_as_xla_counts(
+    cfg: ModelConfig,
+    *,
+    rows: int,
+    padded_len_S: int,
+    padded_completion_len_T: int,
+    update_pieces: int = 1,
+    update_token_chunk: int = 1024,
+) -> int:
+    """The update's executed FLOPs as XLA's cost analysis reports them: it counts a while
+    loop's body once, so one layer (the layer scan, forward and backward), one piece (the
+    iteration / minibatch / microbatch scans) and one token chunk of the loss kernel. Its
+    vocab-tile loop is counted once too: equal only while V fits one tile (4096)."""
+    piece = rows // update_pieces
+    one = learner_flops(
+        cfg.replace(num_layers=1),
+        seq_lengths_B=np.zeros(piece, np.int64),
+        completion_lengths_B=np.zeros(piece, np.int64),
+        padded_len_S=padded_len_S,
+        padded_completion_len_T=padded_completion_len_T,
+        extra_forwards=0,
+    )
+    chunk = max(1, min(update_token_chunk, piece * padded_completion_len_T))
+    return one["update_stack_executed"] + 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * chunk
+
+
+def sampler_flops(
+    cfg: ModelConfig,
+    *,
+    prompt_lengths_P,
+    completion_lengths_B,
+    padded_prompt_len_S: int,
+    decode_steps_N: int,
+    cache_len_N: int,
+) -> dict[str, int]:
+    """Useful and executed FLOPs of `gjax.rollout.sampler.generate` (B = P*G rows).
+
+    Prefill runs once per prompt (head at its last position); each decode step runs all B
+    rows (head included) against the whole [S] prompt cache and [N] own cache. Useful: the
+    real prompt tokens once, each real completion token once, attending its real keys.
+    """
+    p_P = np.asarray(prompt_lengths_P, np.int64)
+    c_B = np.asarray(completion_lengths_B, np.int64)
+    rows, prompts = len(c_B), len(p_P)
+    p_B = np.repeat(p_P, rows // prompts)
+    # Completion token j (0-based) attends the p prompt keys and j + 1 own keys.
+    decode_pairs = int((c_B * p_B).sum()) + causal_pairs(c_B)
+    useful = forward_flops(
+        cfg, tokens=int(p_P.sum()), logit_tokens=prompts, attn_pairs=causal_pairs(p_P)
+    ) + forward_flops(
+        cfg, tokens=int(c_B.sum()), logit_tokens=int(c_B.sum()), attn_pairs=decode_pairs
+    )
+    executed = forward_flops(
+        cfg,
+        tokens=prompts * padded_prompt_len_S,
+        logit_tokens=prompts,
+        attn_pairs=prompts * padded_prompt_len_S**2,
+    ) + forward_flops(
+        cfg,
+        tokens=rows * decode_steps_N,
+        logit_tokens=rows * decode_steps_N,
+        attn_pairs=rows * decode_steps_N * (padded_prompt_len_S + cache_len_N),
+    )
+    return {"useful": useful, "executed": executed}
+
+
+# Dense bf16 peak FLOP/s per chip (vendor figures), matched in order against a lower-cased
+# `jax.Device.device_kind` ("NVIDIA H100 80GB HBM3", "TPU v5 lite", "TPU v5", "TPU v4").
+PEAK_FLOPS = (
+    (("h100", "h200"), 989e12, "H100/H200 bf16 dense"),
+    (("a100",), 312e12, "A100 bf16 dense"),
+    (("v5 lite", "v5e"), 197e12, "TPU v5e bf16"),
+    (("v5p", "tpu v5"), 459e12, "TPU v5p bf16"),
+    (("v4",), 275e12, "TPU v4 bf16"),
+)
+
+
+def table_peak_flops(device_kind: str) -> tuple[float, str] | None:
+    """(peak FLOP/s of one chip, its name) for a known accelerator, else None."""
+    kind = device_kind.lower()
+    for keys, peak, name in PEAK_FLOPS:
+        if any(k in kind for k in keys):
+            return peak, name
+    return None
