@@ -224,14 +224,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
-        try:
-            produced = producer.get(step)
-        except ServingFailed as e:  # nothing was trained on the failed rollouts
-            checkpointer.wait()  # so the checkpoint named below is complete
-            raise ServingFailed(
-                f"step {step + 1}: {e} {checkpointer.last_intact()} Start the server again "
-                "(or fix config.rollout.server_address), then rerun the same command."
-            ) from e
+        produced = _produce(producer, step, checkpointer)
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()
@@ -368,6 +361,19 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
         progress=config.log.progress and multihost.is_primary(),
         transfer=learner.transfer,
     )
+
+
+def _produce(producer, step: int, checkpointer):
+    """Step `step`'s batch from the producer; a rollout whose requests all failed stops the
+    run here, before anything trains on it, naming the last intact checkpoint."""
+    try:
+        return producer.get(step)
+    except ServingFailed as e:
+        checkpointer.wait()  # so the checkpoint named below is complete
+        raise ServingFailed(
+            f"step {step + 1}: {e} {checkpointer.last_intact()} Start the server again "
+            "(or fix config.rollout.server_address), then rerun the same command."
+        ) from e
 
 
 def _heldout_before(meta: dict, evaluate, params) -> None:
