@@ -227,7 +227,9 @@ SCHEMA: dict[str, Any] = {
         ),
         "request_timeout_s": Field(
             600.0,
-            "jetstream*: deadline of a batch of requests, retries included, seconds",
+            "jetstream*: deadline of a batch of requests, retries included, seconds (a "
+            "server that is down is waited for this long; a rollout whose requests all failed "
+            "is tried again only within it)",
             Range("(0, 86400]"),
         ),
         "max_retries": Field(
