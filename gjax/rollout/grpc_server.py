@@ -20,7 +20,7 @@ import threading
 
 import grpc
 
-from gjax.rollout.engine import Engine
+from gjax.rollout.engine import PREFILL_BUCKETS, Engine
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.weight_stream import SERVER_OPTIONS, WeightReceiver
 
@@ -145,8 +145,6 @@ class Server:
 
     def warm_up(self) -> None:
         """Compiles prefill (every bucket), insert and generate before the first client."""
-        from gjax.rollout.engine import PREFILL_BUCKETS
-
         for bucket in PREFILL_BUCKETS[: PREFILL_BUCKETS.index(self.engine.max_prefill_length) + 1]:
             content = pb.DecodeRequest.TokenContent(token_ids=[0] * (bucket - 1))
             self.decode(pb.DecodeRequest(token_content=content, max_tokens=1))

@@ -478,6 +478,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
     weights = WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s)
     if r.weight_transfer == "grpc":
+        # grpc is optional (the jetstream extra): imported only for the streamed hand-off.
         from gjax.rollout.weight_stream import GrpcWeightPusher
 
         weights = GrpcWeightPusher(
