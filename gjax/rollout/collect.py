@@ -147,9 +147,10 @@ class Rollout:
             if out.valid_B is None or multihost.any_process(np.asarray(out.valid_B).any()):
                 break
             # Tried again only while the first try's request deadline lasts: a try that waited
-            # it out (a server that is down) is not repeated.
+            # it out (a server that is down) is not repeated. Every process decides alike.
             spent = time.monotonic() - start
-            if tries > ALL_DROPPED_RETRIES or spent >= self.request_timeout_s:
+            late = tries > ALL_DROPPED_RETRIES or spent >= self.request_timeout_s
+            if multihost.any_process(late):
                 raise ServingFailed(
                     f"every rollout request failed on {tries} tr{'y' if tries == 1 else 'ies'} "
                     f"of the same rollout in {spent:.0f} s ({len(out.valid_B)} requests each; "
