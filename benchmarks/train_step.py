@@ -229,6 +229,9 @@ class ParetoStop:
     def metrics(self) -> dict[str, float]:
         return self.inner.metrics()
 
+    def failure(self) -> str:
+        return self.inner.failure()
+
     def close(self) -> None:
         self.inner.close()
 

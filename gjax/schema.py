@@ -537,14 +537,20 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
     return cfg
 
 
+def objective_as_trained(objective: dict, rollout_temperature: float) -> dict:
+    """config.objective's fields as the loss uses them: an unset temperature is the rollout's
+    (the loss scores at the sampling temperature)."""
+    if objective["temperature"] is None:
+        return {**objective, "temperature": rollout_temperature}
+    return objective
+
+
 def to_objective_config(
     objective_cfg: ml_collections.ConfigDict, *, rollout_temperature: float
 ) -> ObjectiveConfig:
     """ConfigDict -> the frozen `ObjectiveConfig` (its own validation names bad fields); an
     unset temperature is `rollout_temperature` (the loss scores at the sampling one)."""
-    d = objective_cfg.to_dict()
-    if d["temperature"] is None:
-        d["temperature"] = rollout_temperature
+    d = objective_as_trained(objective_cfg.to_dict(), rollout_temperature)
     for kind in ("advantage", "token_weights"):
         valid = hyperparameters(kind, d[kind])
         unknown = sorted(set(d[f"{kind}_kwargs"]) - set(valid))

@@ -78,7 +78,10 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
     return {
         "model.path": config.model.path,
         "algo": config.algo,
-        "objective": json.dumps(_objective_fields(config), sort_keys=True),
+        "objective": json.dumps(
+            schema.objective_as_trained(config.objective.to_dict(), config.rollout.temperature),
+            sort_keys=True,
+        ),
         "rollout.num_samples": config.rollout.num_samples,
         "rollout.prompts_per_step": config.rollout.prompts_per_step,
         "rollout.max_new_tokens": config.rollout.max_new_tokens,
@@ -87,14 +90,6 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         "anchors.per_group": config.anchors.per_group,
         "seed": config.seed,
     }
-
-
-def _objective_fields(config: ml_collections.ConfigDict) -> dict:
-    """config.objective as the loss sees it: an unset temperature is the rollout's."""
-    fields = config.objective.to_dict()
-    if fields["temperature"] is None:
-        fields["temperature"] = config.rollout.temperature
-    return fields
 
 
 def main(argv) -> None:

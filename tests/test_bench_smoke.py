@@ -16,17 +16,12 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.slow
-def test_train_step_benchmark_smoke():
+def _train_step_records(*args: str) -> list[dict]:
+    """`benchmarks/train_step.py ARGS` as it is run by hand (one CPU device): its JSON lines."""
     env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # one CPU device, as the benchmark is run by hand
+    env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "train_step.py"),
-            *("--prompts", "2", "--samples", "4", "--new-tokens", "6"),
-            *("--warmup", "0", "--trl-warmup", "0", "--repeats", "1"),
-        ],
+        [sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -34,7 +29,15 @@ def test_train_step_benchmark_smoke():
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+
+
+@pytest.mark.slow
+def test_train_step_benchmark_smoke():
+    records = _train_step_records(
+        *("--prompts", "2", "--samples", "4", "--new-tokens", "6"),
+        *("--warmup", "0", "--trl-warmup", "0", "--repeats", "1"),
+    )
     kinds = [r["what"] for r in records]
     assert kinds[0] == "setup" and kinds[-1] == "summary"
     assert kinds.count("gjax_step") == 1 and kinds.count("trl_step") == 1
@@ -94,24 +97,11 @@ def test_pareto_lengths_mean_at_most_a_quarter():
 
 @pytest.mark.slow
 def test_train_step_benchmark_pareto_smoke():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(ROOT, "benchmarks", "train_step.py"),
-            *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--skip-trl"),
-            *("--warmup", "0", "--repeats", "1", "--length-dist", "pareto"),
-            *("--peak-flops", "1e12"),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    records = _train_step_records(
+        *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--skip-trl"),
+        *("--warmup", "0", "--repeats", "1", "--length-dist", "pareto"),
+        *("--peak-flops", "1e12"),
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    records = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
     s, step = records[-1], next(r for r in records if r["what"] == "gjax_step")
     assert s["length_dist"] == "pareto" and 0 < step["completion_tokens"] < 8 * 16
     assert s["learner_executed_over_useful"] > 1.5  # ragged rows padded to 32 + 16

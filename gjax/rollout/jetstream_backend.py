@@ -413,9 +413,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
                 num_samples=num_samples,
                 sampling=sampling,
             )
-        behind = getattr(self.weights, "behind", None)  # the gRPC stream's restart check
-        if behind is not None and id(params) == self._params_id and behind():
-            self._params_id = None  # the server restarted from an older version: push again
+        # A server that restarted from an older version (the gRPC stream's case): push again.
+        if self.weights is not None and id(params) == self._params_id and self.weights.behind():
+            self._params_id = None
         return super().generate(
             params,
             prompt_tokens_PxS,
@@ -454,7 +454,7 @@ class JetStreamGrpcBackend(_JetStreamClient):
         return f"the gjax.serve server at {self.address} (config.rollout.server_address)"
 
     def close(self):
-        if hasattr(self.weights, "close"):
+        if self.weights is not None:
             self.weights.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._channel.close()

@@ -97,6 +97,13 @@ class WeightPusher:
         )
         return served
 
+    def behind(self) -> bool:
+        """Never: a restarted server loads the newest version in the directory itself."""
+        return False
+
+    def close(self) -> None:
+        pass  # nothing held between pushes
+
 
 class WeightWatcher:
     """Server side: polls LATEST and swaps each new version into `holder` (a ParamsHolder)."""
