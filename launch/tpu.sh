@@ -9,6 +9,14 @@
 #   launch/tpu.sh stop    NAME ZONE                  # SIGTERM: checkpoint, then exit
 #   launch/tpu.sh delete  NAME ZONE                  # delete the VM (or its queued resource)
 #   launch/tpu.sh up      NAME ZONE ACCELERATOR CONFIG WORKDIR [...]    # create+install+train+logs
+#   launch/tpu.sh serve   NAME ZONE CONFIG WORKDIR [--config.x=y ...]   # gjax.serve, rollout VM
+#   launch/tpu.sh address NAME ZONE                  # HOST:PORT a rollout VM serves on
+#
+# Pod layout with rollout slices: the trainer on a (multi-host) slice, one `gjax.serve`
+# replica on each single-host rollout VM (v5e-8, v6e-8, v5p-8, v4-8: one process sees all its
+# chips), every replica with the trainer's CONFIG and WORKDIR; then `train` with
+# --config.rollout.backend=jetstream_grpc --config.rollout.server_addresses=ADDR1,ADDR2,...
+# (each from `address`). `stop` ends whichever of the two runs on a VM.
 #
 # Every worker runs the same command (multi-controller JAX); jax.distributed.initialize()
 # reads the topology from the TPU metadata. WORKDIR should be gs://... so that a preempted
@@ -27,6 +35,7 @@
 #   GJAX_EXTRAS         pip extras (default: tpu,gcs)
 #   GJAX_PYTHON         the venv's Python version (default: 3.11)
 #   GJAX_FORCE=1        `train` even where a gjax.train process already runs
+#   GJAX_SERVE_PORT     the port `serve` listens on (default 9000; all interfaces)
 #   TPU_SOFTWARE_VERSION  runtime image (default: chosen from the accelerator's generation)
 set -euo pipefail
 
@@ -41,10 +50,13 @@ VENV=.venv        # in REMOTE_DIR (git ignores it)
 TRAINER_RE='^[^ ]*python[0-9.]*( [^ ]+)* -m gjax[.]train( |$)'
 LOG=gjax-train.log
 PIDFILE=gjax-train.pid
+SERVE_LOG=gjax-serve.log
+SERVE_PIDFILE=gjax-serve.pid
+SERVE_PORT=${GJAX_SERVE_PORT:-9000}
 
 # The header above as help; exit status 2 (a usage error) unless given another.
 usage() {
-  sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,39p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-2}"
 }
 
@@ -189,21 +201,48 @@ cmd_install() {
   on_all_workers "$1" "$2" "$command"
 }
 
-cmd_train() {
-  [[ $# -ge 4 ]] || usage
-  local name=$1 zone=$2 config=$3 workdir=$4 args word command
-  shift 4
-  args=""
-  for word in "$VENV/bin/python" -m gjax.train --config="$config" --workdir="$workdir" \
-    --jax_distributed "$@"; do
+# Starts `python -m MODULE ARGS...` from the venv on WORKERS (all, or 0), detached (the ssh
+# session may end), stdin closed; nohup and env exec python, so the pid file holds the
+# process's own pid (`stop` sends it SIGTERM: a trainer checkpoints, a server drains).
+start_detached() {
+  local name=$1 zone=$2 workers=$3 log=$4 pidfile=$5 args="" word
+  shift 5
+  for word in "$VENV/bin/python" -m "$@"; do
     args+=" $(q "$word")"
   done
-  # Detached (the ssh session may end), stdin closed; nohup and env exec python, so the pid
-  # file holds the trainer's own pid (`stop` sends it SIGTERM: checkpoint, then exit).
+  tpu tpu-vm ssh "$name" --zone="$zone" --worker="$workers" \
+    --command="cd $REMOTE_DIR || exit 1; nohup env PYTHONUNBUFFERED=1${args} > ~/$log 2>&1 < /dev/null & echo \$! > ~/$pidfile"
+}
+
+cmd_train() {
+  [[ $# -ge 4 ]] || usage
+  local name=$1 zone=$2 config=$3 workdir=$4
+  shift 4
   [[ "${GJAX_FORCE:-0}" == 1 ]] || refuse_busy "$name" "$zone"
-  command="cd $REMOTE_DIR || exit 1; nohup env PYTHONUNBUFFERED=1${args} > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$PIDFILE"
-  on_all_workers "$name" "$zone" "$command"
+  start_detached "$name" "$zone" all "$LOG" "$PIDFILE" gjax.train --config="$config" \
+    --workdir="$workdir" --jax_distributed "$@"
   echo "started on all workers of $name; logs: launch/tpu.sh logs $name $zone" >&2
+}
+
+# One gjax.serve replica on a single-host rollout VM, listening on every interface (the
+# trainer reaches it at `address`). Same CONFIG and WORKDIR as the trainer: the model, the
+# sampling settings and the weight push directory (WORKDIR/push) come from them.
+cmd_serve() {
+  [[ $# -ge 4 ]] || usage
+  local name=$1 zone=$2 config=$3 workdir=$4
+  shift 4
+  [[ "$SERVE_PORT" =~ ^[0-9]+$ ]] || die "GJAX_SERVE_PORT=$SERVE_PORT is not a port number"
+  start_detached "$name" "$zone" 0 "$SERVE_LOG" "$SERVE_PIDFILE" gjax.serve --config="$config" \
+    --workdir="$workdir" --config.rollout.server_address="0.0.0.0:$SERVE_PORT" "$@"
+  echo "gjax.serve started on $name; its address: launch/tpu.sh address $name $zone" >&2
+}
+
+# HOST:PORT of a rollout VM's server on the VPC (worker 0's internal address).
+cmd_address() {
+  [[ $# -eq 2 ]] || usage
+  local ip
+  ip=$(tpu tpu-vm describe "$1" --zone="$2" --format='value(networkEndpoints[0].ipAddress)')
+  [[ "${GJAX_DRY_RUN:-0}" == 1 ]] || echo "$ip:$SERVE_PORT"
 }
 
 # Stops here (one line, exit 2) if a gjax.train process runs on any worker: a second trainer
@@ -219,12 +258,14 @@ refuse_busy() {
 
 cmd_logs() {
   [[ $# -eq 2 || $# -eq 3 ]] || usage
-  tpu tpu-vm ssh "$1" --zone="$2" --worker="${3:-0}" --command="tail -n +1 -F ~/$LOG"
+  # The trainer's log; on a rollout VM (no trainer log) the server's.
+  tpu tpu-vm ssh "$1" --zone="$2" --worker="${3:-0}" \
+    --command="f=~/$LOG; [ -f \$f ] || [ ! -f ~/$SERVE_LOG ] || f=~/$SERVE_LOG; tail -n +1 -F \$f"
 }
 
 cmd_stop() {
   [[ $# -eq 2 ]] || usage
-  on_all_workers "$1" "$2" "if [ -f ~/$PIDFILE ]; then kill -TERM \"\$(cat ~/$PIDFILE)\" || true; fi"
+  on_all_workers "$1" "$2" "for p in ~/$PIDFILE ~/$SERVE_PIDFILE; do if [ -f \$p ]; then kill -TERM \"\$(cat \$p)\" || true; fi; done"
 }
 
 cmd_delete() {
@@ -258,6 +299,8 @@ case "$sub" in
   stop) cmd_stop "$@" ;;
   delete) cmd_delete "$@" ;;
   up) cmd_up "$@" ;;
+  serve) cmd_serve "$@" ;;
+  address) cmd_address "$@" ;;
   -h | --help | help) usage 0 ;;
-  *) die "unknown command '$sub'; one of: create install train logs stop delete up" ;;
+  *) die "unknown command '$sub'; one of: create install train logs stop delete up serve address" ;;
 esac

@@ -62,6 +62,10 @@ TRAIN_ARGV = [
     "--jax_distributed",
     *OVERRIDES,
 ]
+LOGS = (
+    "--command=f=~/gjax-train.log; [ -f $f ] || [ ! -f ~/gjax-serve.log ] || f=~/gjax-serve.log; "
+    "tail -n +1 -F $f"
+)
 UP = [NAME, ZONE, "v5p-64", "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVERRIDES]
 
 
@@ -96,7 +100,7 @@ def test_dry_run_up_prints_every_gcloud_command():
         "cd gjax || exit 1; nohup env PYTHONUNBUFFERED=1 .venv/bin/python -m gjax.train"
     )
     assert remote.endswith("> ~/gjax-train.log 2>&1 < /dev/null & echo $! > ~/gjax-train.pid")
-    assert cmds[6] == ssh("0", "--command=tail -n +1 -F ~/gjax-train.log")
+    assert cmds[6] == ssh("0", LOGS)
     assert len(cmds) == 7
     assert dry("train", NAME, ZONE, "c.py", "w", env={"GJAX_FORCE": "1"})[0][-1].startswith(
         "--command=cd gjax"
@@ -145,14 +149,11 @@ def test_dry_run_queued_spot_project_stop_delete_and_versions():
     assert stop == [
         ssh(
             "all",
-            '--command=if [ -f ~/gjax-train.pid ]; then kill -TERM "$(cat ~/gjax-train.pid)" '
-            "|| true; fi",
+            "--command=for p in ~/gjax-train.pid ~/gjax-serve.pid; do if [ -f $p ]; then "
+            'kill -TERM "$(cat $p)" || true; fi; done',
         )
     ]
-    assert dry("logs", NAME, ZONE, "3")[0][-2:] == [
-        "--worker=3",
-        "--command=tail -n +1 -F ~/gjax-train.log",
-    ]
+    assert dry("logs", NAME, ZONE, "3")[0][-2:] == ["--worker=3", LOGS]
     for accel, cloud_name, version in [
         ("v4-32", "v4-32", "tpu-ubuntu2204-base"),
         ("v5litepod-16", "v5litepod-16", "v2-alpha-tpuv5-lite"),
@@ -272,9 +273,13 @@ def test_train_refuses_a_busy_slice(tmp_path):
     assert "nohup" in (tmp_path / "calls").read_text()
 
 
-TRAINER = """import os, signal, sys, time
+# A stand-in gjax.train / gjax.serve: records its pid and argv (files named after the module)
+# and waits for SIGTERM.
+STAND_IN = """import os, signal, sys, time
 home = os.environ["HOME"]
+tag = os.path.splitext(os.path.basename(__file__))[0]
 def put(name, text):  # whole or absent: the test polls for these files
+    name = f"{tag}.{name}"
     with open(f"{home}/{name}.tmp", "w") as f:
         f.write(text)
     os.replace(f"{home}/{name}.tmp", f"{home}/{name}")
@@ -327,21 +332,43 @@ def test_remote_commands_run_the_same_argv_and_stop_by_sigterm(tmp_path):
     ]
     assert os.path.realpath(home / "gjax/.venv/bin/python") == os.path.realpath(sys.executable)
     (home / "gjax/gjax/__init__.py").write_text("")  # beats any installed gjax
-    (home / "gjax/gjax/train.py").write_text(TRAINER)
+    for module in ("train", "serve"):
+        (home / f"gjax/gjax/{module}.py").write_text(STAND_IN)
     busy, train = dry(
         "train", NAME, ZONE, "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVERRIDES
     )
     assert busy == ssh("all", BUSY)
-    remote(train)
-    pid = None
-    try:
+    (serve,) = dry("serve", NAME, ZONE, "configs/a_grae.py", "gs://bucket/runs/a_grae", *OVERRIDES)
+    assert serve[:-1] == ssh("0", "")[:-1]  # one replica per (single-host) rollout VM
+
+    def wait_for(path):
         for _ in range(200):
-            if (home / "argv").exists() and (home / "gjax-train.pid").exists():
-                break
+            if path.exists():
+                return
             time.sleep(0.05)
-        pid = int((home / "gjax-train.pid").read_text())
-        assert pid == int((home / "py.pid").read_text())  # the trainer's own pid
-        assert (home / "argv").read_text().splitlines() == TRAIN_ARGV[3:]
+
+    pids = set()
+    try:
+        remote(train)
+        remote(serve)
+        for module, argv in [
+            ("train", TRAIN_ARGV[3:]),
+            (
+                "serve",
+                [
+                    "--config=configs/a_grae.py",
+                    "--workdir=gs://bucket/runs/a_grae",
+                    "--config.rollout.server_address=0.0.0.0:9000",  # every interface
+                    *OVERRIDES,
+                ],
+            ),
+        ]:
+            wait_for(home / f"{module}.argv")
+            wait_for(home / f"gjax-{module}.pid")
+            pid = int((home / f"gjax-{module}.pid").read_text())
+            pids.add(pid)
+            assert pid == int((home / f"{module}.py.pid").read_text())  # the process's own pid
+            assert (home / f"{module}.argv").read_text().splitlines() == argv
         # The busy check sees the trainer, and not the shell that runs the check.
         assert remote(busy).stdout.decode().startswith("gjax.train runs on ")
         regex = BUSY.split("'")[1]
@@ -349,20 +376,51 @@ def test_remote_commands_run_the_same_argv_and_stop_by_sigterm(tmp_path):
             ["bash", "-c", f"pgrep -f '{regex}'; echo $$"], capture_output=True, text=True
         ).stdout.split()
         *seen, shell = out
-        assert str(pid) in seen and shell not in seen
-        remote(dry("stop", NAME, ZONE)[0])
-        for _ in range(200):
-            if (home / "got").exists():
-                break
-            time.sleep(0.05)
-        assert (home / "got").read_text().strip() == "TERM"
-    finally:  # never leave the stand-in trainer running
-        pids = {pid} | (
-            {int((home / "py.pid").read_text())} if (home / "py.pid").exists() else set()
-        )
-        for p in pids - {None}:
+        assert int((home / "gjax-train.pid").read_text()) in map(int, seen)
+        assert shell not in seen and int((home / "gjax-serve.pid").read_text()) not in seen
+        remote(dry("stop", NAME, ZONE)[0])  # ends both
+        for module in ("train", "serve"):
+            wait_for(home / f"{module}.got")
+            assert (home / f"{module}.got").read_text().strip() == "TERM"
+    finally:  # never leave a stand-in running
+        for module in ("train", "serve"):
+            if (home / f"{module}.py.pid").exists():
+                pids.add(int((home / f"{module}.py.pid").read_text()))
+        for p in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_dry_run_serve_and_address():
+    env = {"GJAX_SERVE_PORT": "9100", "GJAX_PROJECT": "p"}
+    (serve,) = dry("serve", "roll-1", ZONE, "configs/grpo.py", "gs://b/w", env=env)
+    assert serve[:7] == [*GC, "tpu-vm", "ssh", "roll-1", f"--zone={ZONE}"]
+    assert serve[7] == "--worker=0" and serve[-1] == "--project=p"
+    assert "--config.rollout.server_address=0.0.0.0:9100" in next(
+        w for w in serve if w.startswith("--command=")
+    )
+    assert dry("address", "roll-1", ZONE, env=env) == [
+        [
+            *GC,
+            "tpu-vm",
+            "describe",
+            "roll-1",
+            f"--zone={ZONE}",
+            "--format=value(networkEndpoints[0].ipAddress)",
+            "--project=p",
+        ]
+    ]
+    proc = launch("serve", "n", "z", "c", "w", env={"GJAX_DRY_RUN": "1", "GJAX_SERVE_PORT": "x"})
+    assert proc.returncode == 2 and "GJAX_SERVE_PORT=x is not a port number" in proc.stderr
+
+
+def test_address_prints_host_and_port(tmp_path):
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    write_exe(bin_ / "gcloud", "echo 10.130.0.7\n")
+    env = {"PATH": f"{bin_}:{os.environ['PATH']}"}
+    proc = launch("address", "roll-1", ZONE, env=env)
+    assert proc.returncode == 0 and proc.stdout == "10.130.0.7:9000\n", proc.stderr
 
 
 def test_launch_scripts_are_shellcheck_clean():
