@@ -23,7 +23,7 @@ def validate(config, num_devices):
     return validate_core(config, num_devices, checks=CONFIG_CHECKS)
 
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo", "cispo", "pass_at_k")
 
 
 @pytest.mark.parametrize("arg", [None, "tiny"])
