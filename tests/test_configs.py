@@ -95,6 +95,17 @@ def test_bad_values_are_named(field, value, match):
         validate(c, 1)
 
 
+def test_pass_at_k_needs_k_within_the_group():
+    from configs import pass_at_k
+
+    c = pass_at_k.get_config("tiny")
+    c.objective.advantage_kwargs.k = 8  # = num_samples: fine
+    validate(c, 1)
+    c.objective.advantage_kwargs.k = 9
+    with pytest.raises(ConfigError, match=r"advantage_kwargs\.k: .*\[1, num_samples=8\], got 9"):
+        validate(c, 1)
+
+
 def test_mesh_resolution_and_errors():
     c = common.base()
     c.mesh.fsdp, c.mesh.tensor = 2, 2
