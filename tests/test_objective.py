@@ -457,7 +457,9 @@ def test_kl_cov_on_policy_gives_exactly_the_policy_gradient():
     args = {"weight": jnp.full(4, 0.25), "mask": jnp.ones(4), "adv": jnp.array([1.0, -1, 2, 0])}
 
     def grad(old, coef):
-        f = lambda x: fn(x, jnp.zeros(4), {**args, "old": old, "kl_coef": coef})[0].sum()  # noqa: E731
+        def f(x):
+            return fn(x, jnp.zeros(4), {**args, "old": old, "kl_coef": coef})[0].sum()
+
         return np.asarray(jax.grad(f)(logp))
 
     pg = -0.25 * np.array([1.0, -1, 2, 0])  # -w r A at r = 1

@@ -6,8 +6,9 @@ Every estimator has the signature::
         -> AdvantageOutput(adv_PxG, keep_PxG, metrics)
 
 and is registered by name in ``ADVANTAGES`` (``grpo``, ``dapo``, ``dr_grpo``, ``gpg``,
-``a_grae``, ``dagrpo``, ``pass_at_k``, ``rloo``, ``batch_norm``, ``w_reinforce``). Hyperparameters are Python values (static
-under ``jit``); out-of-range values raise ``ValueError`` at trace time.
+``a_grae``, ``dagrpo``, ``pass_at_k``, ``rloo``, ``batch_norm``, ``w_reinforce``).
+Hyperparameters are Python values (static under ``jit``); out-of-range values raise
+``ValueError`` at trace time.
 
 Conventions shared by all estimators
 -------------------------------------

@@ -24,10 +24,11 @@ loss of a micro-batch is then a weighted sum over its tokens,
           - entropy_coef * H,
 
 with w from ``gjax.objective.aggregation`` times the estimator's keep mask, tau the token
-weights (CW-GRPO / Clip-Cov) and c the behaviour-policy correction (``gjax.objective.off_policy``;
-1 without one), which multiplies the policy-gradient term only. So sum_k L_k is the full-batch loss and sum_k grad L_k its gradient,
-exactly, for any split across micro-batches or devices. ``ell`` is evaluated inside the fused
-LM-head kernel (``gjax.objective.logprobs``), which never materialises [tokens x vocab] logits.
+weights (CW-GRPO / Clip-Cov) and c the behaviour-policy correction of the policy-gradient term
+only (``gjax.objective.off_policy``; 1 without one). So sum_k L_k is the full-batch loss and
+sum_k grad L_k its gradient, exactly, for any split across micro-batches or devices. ``ell``
+is evaluated inside the fused LM-head kernel (``gjax.objective.logprobs``), which never
+materialises [tokens x vocab] logits.
 
 Batch keys (names fixed, see docs/architecture.md): ``targets_BxT`` (int), ``loss_mask_BxT``,
 ``old_logps_BxT``, ``rewards_PxG``, ``valid_PxG``, optional ``ref_logps_BxT`` (needed iff
@@ -425,8 +426,9 @@ def make_token_loss_fn(cfg: ObjectiveConfig):
     ``args`` (no gradient; arrays of the token shape): ``weight`` (aggregation x keep),
     ``mask`` (metric tokens), ``adv`` (token-weighted advantage), ``old`` (old log-probs),
     and as configured ``ref`` (kl_beta > 0), ``kl_coef`` (KL-Cov), ``anchor`` (LUFFY),
-    ``seq_log_ratio`` (GSPO), ``pg_coef`` (behaviour correction of the policy-gradient term). ``loss_t = weight * ell_t`` (module docstring); ``aux_t`` holds
-    the per-token ``loss/*`` parts and ``sum/*`` diagnostics that the kernel sums.
+    ``seq_log_ratio`` (GSPO), ``pg_coef`` (behaviour correction of the policy-gradient term).
+    ``loss_t = weight * ell_t`` (module docstring); ``aux_t`` holds the per-token ``loss/*``
+    parts and ``sum/*`` diagnostics that the kernel sums.
     """
     loss_fn = POLICY_LOSSES.get(cfg.policy_loss)
     loss_kwargs = cfg.policy_loss_kwargs

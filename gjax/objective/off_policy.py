@@ -27,7 +27,8 @@ Masked or down-weighted tokens keep counting in the aggregation denominators (th
 as DaGRPO's masked samples, `gjax.objective.loss`), so the correction never rescales the
 rest of the batch. Both choices follow TRL (the IS ratio multiplies the clipped term before
 ``beta * kl`` is added; the normaliser is the completion mask) and verl's rollout IS
-weights (they multiply the policy-gradient losses); `gjax.objective.loss` says why. Log-ratios are clamped to +-MAX_LOG_RATIO before exp, as the PPO ratio is.
+weights (they multiply the policy-gradient losses); `gjax.objective.loss` says why.
+Log-ratios are clamped to +-MAX_LOG_RATIO before exp, as the PPO ratio is.
 
 Metrics, over the loss tokens (``mask_BxT``):
   ``mismatch/abs_logp_diff_mean``, ``mismatch/abs_logp_diff_max``: |log rho_{i,t}|;
