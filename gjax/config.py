@@ -185,6 +185,13 @@ def validate(
         "anchors.per_group",
         f"must be in [0, num_samples={r.num_samples}), got {config.anchors.per_group}",
     )
+    if config.objective.advantage == "pass_at_k":  # subgroups of k out of the G samples
+        k = config.objective.advantage_kwargs.get("k")
+        _require(
+            isinstance(k, int) and 1 <= k <= r.num_samples,
+            "objective.advantage_kwargs.k",
+            f"pass@k subgroups need an int k in [1, num_samples={r.num_samples}], got {k!r}",
+        )
     data_parallel = mesh["data"] * mesh["fsdp"]
     per_update = t.minibatches * t.microbatches
     _require(

@@ -284,8 +284,14 @@ SCHEMA: dict[str, Any] = {
         "token_weights_kwargs": Field(
             PRESET, "hyperparameters of the token weighting (see its docstring)"
         ),
-        "policy_loss": Field(PRESET, "per-token surrogate: ppo_clip | pg | gspo | luffy"),
-        "eps_low": Field(PRESET, "PPO clip range below 1: ratio >= 1 - eps_low", Range("[0, 1)")),
+        "policy_loss": Field(
+            PRESET, "per-token surrogate: ppo_clip | ratio | cispo | pg | gspo | luffy"
+        ),
+        "eps_low": Field(
+            PRESET,
+            "PPO clip range below 1: ratio >= 1 - eps_low (cispo: 1 = no lower bound)",
+            Range("[0, 1]"),
+        ),
         "eps_high": Field(
             PRESET, "PPO clip range above 1: ratio <= 1 + eps_high (DAPO clip-higher)", _NONNEG
         ),

@@ -440,6 +440,79 @@ def test_padding_samples_and_order_do_not_matter(r, v, s, junk, perm):
         np.testing.assert_allclose(permuted.adv_PxG, base.adv_PxG[:, p], rtol=1e-5, atol=1e-6)
 
 
+# ------------------------------------------------------------------------------- pass@k
+
+
+def _pass_at_k_brute_force(r, v, k):
+    """The definition (Chen et al. 2025, arXiv 2508.10751): every k-subgroup of the valid
+    samples scores max(correct); normalise over subgroups; a sample's advantage is the mean
+    over the subgroups that contain it. Plain Python over itertools.combinations."""
+    import itertools
+
+    out = np.zeros(r.shape)
+    for p in range(r.shape[0]):
+        idx = [i for i in range(r.shape[1]) if v[p, i]]
+        subs = list(itertools.combinations(idx, min(k, len(idx))))
+        if not idx:
+            continue
+        score = np.array([max(float(r[p, i] >= 0.5) for i in sub) for sub in subs])
+        mean, std = score.mean(), score.std()
+        if std == 0:
+            continue
+        for i in idx:
+            out[p, i] = np.mean([(sc - mean) / std for sc, sub in zip(score, subs) if i in sub])
+    return out
+
+
+def test_pass_at_k_golden_by_hand():
+    # [1, 0, 0, 0], k = 2: R = 1 - C(3,2)/C(4,2) = 1/2, sigma = 1/2; A_pos = (1/2)/(1/2) = 1;
+    # a negative is in C(3,1) = 3 subgroups, C(2,1) = 2 of them all-negative:
+    # A_neg = (1 - 1/2 - 2/3) / (1/2) = -1/3.
+    # [1, 1, 0, 0], k = 2: R = 1 - 1/6 = 5/6, sigma = sqrt(5)/6; A_pos = (1/6)/sigma = 1/sqrt(5);
+    # A_neg = (1 - 5/6 - 1/3)/sigma = -1/sqrt(5). [1, 1, 1, 0]: every pair passes -> 0.
+    r = jnp.asarray([[1.0, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    out = ADVANTAGES.get("pass_at_k")(r, _ones(r), k=2)
+    s5 = 1 / math.sqrt(5)
+    want = [[1, -1 / 3, -1 / 3, -1 / 3], [s5, s5, -s5, -s5], [0] * 4, [0] * 4, [0] * 4]
+    np.testing.assert_allclose(out.adv_PxG, want, rtol=1e-6, atol=1e-7)
+    # metrics: the mean unbiased pass@2 over the groups, and the all-zero groups.
+    assert float(out.metrics["pass_at_k"]) == pytest.approx((0.5 + 5 / 6 + 1 + 0 + 1) / 5)
+    assert float(out.metrics["zero_var_frac"]) == pytest.approx(3 / 5)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_pass_at_k_matches_subgroup_enumeration(k):
+    rng = np.random.default_rng(k)
+    r = (rng.random((6, 8)) < 0.4).astype(np.float32)
+    v = rng.random((6, 8)) < 0.85
+    v[0, :] = True
+    v[1, 3:] = False  # 3 valid samples: k = min(k, n)
+    out = ADVANTAGES.get("pass_at_k")(jnp.asarray(r), jnp.asarray(v), k=k)
+    want = _pass_at_k_brute_force(r, v, k)
+    np.testing.assert_allclose(out.adv_PxG, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.adv_PxG).sum(1), 0.0, atol=1e-5)  # mean zero
+
+
+def test_pass_at_1_is_grpo():
+    rng = np.random.default_rng(3)
+    r = jnp.asarray((rng.random((5, 8)) < 0.5).astype(np.float32))
+    v = jnp.asarray(rng.random((5, 8)) < 0.9)
+    got = ADVANTAGES.get("pass_at_k")(r, v, k=1).adv_PxG
+    np.testing.assert_allclose(got, ADVANTAGES.get("grpo")(r, v, eps=0.0).adv_PxG, rtol=1e-5)
+
+
+def test_pass_at_k_bad_k_and_non_binary_rewards():
+    r = jnp.asarray([[1.0, 0.0, 0.7, 0.0]])
+    for k, match in ((0, "k must be an int >= 1"), (2.0, "k must be an int"), (5, "G = 4")):
+        with pytest.raises(ValueError, match=match):
+            ADVANTAGES.get("pass_at_k")(r, _ones(r), k=k)
+    out = ADVANTAGES.get("pass_at_k")(r, _ones(r), k=2)
+    assert float(out.metrics["rewards_not_binary"]) == 1.0  # 0.7 counts as correct (>= 0.5)
+    np.testing.assert_allclose(
+        out.adv_PxG, ADVANTAGES.get("pass_at_k")(jnp.asarray([[1.0, 0, 1, 0]]), _ones(r), k=2)[0]
+    )
+
+
 def test_w_reinforce_weights_positive_and_negative_samples():
     from gjax.objective.advantages import ADVANTAGES
 

@@ -59,6 +59,7 @@ def _alpha_np(r, valid):
         ("a_grae", {}),
         ("grpo", {"scale": "batch"}),
         ("dagrpo", {"delta": 3.0}),
+        ("pass_at_k", {"k": 3}),
     ],
 )
 def test_sharded_equals_single_device(mesh, name, hp):

@@ -23,7 +23,7 @@ def validate(config, num_devices):
     return validate_core(config, num_devices, checks=CONFIG_CHECKS)
 
 
-ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo")
+ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo", "cispo", "pass_at_k")
 
 
 @pytest.mark.parametrize("arg", [None, "tiny"])
@@ -92,6 +92,17 @@ def test_bad_values_are_named(field, value, match):
     c.train.minibatches = 2
     _set(c, field, value)
     with pytest.raises(ConfigError, match=match):
+        validate(c, 1)
+
+
+def test_pass_at_k_needs_k_within_the_group():
+    from configs import pass_at_k
+
+    c = pass_at_k.get_config("tiny")
+    c.objective.advantage_kwargs.k = 8  # = num_samples: fine
+    validate(c, 1)
+    c.objective.advantage_kwargs.k = 9
+    with pytest.raises(ConfigError, match=r"advantage_kwargs\.k: .*\[1, num_samples=8\], got 9"):
         validate(c, 1)
 
 

@@ -125,6 +125,23 @@ def test_microbatching_does_not_change_the_update(preset):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_behaviour_correction_reaches_the_update_and_microbatches_exactly():
+    """prepare's pg_coef_BxT (the correction of the policy-gradient term) is sliced with the
+    rows: 4 micro-batches give the 1-micro-batch update (some ratios are capped)."""
+    params = init_params(CFG, jax.random.key(1))
+    batch = batch_for(params)
+    rng = np.random.default_rng(5)
+    noise = rng.uniform(-1.2, 1.2, batch["old_logps_BxT"].shape).astype(np.float32)
+    batch["behaviour_logps_BxT"] = batch["old_logps_BxT"] + noise
+    oc = obj.ObjectiveConfig.preset("grpo").replace(behaviour_correction="tis")
+    s1, m1 = run_update(params, batch, oc, microbatches=1)
+    s4, m4 = run_update(params, batch, oc, microbatches=4)
+    assert float(m1["correction/capped_frac"]) > 0
+    np.testing.assert_allclose(m1["optim/grad_norm"], m4["optim/grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "aggregation",
     ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm", "group_token_mean"],

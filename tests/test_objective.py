@@ -19,6 +19,7 @@ from gjax.objective.loss import (
     ObjectiveConfig,
     finalize_metrics,
     full_batch_loss,
+    make_token_loss_fn,
     micro_batch_loss,
     prepare,
     split_micro_batches,
@@ -128,6 +129,10 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
             pg = jnp.where(adv < 0, jnp.minimum(pg, -cfg.dual_clip * adv), pg)
     elif cfg.policy_loss == "pg":
         pg = -logp * adv
+    elif cfg.policy_loss == "ratio":
+        pg = -r * adv
+    elif cfg.policy_loss == "cispo":  # MiniMax-M1 eqs. (4)-(5)
+        pg = -jax.lax.stop_gradient(jnp.clip(r, 1 - cfg.eps_low, 1 + cfg.eps_high)) * adv * logp
     elif cfg.policy_loss == "gspo":
         # Differentiable sequence ratio: the GSPO objective itself, not a surrogate.
         s = jnp.exp((mf * (logp - old)).sum(1, keepdims=True) / jnp.maximum(lens, 1.0))
@@ -140,7 +145,9 @@ def naive_objective(hidden, head, batch, cfg, rng=None):
     if cfg.kl_beta > 0:
         lr = jnp.where(m, batch["ref_logps_BxT"], 0.0) - logp
         total = total + cfg.kl_beta * (jnp.exp(lr) - 1 - lr)
-    total = total + kl_coef * jnp.abs(logp - old) - cfg.entropy_coef * ent
+    # |log r| with no gradient at 0 (Cui et al.'s penalty; jnp.abs would give +1 there)
+    x = logp - old
+    total = total + kl_coef * x * jnp.sign(jax.lax.stop_gradient(x)) - cfg.entropy_coef * ent
     return jnp.sum(w * total)
 
 
@@ -172,6 +179,8 @@ CASES = {
     "gspo": {"eps_low": 0.05, "eps_high": 0.08},
     "clip_cov": {"token_weights_kwargs": {"ratio": 0.2, "omega_low": -10.0, "omega_high": 10.0}},
     "kl_cov": {"token_weights_kwargs": {"ratio": 0.2}},
+    "cispo": {"eps_high": 0.1},
+    "pass_at_k": {"advantage_kwargs": {"k": 2}},
 }
 
 
@@ -181,6 +190,7 @@ EXTRA_METRICS = {
     "dagrpo": ["adv/masked_fraction"],
     "cw_grpo": ["tw/w_min", "tw/w_mean", "tw/w_max"],
     "kl_cov": ["loss/kl_cov"],
+    "pass_at_k": ["adv/pass_at_k"],
 }
 FAST_CASES = ("grpo", "gspo", "dagrpo_luffy")
 
@@ -215,7 +225,7 @@ def test_every_preset_matches_naive_reference(case):
 
 def test_presets_cover_the_trainer_algorithms():
     want = {"grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo", "gspo", "clip_cov",
-            "kl_cov"}  # fmt: skip
+            "kl_cov", "cispo", "pass_at_k"}  # fmt: skip
     assert want <= set(PRESETS)
     assert ObjectiveConfig.preset("dapo").eps_high == 0.28
     assert ObjectiveConfig.preset("dapo", eps_high=0.3).eps_high == 0.3
@@ -435,6 +445,43 @@ def test_gpg_gradient_is_the_reinforce_estimator():
     want = -np.mean([a_i * (np.eye(6)[k] - pi) for a_i, k in zip(a, actions)], axis=0)
     assert float(metrics["adv/alpha"]) == 1.0
     assert_close(g_h[0], want, 1e-6)
+
+
+def test_kl_cov_on_policy_gives_exactly_the_policy_gradient():
+    """Cui et al.'s penalty |log pi - log pi_old| has no gradient on-policy (jnp.abs gave +1:
+    selected tokens were pushed down by the KL coefficient); off-policy it adds coef sign(x)."""
+    cfg = ObjectiveConfig.preset("kl_cov")
+    assert cfg.policy_loss == "ratio"  # Cui et al. / verl: no PPO clip under KL-Cov
+    fn = make_token_loss_fn(cfg)
+    logp = jnp.array([-1.0, -2.0, -0.5, -3.0])
+    args = {"weight": jnp.full(4, 0.25), "mask": jnp.ones(4), "adv": jnp.array([1.0, -1, 2, 0])}
+
+    def grad(old, coef):
+        def f(x):
+            return fn(x, jnp.zeros(4), {**args, "old": old, "kl_coef": coef})[0].sum()
+
+        return np.asarray(jax.grad(f)(logp))
+
+    pg = -0.25 * np.array([1.0, -1, 2, 0])  # -w r A at r = 1
+    np.testing.assert_array_equal(grad(logp, jnp.ones(4)), grad(logp, jnp.zeros(4)))
+    np.testing.assert_allclose(grad(logp, jnp.ones(4)), pg, rtol=1e-6)
+    off = logp - jnp.array([0.1, -0.1, 0.1, -0.1])  # log r = +-0.1
+    r = np.exp([0.1, -0.1, 0.1, -0.1])
+    want = -0.25 * r * np.array([1.0, -1, 2, 0]) + 0.25 * np.array([1.0, -1, 1, -1])
+    np.testing.assert_allclose(grad(off, jnp.ones(4)), want, rtol=1e-5)
+    # Through the whole objective on a softmax bandit, exactly on-policy, every token selected.
+    actions, rewards = [0, 2, 2, 5, 1], [1.0, 0.0, 1.0, 0.0, 0.0]
+    hidden, h, batch = bandit(actions, rewards)
+
+    def g_h(c):
+        return jax.grad(lambda w: full_batch_loss(hidden, w, batch, c)[0])(h)
+
+    all_tokens = cfg.replace(token_weights_kwargs={"ratio": 1.0, "kl_coef": 1.0})
+    r = np.asarray(rewards)
+    a = (r - r.mean()) / (r.std() + 1e-6)
+    pi = np.asarray(jax.nn.softmax(h[0]))
+    want = -np.mean([a_i * (np.eye(6)[k] - pi) for a_i, k in zip(a, actions)], axis=0)
+    assert_close(g_h(all_tokens)[0], want, 1e-6)
 
 
 def test_gpg_alpha_scales_gradient_with_zero_variance_groups():

@@ -3,11 +3,12 @@ and wired into `prepare` (loss weights and metrics)."""
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gjax.objective.loss import ObjectiveConfig, prepare
+from gjax.objective.loss import ObjectiveConfig, full_batch_loss, prepare
 from gjax.objective.off_policy import behaviour_correction_BxT
 
 
@@ -137,9 +138,11 @@ def test_prepare_scales_loss_weights(mode):
     prep0, m0 = prepare(_batch(old, None, mask), base)
     prep, m = prepare(_batch(old, beh, mask), base.replace(behaviour_correction=mode))
     c_ref, ref = reference(old, beh, mask, mode, "token", 2.0)
-    np.testing.assert_allclose(
-        np.asarray(prep["weight_BxT"]), np.asarray(prep0["weight_BxT"]) * c_ref, rtol=1e-5
-    )
+    # c multiplies the policy-gradient term only (loss.py's docstring): its own array, and the
+    # aggregation weights (which every term shares) are those without a correction.
+    np.testing.assert_allclose(np.asarray(prep["pg_coef_BxT"]), c_ref, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(prep["weight_BxT"]), np.asarray(prep0["weight_BxT"]))
+    assert "pg_coef_BxT" not in prep0
     # Corrected tokens still count in the denominators (the token-mean's 1/N is unchanged).
     np.testing.assert_array_equal(np.asarray(prep["mask_BxT"]), np.asarray(prep0["mask_BxT"]))
     assert float(m["mismatch/kl_k3"]) == pytest.approx(ref["mismatch/kl_k3"], rel=1e-5)
@@ -152,3 +155,39 @@ def test_prepare_none_reports_only():
     prep, m = prepare(_batch(old, beh, mask), ObjectiveConfig())
     np.testing.assert_array_equal(np.asarray(prep["weight_BxT"]), np.asarray(prep0["weight_BxT"]))
     assert float(m["mismatch/abs_logp_diff_max"]) > 0
+
+
+def test_rejection_drops_only_the_policy_gradient_and_keeps_denominators():
+    """The choice (loss.py docstring, as TRL / verl): a rejected token keeps its KL-to-reference
+    gradient (multiplying every term would zero it) and the kept tokens' gradients are those
+    without a correction (dropping rejected tokens from the denominators would scale them)."""
+    P, G, T, D, V = 2, 3, 5, 4, 8
+    k = jax.random.split(jax.random.key(0), 5)
+    hidden = jax.random.normal(k[0], (P * G, T, D))
+    head = jax.random.normal(k[1], (D, V))
+    targets = jax.random.randint(k[2], (P * G, T), 0, V)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(hidden @ head), targets[..., None], -1)[..., 0]
+    batch = {
+        "targets_BxT": targets,
+        "loss_mask_BxT": jnp.ones((P * G, T), bool),
+        "old_logps_BxT": logp,
+        "ref_logps_BxT": logp + 0.5 * jax.random.normal(k[3], logp.shape),
+        "rewards_PxG": jnp.array([[1.0, 0.0, 0.0], [1.0, 1.0, 0.0]]),
+        "valid_PxG": jnp.ones((P, G), bool),
+    }
+    beh = logp + jax.random.uniform(k[4], logp.shape, minval=-1.5, maxval=1.5)
+    cfg = ObjectiveConfig(kl_beta=0.1, behaviour_correction="mask", aggregation="token_mean")
+
+    grad_fn = jax.jit(jax.grad(lambda h, b: full_batch_loss(h, head, b, cfg)[0]))
+
+    def g_hidden(b):
+        return np.asarray(grad_fn(hidden, b))
+
+    g_corr = g_hidden({**batch, "behaviour_logps_BxT": beh})
+    g_plain = g_hidden(batch)
+    g_kl_only = g_hidden({**batch, "rewards_PxG": jnp.ones((P, G))})  # A = 0: KL term alone
+    rejected = np.abs(np.asarray(logp - beh)) > np.log(2.0)
+    assert 0 < rejected.sum() < rejected.size
+    np.testing.assert_allclose(g_corr[rejected], g_kl_only[rejected], rtol=1e-5, atol=1e-7)
+    assert np.abs(g_kl_only[rejected]).max() > 1e-3
+    np.testing.assert_allclose(g_corr[~rejected], g_plain[~rejected], rtol=1e-5, atol=1e-7)

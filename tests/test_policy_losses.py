@@ -114,6 +114,69 @@ def test_gspo_surrogate_value_and_gradient_match_sequence_objective():
         )
 
 
+@pytest.mark.parametrize(
+    "ratio,adv,eps_low,want_weight",
+    [
+        (1.1, 2.0, 1.0, 1.1),  # inside the range: weight r
+        (1.5, 2.0, 1.0, 1.28),  # above 1 + eps_high: weight 1.28, the gradient stays
+        (1.5, -1.0, 1.0, 1.28),  # either sign of A (PPO would zero A > 0 only)
+        (0.1, -1.0, 1.0, 0.1),  # eps_low = 1: no lower bound (MiniMax-M1)
+        (0.1, -1.0, 0.2, 0.8),  # a lower bound when asked
+    ],
+)
+def test_cispo_golden(ratio, adv, eps_low, want_weight):
+    """MiniMax-M1 eqs. (4)-(5): loss = -sg(clip(r)) A log pi, d/dlogp = -clip(r) A."""
+    old = _f([math.log(0.2)])
+    logp = old + math.log(ratio)
+
+    def f(lp):
+        return pl.cispo(lp, old, _f([adv]), eps_low=eps_low, eps_high=0.28)[0].sum()
+
+    assert float(f(logp)) == pytest.approx(-want_weight * adv * float(logp[0]), rel=1e-5)
+    assert float(jax.grad(f)(logp)[0]) == pytest.approx(-want_weight * adv, rel=1e-5)
+    _, aux = pl.cispo(logp, old, _f([adv]), eps_low=eps_low, eps_high=0.28)
+    assert float(aux["clip_high"][0]) == float(ratio > 1.28)
+    assert float(aux["clip_low"][0]) == float(ratio < 1 - eps_low)
+
+
+def test_cispo_matches_numpy_reference_and_its_gradient_is_the_clipped_weight():
+    rng = np.random.default_rng(0)
+    old = rng.normal(-2.0, 1.0, 64).astype(np.float32)
+    logp = (old + rng.normal(0.0, 0.5, 64)).astype(np.float32)
+    adv = rng.normal(0.0, 1.0, 64).astype(np.float32)
+    w = np.clip(np.exp(logp.astype(np.float64) - old), 1 - 0.2, 1 + 0.28)
+    loss, _ = pl.cispo(_f(logp), _f(old), _f(adv), eps_low=0.2, eps_high=0.28)
+    np.testing.assert_allclose(loss, -w * adv * logp, rtol=1e-5, atol=1e-6)
+    g = jax.grad(lambda x: pl.cispo(x, _f(old), _f(adv), eps_low=0.2, eps_high=0.28)[0].sum())
+    np.testing.assert_allclose(g(_f(logp)), -w * adv, rtol=1e-5, atol=1e-7)
+    # Not the gradient of the value with the weight differentiated (stop-gradient matters).
+    full = jax.grad(lambda x: (-jnp.clip(jnp.exp(x - old), 0.8, 1.28) * adv * x).sum())
+    assert not np.allclose(g(_f(logp)), full(_f(logp)), rtol=1e-3)
+    with pytest.raises(ValueError, match=r"eps_low must be in \[0, 1\] \(1: no lower bound\)"):
+        pl.cispo(_f([0.0]), _f([0.0]), _f([1.0]), eps_low=1.5)
+    with pytest.raises(ValueError, match=r"eps_low must be in \[0, 1\)"):
+        pl.ppo_clip(_f([0.0]), _f([0.0]), _f([1.0]), eps_low=1.0)
+
+
+def test_ratio_loss_is_unclipped():
+    logp, old, adv = _f([math.log(3.0), math.log(0.1)]), _f([0.0, 0.0]), _f([1.0, -2.0])
+    loss, aux = pl.ratio_pg(logp, old, adv)
+    np.testing.assert_allclose(loss, [-3.0, 0.2], rtol=1e-6)
+    g = jax.grad(lambda x: pl.ratio_pg(x, old, adv)[0].sum())(logp)
+    np.testing.assert_allclose(g, [-3.0, 0.2], rtol=1e-6)  # d(-rA)/dlogp = -rA
+    assert float(aux["clip_high"].sum()) == 0.0
+
+
+def test_abs_log_ratio_has_no_gradient_on_policy():
+    """KL-Cov's |log pi - log pi_old|: value |x|, gradient sign(x), 0 at x = 0 (jnp.abs: +1)."""
+    old = _f([-1.0, -1.0, -1.0])
+    logp = old + _f([0.0, 0.3, -0.3])
+    np.testing.assert_allclose(pl.abs_log_ratio(logp, old), [0.0, 0.3, 0.3], atol=1e-6)
+    g = jax.grad(lambda x: pl.abs_log_ratio(x, old).sum())(logp)
+    np.testing.assert_array_equal(g, [0.0, 1.0, -1.0])
+    assert float(jax.grad(lambda x: jnp.abs(x - old).sum())(old)[0]) == 1.0  # the old bug
+
+
 def test_kl_estimators_golden():
     # logp = log 0.5, ref = log 0.25: log rho = log 0.5
     logp, ref = _f([math.log(0.5)]), _f([math.log(0.25)])
@@ -129,7 +192,7 @@ def test_kl_estimators_golden():
 
 
 def test_registries_are_strict():
-    assert pl.POLICY_LOSSES.names() == ["gspo", "luffy", "pg", "ppo_clip"]
+    assert pl.POLICY_LOSSES.names() == ["cispo", "gspo", "luffy", "pg", "ppo_clip", "ratio"]
     assert pl.KL_ESTIMATORS.names() == ["k1", "k2", "k3"]
     with pytest.raises(KeyError, match="valid names"):
         pl.POLICY_LOSSES.get("ppo")

@@ -112,7 +112,9 @@ def small_config(algo):
     return c
 
 
-@pytest.mark.parametrize("algo", ["grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo"])
+@pytest.mark.parametrize(
+    "algo", ["grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo", "cispo", "pass_at_k"]
+)
 def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
     """In this process, on the suite's 8 CPU devices (data-parallel 8): the sampler compiled
     for the first algorithm serves the others (same shapes, same sampling)."""
@@ -146,6 +148,8 @@ def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
         assert "judge/score_mean" in got[0] and "adv/masked_fraction" in got[0]
     if algo == "gpg":
         assert got[0]["adv/alpha"] >= 1.0
+    if algo == "pass_at_k":
+        assert 0.0 <= got[0]["adv/pass_at_k"] <= 1.0
 
 
 @pytest.mark.parametrize("algo", ["a_grae"])

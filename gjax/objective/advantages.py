@@ -6,8 +6,9 @@ Every estimator has the signature::
         -> AdvantageOutput(adv_PxG, keep_PxG, metrics)
 
 and is registered by name in ``ADVANTAGES`` (``grpo``, ``dapo``, ``dr_grpo``, ``gpg``,
-``a_grae``, ``dagrpo``, ``rloo``, ``batch_norm``). Hyperparameters are Python values (static
-under ``jit``); out-of-range values raise ``ValueError`` at trace time.
+``a_grae``, ``dagrpo``, ``pass_at_k``, ``rloo``, ``batch_norm``, ``w_reinforce``).
+Hyperparameters are Python values (static under ``jit``); out-of-range values raise
+``ValueError`` at trace time.
 
 Conventions shared by all estimators
 -------------------------------------
@@ -479,6 +480,73 @@ def dagrpo(
             anchor_masked_fraction=jnp.sum(masked & anchor) / jnp.maximum(n_anchor, 1),
         ),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Pass@k training
+# --------------------------------------------------------------------------------------------
+
+
+def _binom_ratio(top, bottom, m, k_max):
+    """C(top, m) / C(bottom, m) = prod_{j < m} (top - j) / (bottom - j), elementwise; 0 when
+    top < m. ``m <= k_max`` (a Python int: the product runs over j < k_max, masked)."""
+    j = jnp.arange(k_max, dtype=jnp.float32)
+    f = jnp.clip(top[..., None] - j, 0.0, None) / jnp.maximum(bottom[..., None] - j, 1.0)
+    return jnp.prod(jnp.where(j < m[..., None], f, 1.0), axis=-1)
+
+
+@ADVANTAGES.register("pass_at_k")
+def pass_at_k(
+    rewards_PxG, valid_PxG, *, scores_PxG=None, is_anchor_PxG=None, k: int = 4
+) -> AdvantageOutput:
+    """Pass@k training advantages, the analytic form of Chen et al. 2025 ("Pass@k Training for
+    Adaptively Balancing Exploration and Exploitation", arXiv 2508.10751, Sec. 3's analytical
+    derivation), for binary rewards.
+
+    The group's n valid samples (n_neg incorrect) form C(n, k) subgroups of k; a subgroup's
+    reward is 1 iff it holds a correct sample (its pass@k), normalised over the subgroups as
+    GRPO does, and a sample's advantage is the mean over the subgroups that contain it:
+
+        R = 1 - C(n_neg, k) / C(n, k)            (the group's unbiased pass@k, A-GRAE eq. (37))
+        sigma = sqrt(R (1 - R))
+        A_pos = (1 - R) / sigma
+        A_neg = (1 - R - C(n_neg - 1, k - 1) / C(n - 1, k - 1)) / sigma
+
+    k = 1 is GRPO with the population std and eps = 0. Groups with no correct sample, or with
+    fewer than k incorrect ones (every subgroup passes), get 0. A group with n < k valid
+    samples uses k = n. Chosen over verl's GRPO_PASSK (best sample gets r_max - r_second,
+    the rest 0), which for binary rewards is 0 whenever two samples are correct and only
+    targets k = G. A sample is correct iff its reward >= 0.5; ``metrics['rewards_not_binary']``
+    counts valid rewards outside {0, 1}; ``metrics['pass_at_k']`` is the mean R over groups;
+    ``zero_var_frac`` counts the groups whose advantages are all 0 (sigma = 0).
+    """
+    name = "pass_at_k"
+    if not (isinstance(k, int) and k >= 1):
+        raise ValueError(f"{name}: k must be an int >= 1, got {k!r}")
+    r, valid, nonfinite = _check_inputs(name, rewards_PxG, valid_PxG, scores_PxG, is_anchor_PxG)
+    if k > r.shape[1]:
+        raise ValueError(f"{name}: k = {k} exceeds the group size G = {r.shape[1]}")
+    correct = valid & (r >= 0.5)
+    n = jnp.sum(valid, axis=1).astype(jnp.float32)
+    n_neg = n - jnp.sum(correct, axis=1).astype(jnp.float32)
+    m = jnp.minimum(jnp.float32(k), n)
+    group_pass = 1.0 - _binom_ratio(n_neg, n, m, k)
+    neg_pass = 1.0 - _binom_ratio(n_neg - 1.0, n - 1.0, m - 1.0, k)
+    var = group_pass * (1.0 - group_pass)
+    informative = var > 0
+    sigma = jnp.sqrt(jnp.where(informative, var, 1.0))
+    a_pos = (1.0 - group_pass) / sigma
+    a_neg = (neg_pass - group_pass) / sigma
+    adv = jnp.where(
+        valid & informative[:, None], jnp.where(correct, a_pos[:, None], a_neg[:, None]), 0.0
+    )
+    has = n > 0
+    extra = {
+        "pass_at_k": jnp.sum(jnp.where(has, group_pass, 0.0)) / jnp.maximum(jnp.sum(has), 1),
+        "rewards_not_binary": jnp.sum(valid & (r != 0.0) & (r != 1.0)),
+    }
+    zero_var = ~informative[:, None]
+    return AdvantageOutput(adv, valid, _metrics(adv, valid, valid, r, zero_var, nonfinite, **extra))
 
 
 # --------------------------------------------------------------------------------------------

@@ -20,13 +20,15 @@ whose leading axis is B, so slicing it along B with the batch is all a micro-bat
 loss of a micro-batch is then a weighted sum over its tokens,
 
     L_k = sum_{(i,t) in k} w_{i,t} * ell_{i,t},
-    ell = policy_loss(r, tau * A) + beta * KL_est(pi || pi_ref) + kl_cov * |log r|
+    ell = c * policy_loss(r, tau * A) + beta * KL_est(pi || pi_ref) + kl_cov * |log r|
           - entropy_coef * H,
 
-with w from ``gjax.objective.aggregation`` times the estimator's keep mask and tau the token
-weights (CW-GRPO / Clip-Cov). So sum_k L_k is the full-batch loss and sum_k grad L_k its gradient,
-exactly, for any split across micro-batches or devices. ``ell`` is evaluated inside the fused
-LM-head kernel (``gjax.objective.logprobs``), which never materialises [tokens x vocab] logits.
+with w from ``gjax.objective.aggregation`` times the estimator's keep mask, tau the token
+weights (CW-GRPO / Clip-Cov) and c the behaviour-policy correction of the policy-gradient term
+only (``gjax.objective.off_policy``; 1 without one). So sum_k L_k is the full-batch loss and
+sum_k grad L_k its gradient, exactly, for any split across micro-batches or devices. ``ell``
+is evaluated inside the fused LM-head kernel (``gjax.objective.logprobs``), which never
+materialises [tokens x vocab] logits.
 
 Batch keys (names fixed, see docs/architecture.md): ``targets_BxT`` (int), ``loss_mask_BxT``,
 ``old_logps_BxT``, ``rewards_PxG``, ``valid_PxG``, optional ``ref_logps_BxT`` (needed iff
@@ -44,6 +46,13 @@ Conventions (decisions where the papers are silent):
   * Non-finite rewards make a sample invalid (counted in ``metrics['adv/nonfinite']``); a
     non-finite judge score makes the DaGRPO estimator drop the sample (A = 0, keep = False,
     also counted there), which then counts in the denominators like a masked sample.
+  * The behaviour correction c (truncated IS weight or rejection mask) multiplies ONLY the
+    policy-gradient term, and rejected / down-weighted tokens stay in every denominator, as in
+    TRL (``importance_sampling_ratio`` times the clipped term, before ``beta * kl``; the
+    normaliser is the completion mask) and verl's rollout IS weights. Why: c corrects the
+    estimate of E_{pi_old}[r A grad log pi] for sampling from mu; the KL-to-reference and
+    entropy terms are regularisers on the sampled tokens, and keeping the denominators fixed
+    means a rejected token never rescales the rest of the batch.
   * Off-policy anchors: ``anchor_treatment='ratio'`` uses the same loss as on-policy samples
     with the ratio against ``old_logps_BxT``, which for anchor rows the trainer fills with the
     teacher-forced log-probs of the policy at the start of the update (there is no behaviour
@@ -100,8 +109,9 @@ class ObjectiveConfig:
       advantage_kwargs: its static hyperparameters (a dict is accepted and frozen).
       token_weights: name in ``TOKEN_WEIGHTS`` (cw_gaussian, clip_cov, kl_cov) or None.
       token_weights_kwargs: its static hyperparameters.
-      policy_loss: name in ``POLICY_LOSSES`` (ppo_clip, pg, gspo, luffy).
-      eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher).
+      policy_loss: name in ``POLICY_LOSSES`` (ppo_clip, ratio, cispo, pg, gspo, luffy).
+      eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high] (DAPO clip-higher; for cispo
+        the IS weight's, where eps_low = 1 means no lower bound).
       dual_clip: dual-clip constant c > 1 for A < 0 (ppo_clip only), or None.
       kl_beta, kl_estimator: coefficient and estimator (k1, k2, k3) of KL(pi || pi_ref).
       entropy_coef: entropy bonus coefficient (the loss subtracts entropy_coef * H).
@@ -154,7 +164,9 @@ class ObjectiveConfig:
             raise ValueError(
                 f"anchor_treatment must be one of {ANCHOR_TREATMENTS}, got {self.anchor_treatment!r}"
             )
-        policy_losses._check_eps(self.eps_low, self.eps_high, self.dual_clip)
+        policy_losses._check_eps(
+            self.eps_low, self.eps_high, self.dual_clip, no_lower=self.policy_loss == "cispo"
+        )
         if self.dual_clip is not None and self.policy_loss != "ppo_clip":
             raise ValueError(f"dual_clip applies to ppo_clip only, not {self.policy_loss!r}")
         for name in ("kl_beta", "entropy_coef"):
@@ -176,7 +188,7 @@ class ObjectiveConfig:
     def policy_loss_kwargs(self) -> dict[str, Any]:
         if self.policy_loss == "ppo_clip":
             return {"eps_low": self.eps_low, "eps_high": self.eps_high, "dual_clip": self.dual_clip}
-        if self.policy_loss == "gspo":
+        if self.policy_loss in ("gspo", "cispo"):
             return {"eps_low": self.eps_low, "eps_high": self.eps_high}
         if self.policy_loss == "luffy":
             return {"gamma": self.luffy_gamma}
@@ -228,9 +240,26 @@ def _presets() -> dict[str, ObjectiveConfig]:
         "gspo": c(advantage="grpo", policy_loss="gspo", eps_low=3e-4, eps_high=4e-4),
         # Clip-Cov / KL-Cov (Cui et al. 2025) on the DAPO-style token-mean loss, no ref KL.
         "clip_cov": c(advantage="grpo", token_weights="clip_cov", aggregation="token_mean"),
-        "kl_cov": c(advantage="grpo", token_weights="kl_cov", aggregation="token_mean"),
+        # KL-Cov's surrogate is the unclipped -r A plus the penalty (Cui et al. Sec. 4; verl's
+        # kl_cov loss): no PPO clip.
+        "kl_cov": c(
+            advantage="grpo", token_weights="kl_cov", policy_loss="ratio", aggregation="token_mean"
+        ),
         # W-REINFORCE (Zhu et al. 2025): -logp * A with A = 0.1 (correct) / -1 (wrong).
         "w_reinforce": c(advantage="w_reinforce", policy_loss="pg", aggregation="token_mean"),
+        # CISPO (MiniMax-M1 eqs. (4)-(5)): GRPO advantages, stop-gradient IS weight clipped
+        # above only (eps_low = 1: no lower bound, as the paper), token-level mean, no KL.
+        # The paper tunes eps_high without reporting it: 0.28 is DAPO's clip-higher value.
+        "cispo": c(
+            advantage="grpo",
+            policy_loss="cispo",
+            eps_low=1.0,
+            eps_high=0.28,
+            aggregation="token_mean",
+        ),
+        # Pass@k training (Chen et al. 2025, arXiv 2508.10751): the analytic pass@k group
+        # advantage on the GRPO objective (only the advantage differs from "grpo"); k = 4.
+        "pass_at_k": c(advantage="pass_at_k", advantage_kwargs={"k": 4}, kl_beta=0.04),
     }
 
 
@@ -303,6 +332,7 @@ def prepare(
       ``mask_BxT``    loss tokens of valid samples (1/0 float; metric token set)
       ``adv_BxT``     per-token advantage times the token weights (CW / Clip-Cov)
       ``kl_coef_BxT`` per-token KL-Cov coefficient (only with token_weights='kl_cov')
+      ``pg_coef_BxT`` behaviour correction c of the policy-gradient term (only with one)
       ``anchor_BxT``  off-policy anchor flag (only with anchor_treatment='luffy' and anchors)
     and ``metrics`` are full-batch scalars (``adv/*``, ``tw/*``, ``count/*``).
     """
@@ -335,6 +365,7 @@ def prepare(
         group_B=group_B,
     )
     weight_BxT = agg_BxT * keep_B[:, None].astype(jnp.float32)
+    prep = {"weight_BxT": weight_BxT, "mask_BxT": mask_BxT}
     off_metrics = {}
     if "behaviour_logps_BxT" in batch:  # the sampler's log-probs differ from old_logps_BxT
         coef_BxT, off_metrics = off_policy.behaviour_correction_BxT(
@@ -345,11 +376,10 @@ def prepare(
             level=cfg.behaviour_level,
             cap=cfg.behaviour_cap,
         )
-        if cfg.behaviour_correction != "none":
-            weight_BxT = weight_BxT * coef_BxT
+        if cfg.behaviour_correction != "none":  # the policy-gradient term only (docstring)
+            prep["pg_coef_BxT"] = jax.lax.stop_gradient(coef_BxT)
     adv_BxT = jnp.broadcast_to(adv_B[:, None], (b, t)) * mask_BxT
 
-    prep = {"weight_BxT": weight_BxT, "mask_BxT": mask_BxT}
     metrics = {f"adv/{k}": jnp.asarray(v, jnp.float32) for k, v in adv_out.metrics.items()}
     metrics.update(off_metrics)
     if cfg.token_weights is not None:
@@ -396,8 +426,9 @@ def make_token_loss_fn(cfg: ObjectiveConfig):
     ``args`` (no gradient; arrays of the token shape): ``weight`` (aggregation x keep),
     ``mask`` (metric tokens), ``adv`` (token-weighted advantage), ``old`` (old log-probs),
     and as configured ``ref`` (kl_beta > 0), ``kl_coef`` (KL-Cov), ``anchor`` (LUFFY),
-    ``seq_log_ratio`` (GSPO). ``loss_t = weight * ell_t`` (module docstring); ``aux_t`` holds
-    the per-token ``loss/*`` parts and ``sum/*`` diagnostics that the kernel sums.
+    ``seq_log_ratio`` (GSPO), ``pg_coef`` (behaviour correction of the policy-gradient term).
+    ``loss_t = weight * ell_t`` (module docstring); ``aux_t`` holds the per-token ``loss/*``
+    parts and ``sum/*`` diagnostics that the kernel sums.
     """
     loss_fn = POLICY_LOSSES.get(cfg.policy_loss)
     loss_kwargs = cfg.policy_loss_kwargs
@@ -412,6 +443,8 @@ def make_token_loss_fn(cfg: ObjectiveConfig):
         if "anchor" in args:  # LUFFY shaping on off-policy anchor tokens
             shaped_t, _ = policy_losses.luffy(logp, old, adv, gamma=cfg.luffy_gamma)
             pg_t = jnp.where(args["anchor"] > 0, shaped_t, pg_t)
+        if "pg_coef" in args:  # behaviour correction: the policy-gradient term only
+            pg_t = args["pg_coef"] * pg_t
         loss_pg = w * pg_t
         out = {"loss/pg": loss_pg}
         total = loss_pg
@@ -420,7 +453,7 @@ def make_token_loss_fn(cfg: ObjectiveConfig):
             out["loss/kl"] = loss_kl
             total = total + loss_kl
         if "kl_coef" in args:  # KL-Cov (Cui et al. 2025): coef * |log pi - log pi_old|
-            loss_kl_cov = w * (args["kl_coef"] * jnp.abs(logp - old))
+            loss_kl_cov = w * (args["kl_coef"] * policy_losses.abs_log_ratio(logp, old))
             out["loss/kl_cov"] = loss_kl_cov
             total = total + loss_kl_cov
         if cfg.entropy_coef > 0:
@@ -473,7 +506,7 @@ def micro_batch_loss(
     }
     if cfg.kl_beta > 0:
         args["ref"] = jnp.where(live, mb["ref_logps_BxT"], 0.0).astype(jnp.float32)
-    for k in ("kl_coef", "anchor"):
+    for k in ("kl_coef", "anchor", "pg_coef"):
         if f"{k}_BxT" in prep:
             args[k] = prep[f"{k}_BxT"]
     if cfg.policy_loss == "gspo":

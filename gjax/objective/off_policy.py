@@ -13,7 +13,8 @@ or, at sequence level, the whole completion's likelihood ratio broadcast over it
 
     log rho_i = sum_t log rho_{i,t}.
 
-The loss is E_mu[...] of terms that should be E_{pi_old}[...], so each token's loss weight is
+The policy-gradient term is E_mu[...] of what should be E_{pi_old}[...], so each token's
+policy-gradient term (only that: not the KL-to-reference, KL-Cov or entropy terms) is
 multiplied by a stop-gradient coefficient c (Ionides 2008 truncated importance sampling; Yao
 et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training", use it
 token-level with C = 2 for the vLLM/FSDP mismatch):
@@ -24,7 +25,10 @@ token-level with C = 2 for the vLLM/FSDP mismatch):
 
 Masked or down-weighted tokens keep counting in the aggregation denominators (the same rule
 as DaGRPO's masked samples, `gjax.objective.loss`), so the correction never rescales the
-rest of the batch. Log-ratios are clamped to +-MAX_LOG_RATIO before exp, as the PPO ratio is.
+rest of the batch. Both choices follow TRL (the IS ratio multiplies the clipped term before
+``beta * kl`` is added; the normaliser is the completion mask) and verl's rollout IS
+weights (they multiply the policy-gradient losses); `gjax.objective.loss` says why.
+Log-ratios are clamped to +-MAX_LOG_RATIO before exp, as the PPO ratio is.
 
 Metrics, over the loss tokens (``mask_BxT``):
   ``mismatch/abs_logp_diff_mean``, ``mismatch/abs_logp_diff_max``: |log rho_{i,t}|;

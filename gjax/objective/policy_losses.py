@@ -12,7 +12,7 @@ recomputation at the start of the update), ``adv`` = the (token-weighted) advant
 r = exp(logp - old_logp) the importance ratio.
 
 Registries:
-  POLICY_LOSSES: ``ppo_clip``, ``pg``, ``gspo``, ``luffy``.
+  POLICY_LOSSES: ``ppo_clip``, ``ratio``, ``cispo``, ``pg``, ``gspo``, ``luffy``.
   KL_ESTIMATORS: ``k1``, ``k2``, ``k3`` (Schulman's estimators of KL(pi_theta || pi_ref)).
 """
 
@@ -42,9 +42,13 @@ def _ratio(logp: Array, old_logp: Array) -> tuple[Array, Array]:
     return jnp.exp(log_ratio), log_ratio
 
 
-def _check_eps(eps_low: float, eps_high: float, dual_clip: float | None = None) -> None:
-    if not 0.0 <= eps_low < 1.0:
-        raise ValueError(f"eps_low must be in [0, 1), got {eps_low}")
+def _check_eps(
+    eps_low: float, eps_high: float, dual_clip: float | None = None, *, no_lower: bool = False
+) -> None:
+    """``no_lower``: eps_low = 1 is allowed and means no lower bound (CISPO's IS weight)."""
+    if not (0.0 <= eps_low < 1.0 or (no_lower and eps_low == 1.0)):
+        interval = "[0, 1] (1: no lower bound)" if no_lower else "[0, 1)"
+        raise ValueError(f"eps_low must be in {interval}, got {eps_low}")
     if not eps_high >= 0.0:
         raise ValueError(f"eps_high must be >= 0, got {eps_high}")
     if dual_clip is not None and not dual_clip > 1.0:
@@ -90,6 +94,62 @@ def ppo_clip(
         "ratio": ratio,
     }
     return loss, aux
+
+
+@POLICY_LOSSES.register("ratio")
+def ratio_pg(logp: Array, old_logp: Array, adv: Array) -> LossOut:
+    """Unclipped importance-weighted surrogate: loss_t = -r A, gradient -r A grad log pi.
+
+    The surrogate of Cui et al. 2025 ("The Entropy Mechanism of RL for Reasoning LMs",
+    Sec. 4): KL-Cov adds its penalty to it instead of PPO's clip (verl's ``kl_cov`` loss too).
+    """
+    ratio, _ = _ratio(logp, old_logp)
+    zeros = jnp.zeros_like(logp)
+    aux = {"clip_low": zeros, "clip_high": zeros, "clip_dual": zeros, "ratio": ratio}
+    return -ratio * adv, aux
+
+
+@POLICY_LOSSES.register("cispo")
+def cispo(
+    logp: Array,
+    old_logp: Array,
+    adv: Array,
+    *,
+    eps_low: float = 1.0,
+    eps_high: float = 0.28,
+) -> LossOut:
+    """CISPO (MiniMax-M1, arXiv 2506.13585, eqs. (4)-(5)): clip the IS weight, not the update.
+
+    J = E[ 1/sum_i |o_i| sum_i sum_t sg(r^_{i,t}) A_{i,t} log pi_theta(o_{i,t}) ]     (4)
+    r^_{i,t} = clip(r_{i,t}, 1 - eps_low^IS, 1 + eps_high^IS)                     (5)
+
+    so loss_t = -sg(r^) A log pi and d loss_t / d logp = -r^ A: every token keeps a gradient
+    (PPO's clip zeroes it), with the weight r^ bounded. The 1/sum|o_i| is the token_mean
+    aggregation. eps_low = 1 (the default) puts no lower bound on the weight, as the paper does
+    ("setting eps_low^IS to a large value"). ``clip_low`` / ``clip_high`` flag tokens whose
+    weight was clipped (either sign of A).
+    """
+    _check_eps(eps_low, eps_high, no_lower=True)
+    ratio, _ = _ratio(logp, old_logp)
+    weight = jax.lax.stop_gradient(jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high))
+    aux = {
+        "clip_low": (ratio < 1.0 - eps_low).astype(logp.dtype),
+        "clip_high": (ratio > 1.0 + eps_high).astype(logp.dtype),
+        "clip_dual": jnp.zeros_like(logp),
+        "ratio": ratio,
+    }
+    return -weight * adv * logp, aux
+
+
+def abs_log_ratio(logp: Array, old_logp: Array) -> Array:
+    """|logp - old_logp| with gradient sign(logp - old_logp), which is 0 on-policy.
+
+    KL-Cov's penalty (Cui et al. 2025). ``jnp.abs`` takes the subgradient +1 at 0, which would
+    push selected tokens down by the KL coefficient exactly on-policy; the paper's penalty (and
+    verl's torch ``abs``) gives no gradient there.
+    """
+    x = logp - old_logp
+    return x * jnp.sign(jax.lax.stop_gradient(x))
 
 
 @POLICY_LOSSES.register("pg")

@@ -260,8 +260,11 @@ def kl_cov(
 
     The ``k = max(floor(ratio * N), 1)`` valid tokens with the LARGEST (signed) covariance c_t get
     ``kl_coef_BxT = kl_coef``; the loss adds ``kl_coef_t * |logp_t - old_logp_t|`` to their
-    policy loss (Cui et al.'s form). ``w_BxT`` is 1 on valid tokens, 0 on padding. Defaults are
-    Cui et al.'s for Qwen2.5-7B (k = 0.2% of tokens, coefficient 1); ties broken by position.
+    policy loss (Cui et al.'s form), with no gradient at logp = old_logp
+    (``policy_losses.abs_log_ratio``); the ``kl_cov`` preset's surrogate is the unclipped
+    ``-r A`` (``ratio``), as Cui et al. and verl. ``w_BxT`` is 1 on valid tokens, 0 on
+    padding. Defaults are Cui et al.'s for Qwen2.5-7B (k = 0.2% of tokens, coefficient 1);
+    ties broken by position.
     metrics: ``kl_cov_fraction`` (selected / valid), weight min/mean/max.
     """
     name = "kl_cov"
