@@ -131,6 +131,13 @@ def test_least_outstanding_failover_and_readmission():
         servers[0].holder.swap({"w": np.ones(2, np.float32)}, 4)
         assert pool.await_version(4, 0.5) == [4, 3]
         assert [r.live for r in pool.replicas] == [True, False]
+        # An unreachable replica is taken out at once, not waited for.
+        pool.admit(pool.replicas[1])
+        servers[1].stop()
+        t0 = time.monotonic()
+        assert pool.await_version(4, 30) == [4, -1]
+        assert time.monotonic() - t0 < 5 and not pool.replicas[1].live
+        servers[1] = _Replica(1, ports[1], version=4)
         # All out: a call waits for one until its deadline, then TimeoutError.
         pool.down(pool.replicas[0], "test")
         pool.required = 99

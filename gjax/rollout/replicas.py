@@ -55,11 +55,12 @@ class Replica:
         self.stats = {"requests": 0, "failures": 0, "outstanding_max": 0}
 
     def served_version(self, timeout: float) -> int | None:
-        """The policy version the server samples with; None if it does not answer in time."""
+        """The policy version the server samples with; None if it does not answer in time,
+        -1 if it is unreachable (UNAVAILABLE: nothing listens, or it died)."""
         try:
             reply = self.version_call(b"", timeout=timeout)
-        except grpc.RpcError:
-            return None
+        except grpc.RpcError as e:
+            return -1 if e.code() == grpc.StatusCode.UNAVAILABLE else None
         return int(json.loads(reply)["version"])
 
 
@@ -131,20 +132,22 @@ class ReplicaPool:
                 self.release(replica)
 
     def await_version(self, version: int, timeout_s: float) -> list[int]:
-        """Sets `required = version` and waits (at most `timeout_s`) until every replica
-        reports it; those that do not are taken out (the probe re-admits them). Returns the
-        versions reported (-1: no answer)."""
+        """Sets `required = version` and waits (at most `timeout_s`) until every replica in
+        service reports it; one that does not, or is unreachable, is taken out (the probe
+        re-admits it once it serves the version). Returns the versions reported (-1: none)."""
         self.required = version
         deadline = time.monotonic() + timeout_s
         seen = [-1] * len(self.replicas)
-        pending = list(self.replicas)
+        pending = [r for r in self.replicas if r.live]
         while pending:
             for r in list(pending):
                 v = r.served_version(min(self.probe_s, max(0.01, deadline - time.monotonic())))
                 seen[r.index] = -1 if v is None else v
-                if v is not None and v >= version:
+                if v == -1:
                     pending.remove(r)
-                    self.admit(r)
+                    self.down(r, "unreachable after a weight push")
+                elif v is not None and v >= version:
+                    pending.remove(r)
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.05)
@@ -158,7 +161,9 @@ class ReplicaPool:
         for r in self.replicas:
             if r.live and self.required:
                 v = r.served_version(self.probe_s)
-                if v is not None and v < self.required:
+                if v == -1:
+                    self.down(r, "unreachable")
+                elif v is not None and v < self.required:
                     self.down(r, f"it serves version {v}, not {self.required} (restarted?)")
 
     def _probe_loop(self) -> None:
@@ -167,7 +172,7 @@ class ReplicaPool:
                 if r.live or self._stop.is_set():
                     continue
                 v = r.served_version(self.probe_s)
-                if v is None:
+                if v is None or v < 0:
                     continue
                 if v < self.required and self.on_behind is not None:
                     try:
@@ -175,7 +180,7 @@ class ReplicaPool:
                     except Exception as e:  # noqa: BLE001 - tried again at the next probe
                         log.warning("re-push to replica %s failed: %s", r.address, e)
                     v = r.served_version(self.probe_s)
-                if v is not None and v >= self.required:
+                if v is not None and v >= max(self.required, 0):
                     self.admit(r)
 
     def metrics(self) -> dict[str, float]:
@@ -240,6 +245,11 @@ class ReplicaWeights:
         """Every process calls it, in the same order (a collective)."""
         version = self.version + 1
         if self.stream:
+            # Newer than any replica serves (streamed versions are not in the directory).
+            seen = [r.served_version(self.pool.probe_s) for r in self.pool.replicas]
+            version = max([version, *(v + 1 for v in seen if v is not None)])
+            if jax.process_count() > 1:
+                version = int(multihost.allgather(version).max())
             host = host_params(params)  # a collective: on every process
             if multihost.is_primary():
                 with self._lock:
