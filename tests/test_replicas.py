@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -37,7 +38,7 @@ class _Replica:
     def __init__(self, index: int, port: int, version: int = 0, delay_s: float = 0.0):
         import grpc
 
-        self.holder = ParamsHolder({"w": np.zeros(2, np.float32)}, version=version)
+        self.holder = ParamsHolder({"w": jnp.zeros(2, jnp.float32)}, version=version)
         self.calls = 0
         outer = self
 
@@ -164,3 +165,38 @@ def test_server_addresses_one_place():
         c.rollout.server_addresses = bad
         with pytest.raises(ConfigError, match=words):
             schema.server_addresses(c.rollout)
+
+
+def test_streamed_push_reaches_every_replica_and_a_restarted_one_is_brought_up(tmp_path):
+    """`ReplicaWeights` (stream): one version on both replicas; a replica restarted at an
+    older version is re-pushed the current params by the probe, then used again."""
+    from gjax.rollout.weight_push import WeightPusher
+
+    ports = [_free_port(), _free_port()]
+    servers = [_Replica(0, ports[0]), _Replica(1, ports[1])]
+    pool = replicas.ReplicaPool([f"127.0.0.1:{p}" for p in ports], probe_s=0.2)
+    weights = replicas.ReplicaWeights(
+        pool, WeightPusher(tmp_path / "push"), stream=True, ack_timeout_s=10
+    )
+    try:
+        new = {"w": jnp.asarray([1.0, 2.0])}
+        assert weights.push(new) == 1 and weights.last_bytes == 8
+        for s in servers:
+            assert s.holder.version == 1
+            np.testing.assert_array_equal(s.holder.params["w"], [1.0, 2.0])
+        servers[1].stop()
+        servers[1] = _Replica(1, ports[1], version=0)  # restarted: the initial weights
+        pool.check()  # what each rollout batch does first
+        assert not pool.replicas[1].live
+        t0 = time.monotonic()
+        while not pool.replicas[1].live and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        assert pool.replicas[1].live and servers[1].holder.version == 1
+        np.testing.assert_array_equal(servers[1].holder.params["w"], [1.0, 2.0])
+        assert weights.push({"w": jnp.asarray([3.0, 4.0])}) == 2
+        assert [s.holder.version for s in servers] == [2, 2]
+    finally:
+        weights.close()
+        pool.close()
+        for s in servers:
+            s.stop()
