@@ -244,7 +244,9 @@ SCHEMA: dict[str, Any] = {
             _NONNEG,
         ),
         "push_dir": Field(
-            "", "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)"
+            "",
+            "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push; "
+            "several hosts: a path every trainer process and replica reaches)",
         ),
         "weight_transfer": Field(
             "directory",
