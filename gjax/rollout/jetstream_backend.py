@@ -6,10 +6,11 @@ the streamed token ids. A request that fails is retried with exponential backoff
 `max_retries` times and within `timeout_s` of the batch's start (`rollout.request_timeout_s`);
 then it is dropped: its row comes back empty with `valid_B = False`, which masks it out of its
 group, and the step goes on (a request the server rejects as invalid is dropped at once). Over
-gRPC the requests spread over the replicas of `rollout.server_addresses` (`gjax.rollout.replicas`:
-least outstanding; a replica that fails UNAVAILABLE is taken out and its requests go to the
-others at once; with none live a call waits for one, probed every 0.5 s, so a restarted
-server is used within about a second). In a multi-process run each process sends its own rows.
+gRPC the requests spread over the replicas of `rollout.server_addresses`
+(`gjax.rollout.replicas`: least outstanding; a replica that fails UNAVAILABLE is taken out
+and its requests go to the others at once; with none live a call waits for one, probed every
+0.5 s, so a restarted server is used within about a second). In a multi-process run each
+process sends its own rows.
 
 In-process (`JetStreamBackend`), the gjax `Engine` records each generated token's log-prob
 (same definition as the local sampler) and params version, so on-policy rows need no second
@@ -21,8 +22,9 @@ update). In-process this swaps the engine's `ParamsHolder` (no recompilation); o
 writes them to a versioned directory the servers watch (`gjax.rollout.weight_push`), or with
 `rollout.weight_transfer='grpc'` process 0 streams them to each server
 (`gjax.rollout.weight_stream`; the directory stays the fallback), and every process waits for
-each replica to serve the new version (`gjax.rollout.replicas.ReplicaWeights`). The seconds and bytes of the push since the last metrics row
-are the step's `rollout/push_s` and `rollout/push_bytes` (0 without a push).
+each replica to serve the new version (`gjax.rollout.replicas.ReplicaWeights`). The seconds
+and bytes of the push since the last metrics row are the step's `rollout/push_s` and
+`rollout/push_bytes` (0 without a push).
 """
 
 from __future__ import annotations
