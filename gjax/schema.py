@@ -225,6 +225,12 @@ SCHEMA: dict[str, Any] = {
         "server_address": Field(
             "127.0.0.1:9000", "jetstream_grpc: host:port that `python -m gjax.serve` binds"
         ),
+        "server_addresses": Field(
+            "",
+            "jetstream_grpc: replicas 'HOST:PORT,HOST:PORT,...' (each request goes to the live "
+            "one with the fewest outstanding; '': server_address alone; when set, "
+            "server_address is left at its default or is one of them)",
+        ),
         "request_timeout_s": Field(
             600.0,
             "jetstream*: deadline of a batch of requests, retries included, seconds (a "
@@ -238,7 +244,9 @@ SCHEMA: dict[str, Any] = {
             _NONNEG,
         ),
         "push_dir": Field(
-            "", "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push)"
+            "",
+            "jetstream_grpc: where pushed weights go, local or gs:// ('': WORKDIR/push; "
+            "several hosts: a path every trainer process and replica reaches)",
         ),
         "weight_transfer": Field(
             "directory",
@@ -601,6 +609,36 @@ def walk(cfg: ml_collections.ConfigDict, prefix: str = ""):
             yield from walk(value, path + ".")
         else:
             yield path, value
+
+
+def server_addresses(rollout) -> list[str]:
+    """The `gjax.serve` replicas a jetstream_grpc run samples from: `rollout.server_addresses`
+    split on commas, or `[rollout.server_address]` when it is empty. Raises ConfigError on an
+    address that is not HOST:PORT, a repeated one, or a `server_address` set to another one."""
+    listed = rollout.get("server_addresses", "")
+    if isinstance(listed, str):
+        listed = [a.strip() for a in listed.split(",") if a.strip()]
+    one = rollout.server_address
+    if not listed:
+        listed = [one]
+    elif one != SCHEMA["rollout"]["server_address"].default and one not in listed:
+        raise ConfigError(
+            f"config.rollout.server_address={one!r} is not one of "
+            f"config.rollout.server_addresses={','.join(listed)!r}: server_addresses lists "
+            "every replica and replaces server_address. Leave server_address unset, or add it "
+            "to the list."
+        )
+    for a in listed:
+        host, _, port = a.rpartition(":")
+        if not host or not port.isdigit():
+            raise ConfigError(
+                f"config.rollout.server_addresses: {a!r} must be HOST:PORT (e.g. 127.0.0.1:9000)"
+            )
+    if len(set(listed)) != len(listed):
+        raise ConfigError(
+            f"config.rollout.server_addresses={','.join(listed)!r} names a replica twice"
+        )
+    return list(listed)
 
 
 def unknown_field(path: str, known, how: str = "") -> ConfigError:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 
+from gjax import schema
 from gjax.errors import ConfigError
 from gjax.models.config import ModelConfig
 from gjax.rollout.backend import LocalSampler, RolloutBackend
@@ -38,6 +39,8 @@ def check_config(config) -> None:
             f"config.rollout.backend={config.rollout.backend!r}",
             ", or use --config.rollout.backend=local",
         )
+    if config.rollout.backend == "jetstream_grpc":
+        schema.server_addresses(config.rollout)  # HOST:PORT each, once each
 
 
 def make_backend(
@@ -46,10 +49,11 @@ def make_backend(
     """The backend `config.rollout.backend` names: local | jetstream | jetstream_grpc."""
     if config.rollout.backend == "local":
         return LocalSampler(model_cfg)
-    if jax.process_count() > 1:
+    if config.rollout.backend == "jetstream" and jax.process_count() > 1:
         raise ConfigError(
-            f"config.rollout.backend={config.rollout.backend!r} serves one process's rollouts; "
-            "a multi-process run samples with 'local' (each host its own rows)"
+            "config.rollout.backend='jetstream' serves one process's rollouts in that process; "
+            "a multi-process run samples with 'local' (each host its own rows) or with "
+            "'jetstream_grpc' (gjax.serve replicas, config.rollout.server_addresses)"
         )
     require_jetstream(f"config.rollout.backend={config.rollout.backend!r}")
     from gjax.rollout import jetstream_backend  # optional dependency: JetStream

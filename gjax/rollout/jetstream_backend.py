@@ -6,8 +6,11 @@ the streamed token ids. A request that fails is retried with exponential backoff
 `max_retries` times and within `timeout_s` of the batch's start (`rollout.request_timeout_s`);
 then it is dropped: its row comes back empty with `valid_B = False`, which masks it out of its
 group, and the step goes on (a request the server rejects as invalid is dropped at once). Over
-gRPC a call waits for a server that is down (`wait_for_ready`), and the channel retries the
-connection every 0.5 s at most, so a restarted server is used within about a second.
+gRPC the requests spread over the replicas of `rollout.server_addresses`
+(`gjax.rollout.replicas`: least outstanding; a replica that fails UNAVAILABLE is taken out
+and its requests go to the others at once; with none live a call waits for one, probed every
+0.5 s, so a restarted server is used within about a second). In a multi-process run each
+process sends its own rows.
 
 In-process (`JetStreamBackend`), the gjax `Engine` records each generated token's log-prob
 (same definition as the local sampler) and params version, so on-policy rows need no second
@@ -16,10 +19,12 @@ forward. The gRPC reply carries token ids only, so `JetStreamGrpcBackend` return
 
 Weights: `generate(params, ...)` pushes `params` when they are a new object (after every
 update). In-process this swaps the engine's `ParamsHolder` (no recompilation); over gRPC it
-writes them to a versioned directory the server watches (`gjax.rollout.weight_push`), or with
-`rollout.weight_transfer='grpc'` streams them to the server (`gjax.rollout.weight_stream`; the
-directory stays the fallback). The seconds and bytes of the push since the last metrics row
-are the step's `rollout/push_s` and `rollout/push_bytes` (0 without a push).
+writes them to a versioned directory the servers watch (`gjax.rollout.weight_push`), or with
+`rollout.weight_transfer='grpc'` process 0 streams them to each server
+(`gjax.rollout.weight_stream`; the directory stays the fallback), and every process waits for
+each replica to serve the new version (`gjax.rollout.replicas.ReplicaWeights`). The seconds
+and bytes of the push since the last metrics row are the step's `rollout/push_s` and
+`rollout/push_bytes` (0 without a push).
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ import os
 import threading
 import time
 
+import jax
 import numpy as np
 
+from gjax import multihost, schema
 from gjax.errors import UserError
 from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
@@ -45,15 +52,6 @@ log = logging.getLogger("gjax")
 
 class PromptTooLong(UserError, ValueError):
     """A prompt that does not fit the engine's largest prefill bucket."""
-
-
-# A server that is back is reconnected to within ~0.5 s: gRPC's default reconnect backoff
-# grows to 120 s while a server is down.
-_CHANNEL_OPTIONS = (
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.min_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 500),
-)
 
 
 class _JetStreamClient:
@@ -97,9 +95,12 @@ class _JetStreamClient:
     def metrics(self) -> dict[str, float]:
         """The last batch's serving figures and the push since the last call (for the step's
         metrics row; a push before the first step, e.g. for an evaluation, counts in it)."""
-        out = {**self._last, **self._pushed}
+        out = {**self._last, **self._pushed, **self._replica_metrics()}
         self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
-        return out
+        return _combine(out)
+
+    def _replica_metrics(self) -> dict[str, float]:
+        return {}
 
     def failure(self) -> str:
         error = f"last error: {self.last_error}" if self.last_error else "see the warnings above"
@@ -216,6 +217,47 @@ class _JetStreamClient:
             out["valid"],
             out["version"],
         )
+
+
+def _combine(metrics: dict[str, float]) -> dict[str, float]:
+    """Per-process serving figures -> the run's: the slowest push, the newest version, the
+    largest lag / in-flight count, the mean lag, every other count summed (every process
+    calls it, in the same order)."""
+    if jax.process_count() == 1:
+        return metrics
+    keys = sorted(metrics)
+    values = multihost.allgather(np.asarray([metrics[k] for k in keys], np.float64))
+    out = {}
+    for i, k in enumerate(keys):
+        col = values[:, i]
+        if k.endswith(("_s", "_max", "policy_version", "push_bytes")):
+            out[k] = float(col.max())
+        elif k.endswith("_mean"):
+            out[k] = float(col.mean())
+        else:
+            out[k] = float(col.sum())
+    return out
+
+
+_GLOBAL_FIELDS = ("tokens_BxN", "mask_BxN", "logps_BxN", "lengths_B")
+
+
+def _host_rows(x):
+    """(this process's rows of `x` on the host, the global sharding or None): a global array
+    sharded over rows (several processes) gives its block (`gjax.multihost.RowLayout`)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        n = x.shape[0]
+        pieces = {s.index[0].indices(n)[0]: s.data for s in x.addressable_shards}
+        return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)]), x.sharding
+    return np.asarray(x), None
+
+
+def _global_rows(x: np.ndarray, like) -> jax.Array:
+    """This process's rows -> the global array laid out by rows as `like` (a sharding)."""
+    spec = jax.sharding.PartitionSpec(like.spec[0], *([None] * (x.ndim - 1)))
+    sharding = jax.sharding.NamedSharding(like.mesh, spec)
+    shape = (x.shape[0] * jax.process_count(), *x.shape[1:])
+    return jax.make_array_from_process_local_data(sharding, x, shape)
 
 
 def _rejected(error) -> bool:
@@ -360,13 +402,16 @@ class JetStreamBackend(_JetStreamClient):
 
 
 class JetStreamGrpcBackend(_JetStreamClient):
-    """A `gjax.serve` server over gRPC. Log-probs are recomputed by the trainer."""
+    """`gjax.serve` replicas over gRPC (`gjax.rollout.replicas`). Log-probs are recomputed by
+    the trainer. In a multi-process run `generate` takes global arrays laid out by rows and
+    returns them so (as the local sampler does; `valid_B`, `version_B`: this process's rows);
+    each process sends only its own rows' requests."""
 
     returns_logps = False
 
     def __init__(
         self,
-        address: str,
+        address: str | list[str],
         *,
         max_prompt_len: int,
         server_sampling: SamplingParams | None = None,
@@ -376,8 +421,10 @@ class JetStreamGrpcBackend(_JetStreamClient):
         max_retries: int = 3,
         backoff_s: float = 1.0,
         max_workers: int = 256,
+        pool=None,
     ):
-        import grpc  # optional dependency (the jetstream extra): only the gRPC client needs it
+        # optional dependency (the jetstream extra): only the gRPC client needs grpc
+        from gjax.rollout.replicas import ReplicaPool
 
         super().__init__(
             max_prefill_length=prefill_bucket(max_prompt_len),
@@ -385,11 +432,12 @@ class JetStreamGrpcBackend(_JetStreamClient):
             max_retries=max_retries,
             backoff_s=backoff_s,
         )
-        self.address = address
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub = jetstream.jetstream_pb2_grpc.OrchestratorStub(self._channel)
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        self.address = self.addresses[0]
+        self.pool = pool if pool is not None else ReplicaPool(self.addresses)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, "jetstream-grpc")
-        # weight_push.WeightPusher or weight_stream.GrpcWeightPusher; None: the server keeps its own
+        # replicas.ReplicaWeights, weight_push.WeightPusher or weight_stream.GrpcWeightPusher;
+        # None: the servers keep their own
         self.weights = weights
         # A DecodeRequest carries no sampling settings: the server samples with the run's
         # (`server_sampling`); other settings (greedy held-out evaluation) run on `local`.
@@ -416,15 +464,21 @@ class JetStreamGrpcBackend(_JetStreamClient):
         # A server that restarted from an older version (the gRPC stream's case): push again.
         if self.weights is not None and id(params) == self._params_id and self.weights.behind():
             self._params_id = None
-        return super().generate(
-            params,
-            prompt_tokens_PxS,
-            prompt_mask_PxS,
-            rng,
-            num_samples=num_samples,
-            sampling=sampling,
-            **kw,
+        self.pool.check()  # a replica behind the pushed version waits for it
+        tokens_PxS, like = _host_rows(prompt_tokens_PxS)
+        mask_PxS, _ = _host_rows(prompt_mask_PxS)
+        resubmitted = self.pool.resubmitted
+        out = super().generate(
+            params, tokens_PxS, mask_PxS, rng, num_samples=num_samples, sampling=sampling, **kw
         )
+        moved = self.pool.resubmitted - resubmitted  # sent again to another replica
+        self.counters["retried"] += moved
+        self._last["rollout/requests_retried"] += moved
+        if like is None:
+            return out
+        # Per-sequence arrays global (as the local sampler's); valid / version stay this
+        # process's rows, which is what the rollout reads them as.
+        return out._replace(**{f: _global_rows(getattr(out, f), like) for f in _GLOBAL_FIELDS})
 
     def _push(self, params):
         if self.weights is None:
@@ -435,29 +489,26 @@ class JetStreamGrpcBackend(_JetStreamClient):
         pass
 
     def _submit(self, request, deadline):
-        # wait_for_ready: a call made while the server is down waits for it (until the
-        # deadline) instead of failing at once, and runs as soon as the channel reconnects.
-        return self._pool.submit(
-            lambda: _token_ids(
-                self._stub.Decode(
-                    request,
-                    timeout=max(0.01, deadline - time.monotonic()),
-                    wait_for_ready=True,
-                )
-            )
-        )
+        # A replica that fails UNAVAILABLE is taken out and the request goes to another; with
+        # none live the call waits for one (probed every 0.5 s) until the deadline.
+        return self._pool.submit(self.pool.call, request, deadline, _token_ids)
 
     def _finish(self, rows, out):
         pass
 
+    def _replica_metrics(self) -> dict[str, float]:
+        return self.pool.metrics() if len(self.addresses) > 1 else {}
+
     def served_by(self) -> str:
-        return f"the gjax.serve server at {self.address} (config.rollout.server_address)"
+        if len(self.addresses) == 1:
+            return f"the gjax.serve server at {self.address} (config.rollout.server_address)"
+        return f"the gjax.serve replicas {self.pool.describe()} (config.rollout.server_addresses)"
 
     def close(self):
         if self.weights is not None:
             self.weights.close()
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._channel.close()
+        self.pool.close()
 
 
 def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer=None):
@@ -475,17 +526,21 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
         )
-    push_dir = r.push_dir or os.path.join(workdir or ".", "push")
-    weights = WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s)
-    if r.weight_transfer == "grpc":
-        # grpc is optional (the jetstream extra): imported only for the streamed hand-off.
-        from gjax.rollout.weight_stream import GrpcWeightPusher
+    # grpc is optional (the jetstream extra): imported only for the gRPC client.
+    from gjax.rollout.replicas import ReplicaPool, ReplicaWeights
 
-        weights = GrpcWeightPusher(
-            r.server_address, fallback=weights, timeout_s=r.request_timeout_s
-        )
+    addresses = schema.server_addresses(r)
+    pool = ReplicaPool(addresses)
+    push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    weights = ReplicaWeights(
+        pool,
+        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        stream=r.weight_transfer == "grpc",
+        ack_timeout_s=r.request_timeout_s,
+    )
     return JetStreamGrpcBackend(
-        r.server_address,
+        addresses,
+        pool=pool,
         max_prompt_len=config.data.max_prompt_len,
         server_sampling=rollout_sampling(config, model_cfg, tokenizer),
         local=LocalSampler(model_cfg),

@@ -80,7 +80,8 @@ class SampleOutput(NamedTuple):
     mask_BxN: jax.Array  # int32, 1 up to and including the stop token
     logps_BxN: jax.Array  # f32, log_softmax(logits / T) at the sampled tokens, 0 where masked
     lengths_B: jax.Array  # int32, mask_BxN.sum(-1)
-    # Serving backends only (None from the local sampler: every row valid, current params):
+    # Serving backends only (None from the local sampler: every row valid, current params;
+    # host arrays of this process's rows in a multi-process run):
     valid_B: jax.Array | None = None  # bool, False for a dropped request (no tokens)
     version_B: jax.Array | None = None  # int32, the policy version each row was sampled with
 

@@ -70,18 +70,24 @@ class WeightPusher:
         self.version = latest_version(self.root) or 0
         self.last_bytes = 0  # bytes the last push wrote
 
-    def push(self, params, version: int | None = None) -> int:
-        """Saves `params` as `version` (default: the next one); returns the served version."""
+    def push(self, params, version: int | None = None, *, wait: bool = True) -> int:
+        """Saves `params` as `version` (default: the next one); returns the served version
+        (`wait=False`: returns `version` at once; the caller asks the servers themselves).
+        In a multi-process run every process calls it (orbax's save is a collective) and
+        process 0 writes LATEST."""
         version = self.version + 1 if version is None else version
         self.last_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
         path = version_dir(self.root, version)
         with ocp.StandardCheckpointer() as ckpt:
             ckpt.save(path.resolve(), params, force=True)
-        _write_int(self.root / "LATEST", version)
         self.version = version
-        for old in self.root.glob("v*"):
-            if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
-                old.rmtree(missing_ok=True)
+        if jax.process_index() == 0:
+            _write_int(self.root / "LATEST", version)
+            for old in self.root.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                    old.rmtree(missing_ok=True)
+        if not wait:
+            return version
         deadline = time.monotonic() + self.ack_timeout_s
         while time.monotonic() < deadline:
             served = served_version(self.root)

@@ -270,26 +270,29 @@ class GrpcWeightPusher:
         self.last_bytes = total
         yield message({"commit": total})
 
-    def push(self, params) -> int:
+    def push(self, params, version: int | None = None) -> int:
+        """Streams `params` as `version` (default: the next one); returns the served version."""
         # A server not reachable within connect_s gets the version through the directory,
         # where it (restarted) finds it.
         try:
             self.check(params)  # first: a server's own version counts (a fresh trainer)
         except grpc.RpcError as e:
-            return self._fall_back(params, e)
-        version = max(self.version, self.fallback.version if self.fallback else 0) + 1
+            return self._fall_back(params, e, version)
+        if version is None:
+            version = max(self.version, self.fallback.version if self.fallback else 0) + 1
         try:
             reply = self._push_call(self.messages(params, version), timeout=self.timeout_s)
         except grpc.RpcError as e:
-            return self._fall_back(params, e)
+            return self._fall_back(params, e, version)
         self.version = version
         return int(json.loads(reply)["version"])
 
-    def _fall_back(self, params, error) -> int:
+    def _fall_back(self, params, error, version=None) -> int:
         self._spec = None  # a restarted server may differ; ask again next time
         if self.fallback is None:
             raise error
-        version = max(self.version, self.fallback.version) + 1
+        if version is None:
+            version = max(self.version, self.fallback.version) + 1
         log.warning(
             "weight push over gRPC to %s failed (%s); writing version %d to %s instead",
             self.address,

@@ -1,0 +1,169 @@
+"""Multi-host x JetStream: two trainer processes (gloo) sampling from two `gjax.serve` replicas
+train exactly as one process sampling from one server, while one replica is SIGKILLed mid-run.
+
+Sampling is deterministic (top_k = 1), so which replica serves a request does not change its
+tokens. Each trainer process sends its own rows' requests; process 0 pushes each new version
+through the push directory both replicas watch, and every process waits until each replica
+serves it. The killed replica's requests go to the other one: nothing is dropped.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from tests.test_multihost import (
+    ARGS,
+    EMBEDDED,
+    ROOT,
+    _assert_same_run,
+    _env,
+    _free_port,
+    _rows,
+    _state,
+)
+
+pytest.importorskip("gjax.rollout.replicas")
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built"),
+]
+
+# Greedy-equivalent sampling on the server and in the trainer's config (they must agree),
+# and one anchor per group (the demonstration) so that groups differ and the update moves.
+SAMPLING = ["--config.rollout.top_k=1", "--config.anchors.per_group=1"]
+STEPS = 3
+
+
+def _serve(port: int, push_dir, log_path) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "gjax.serve",
+        ARGS[0],
+        *SAMPLING,
+        f"--config.rollout.server_address=127.0.0.1:{port}",
+        f"--config.rollout.push_dir={push_dir}",
+        "--config.rollout.decode_slots=8",
+        f"--workdir={push_dir}",
+    ]
+    with open(log_path, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, env=_env(1), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(proc, log_path, deadline):
+    while "gjax.serve: ready" not in log_path.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+        time.sleep(0.2)
+
+
+def _train(workdir, addresses: list[str], processes: int) -> list[subprocess.Popen]:
+    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *SAMPLING]
+    cmd += [
+        f"--config.train.steps={STEPS}",
+        "--config.rollout.backend=jetstream_grpc",
+        f"--config.rollout.server_addresses={','.join(addresses)}",
+        "--config.rollout.request_timeout_s=120",
+    ]
+    if processes == 1:
+        return [
+            subprocess.Popen(
+                cmd,
+                env=_env(8),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        ]
+    port = _free_port()
+    return [
+        subprocess.Popen(
+            [
+                *cmd,
+                f"--coordinator_address=127.0.0.1:{port}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
+            env=_env(4),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+
+
+def _without_serving(rows):
+    """Rows without the serving figures that differ between the layouts (per-replica
+    counts, push seconds, retries after the kill); dropped rows and versions are kept."""
+    keep = ("rollout/requests_dropped", "rollout/policy_version")
+    return [{k: v for k, v in r.items() if not k.startswith("rollout/") or k in keep} for r in rows]
+
+
+def test_two_processes_two_replicas_equal_one_process_one_server_with_a_replica_killed(tmp_path):
+    ref, two = tmp_path / "one", tmp_path / "two"
+    ports = [_free_port() for _ in range(3)]
+    logs = [tmp_path / f"serve{i}.log" for i in range(3)]
+    servers = [
+        _serve(ports[0], ref / "push", logs[0]),
+        _serve(ports[1], two / "push", logs[1]),
+        _serve(ports[2], two / "push", logs[2]),
+    ]
+    trainers = []
+    try:
+        deadline = time.monotonic() + 300
+        for proc, log in zip(servers, logs):
+            _wait_ready(proc, log, deadline)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        trainers = _train(ref, addresses[:1], 1) + _train(two, addresses[1:], 2)
+        outs = [[] for _ in trainers]
+        readers = [
+            threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True)
+            for p, o in zip(trainers, outs)
+        ]
+        for t in readers:
+            t.start()
+        # SIGKILL replica 1 of the two-process run once it serves version 2 (after the first
+        # update): mid-run, with steps 2 and 3 still to sample.
+        while "serving policy version 2" not in logs[2].read_text():
+            assert all(p.poll() is None for p in trainers[1:]), "".join(outs[1])[-4000:]
+            assert time.monotonic() < deadline + 300, "".join(outs[1])[-4000:]
+            time.sleep(0.05)
+        servers[2].send_signal(signal.SIGKILL)
+        for p in trainers:
+            p.wait(timeout=600)
+        for t in readers:
+            t.join(30)
+        for p, o in zip(trainers, outs):
+            assert p.returncode == 0, "".join(o)[-6000:]
+    finally:
+        for p in [*trainers, *servers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    ref_rows, two_rows = _rows(ref), _rows(two)
+    assert [r["step"] for r in two_rows] == list(range(1, STEPS + 1))
+    assert all(r["rollout/requests_dropped"] == 0 for r in two_rows + ref_rows)
+    # Both replicas served the first step; the killed one nothing after its failure was seen.
+    assert two_rows[0]["rollout/replica0/requests"] > 0
+    assert two_rows[0]["rollout/replica1/requests"] > 0
+    assert sum(r["rollout/replica1/failures"] for r in two_rows) > 0
+    assert two_rows[-1]["rollout/replica1/requests"] == 0
+    # A dead replica is not waited for at a push (request_timeout_s=120).
+    assert all(r["rollout/push_s"] < 60 for r in two_rows[1:]), two_rows
+    _assert_same_run(
+        _without_serving(ref_rows),
+        _without_serving(two_rows),
+        _state(ref, STEPS),
+        _state(two, STEPS),
+        updates=STEPS,
+    )
+    print(json.dumps({k: v for k, v in two_rows[-1].items() if k.startswith("rollout/")}))
