@@ -5,7 +5,8 @@ token up to the position that predicts its last loss token) is copied into one o
 W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
 static (`Packing`), so nothing recompiles from step to step; a batch whose rows do not fit is
 a clear error (`plan`). Positions are the rows' own (they restart in every row) and each row
-is its own segment, so attention never crosses rows (`gjax.models.transformer`).
+is its own segment (its padding stays segment 0; a row holds one sequence, as
+`gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
 
 The plan is made on the host from the whole batch's row lengths (`plan`: per row its span
 start and length, its bin and its offset there) and applied on the device (`destinations`,
@@ -132,11 +133,8 @@ def destinations(plan_B: dict, s: int, bins: int, width: int) -> jax.Array:
 def scatter(x_RxU: jax.Array, dest_RxU: jax.Array, n: int) -> jax.Array:
     """Rows' values to their packed places: [R, U, ...] -> [n, ...], 0 where none lands."""
     flat = x_RxU.reshape((-1,) + x_RxU.shape[2:])
-    return (
-        jnp.zeros((n,) + x_RxU.shape[2:], x_RxU.dtype)
-        .at[dest_RxU.reshape(-1)]
-        .set(flat, mode="drop", unique_indices=False)
-    )
+    zeros_N = jnp.zeros((n,) + x_RxU.shape[2:], x_RxU.dtype)
+    return zeros_N.at[dest_RxU.reshape(-1)].set(flat, mode="drop")
 
 
 def gather(x_N: jax.Array, dest_RxU: jax.Array) -> jax.Array:
