@@ -318,6 +318,9 @@ def update(
     }
     if schedule is not None:
         metrics["optim/lr"] = schedule(state.step)
+    if pack is not None and "pack_metrics" in batch:  # from the host plan
+        metrics["pack/bins_used_max"] = batch["pack_metrics"][0]
+        metrics["pack/fill"] = batch["pack_metrics"][1]
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

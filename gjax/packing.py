@@ -94,16 +94,20 @@ def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
 
 
 def plan(spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int) -> dict:
-    """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each); every process computes
-    the same one from the all-gathered spans. Raises ConfigError when rows do not fit."""
+    """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), and `pack_metrics`: the
+    most bins a minibatch used and the fraction of bin tokens filled (f32 [2], to tune
+    `train.pack_bins` by); every process computes the same plan from the all-gathered
+    spans. Raises ConfigError when rows do not fit."""
     b = len(spans_Bx2)
     bins, width = packing.shape(b, s, minibatches)
     start_B, length_B = spans_Bx2[:, 0], spans_Bx2[:, 1]
     bin_B = np.zeros(b, np.int32)
     offset_B = np.zeros(b, np.int32)
+    most = 0
     for m in range(minibatches):
         rows = np.arange(m, b, minibatches)
-        bin_R, offset_R, _ = first_fit_decreasing(length_B[rows], bins, width)
+        bin_R, offset_R, used = first_fit_decreasing(length_B[rows], bins, width)
+        most = max(most, used)
         if (bin_R < 0).any():
             _, _, need = first_fit_decreasing(length_B[rows], len(rows), max(width, s))
             raise ConfigError(
@@ -115,7 +119,10 @@ def plan(spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int) -
                 "or set train.packing='padded'."
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
-    return dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
+    out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
+    fill = length_B.sum() / (minibatches * bins * width)
+    out["pack_metrics"] = np.array([most, fill], np.float32)
+    return out
 
 
 # ------------------------------------------------------------------------------ on device
