@@ -408,7 +408,8 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: one per row, always fits); fewer bins skip "
-            "padding FLOPs, and a batch whose rows do not fit stops with an error",
+            "padding FLOPs (metric pack/bins_used_max: what batches needed), and a batch "
+            "whose rows do not fit stops with an error",
             _NONNEG,
         ),
         "pack_length": Field(
