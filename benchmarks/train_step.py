@@ -31,6 +31,7 @@ is broken down (gjax: sample / rollout incl. rewards / update incl. ref log-prob
 generate / reward).
 
     python benchmarks/train_step.py    # P=16 x G=8, 32 + 48 tokens; ~5 min on a busy 2-core CPU
+    python benchmarks/train_step.py --compare-packing --length-dist pareto   # padded vs packed
 
 Measured (embedded policy, idle 2-core CPU, two runs): gjax 1.23-1.31 s/step (sample
 0.20-0.30, old+ref log-probs and rewards 0.21-0.26, update 0.76-0.80), TRL 1.08-1.27 s/step
@@ -71,6 +72,18 @@ The same matmul measured 143-460 GFLOP/s across runs, so on a shared CPU compare
 FLOP/s, not MFU. XLA's count of the compiled update was 1.036x the formula's (the elementwise
 ops and the optimizer it also counts).
 
+`--compare-packing` times only the learner part (`Learner.batch`: the reference log-probs;
+then the update) on the same rollout batches with padded and packed rows (`gjax.packing`),
+alternating, from the same state; the packed bins are [J, S] with J the most any of the
+batches needs, one static shape. Measured 2026-11-25 on this shared 2-core CPU (load 4-6),
+embedded policy, `--compare-packing --length-dist pareto --repeats 5`: P=16 x G=8, 32 + 48
+tokens, 3541 real tokens per batch (prompts ~17, completions ~11 of 48 on average), padded
+128 rows x 80 vs packed 48 bins x 80: update 0.96 s vs 0.26 s, 272 vs 74 us per real token
+(3.7x; 2.3x in a run at load 13-21); reference log-probs 0.20 vs 0.09 s (2.2x). Update
+executed / useful FLOPs: padded 3.88, packed 1.47 (remat 'full' included; without its
+recompute 3.15 and 1.20: bins 89% full, and the dense [W x W] score matrix). Losses agree
+to 2e-8.
+
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
 """
@@ -79,6 +92,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -93,12 +107,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import common, grpo  # noqa: E402
-from gjax import flops, sharding  # noqa: E402
+from gjax import flops, packing, sharding  # noqa: E402
 from gjax.config import validate  # noqa: E402
 from gjax.data.builders import build_prompt_data  # noqa: E402
 from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
-from gjax.experience import select_groups  # noqa: E402
+from gjax.experience import select_groups, to_model_inputs  # noqa: E402
 from gjax.learner import init_state, make_learner, make_optimizer  # noqa: E402
 from gjax.models import hf_export, hf_import  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
@@ -147,6 +161,8 @@ def make_config(args):
     c.reward.workers = args.reward_workers
     c.log.tensorboard = False
     c.log.progress = False
+    c.train.microbatches = args.microbatches
+    c.train.packing = "padded"  # the step as measured below; --compare-packing for packed
     return c
 
 
@@ -260,14 +276,15 @@ class GjaxStep:
         t = config.train
         tx, _ = make_optimizer(config.optim, t.steps, t.minibatches * t.num_iterations)
         self.state, state_shardings = init_state(params, tx, self.mesh)
-        self.learner = make_learner(
+        self.make_learner = functools.partial(
+            make_learner,
             mesh=self.mesh,
             model_cfg=self.cfg,
             obj_cfg=obj_cfg,
             tx=tx,
             state_shardings=state_shardings,
-            train_cfg=config.train,
         )
+        self.learner = self.make_learner(train_cfg=config.train)
         self.pipeline = build_rewards(config, verifier)
         backend = LocalSampler(self.cfg)
         if length_dist == "pareto":
@@ -328,20 +345,32 @@ class GjaxStep:
             "loss": float(metrics["loss/total"]) if "loss/total" in metrics else None,
         }
 
-    def flops(self, groups, batch) -> dict:
+    def flops(self, groups, batch, learner=None) -> dict:
         """Useful and executed FLOPs of this step's learner part and of the whole step."""
+        learner = learner or self.learner
+        packed = {}
+        if learner.pack is not None:
+            bins, width = learner.pack.shape(
+                batch["input_ids_BxS"].shape[0],
+                batch["input_ids_BxS"].shape[1],
+                learner.minibatches,
+            )
+            packed = dict(packed_bins=bins * learner.minibatches, pack_length=width)
         p, g, n = groups.completion_mask_PxGxN.shape
         prompt_P = groups.prompt_mask_PxS.sum(-1)
         completion_B = groups.completion_mask_PxGxN.reshape(p * g, n).sum(-1)
-        learner = flops.learner_flops(
-            self.cfg,
+        shapes = dict(
             seq_lengths_B=np.repeat(prompt_P, g) + completion_B,
             completion_lengths_B=completion_B,
             padded_len_S=batch["input_ids_BxS"].shape[1],
             padded_completion_len_T=batch["targets_BxT"].shape[1],
             extra_forwards=self.extra_forwards,
             **self.kernel_shapes,
+            **packed,
         )
+        learner = flops.learner_flops(self.cfg, **shapes)
+        # The padding and layout waste alone: the same without remat's recompute.
+        no_remat = flops.learner_flops(self.cfg.replace(remat="none"), **shapes)
         # No stop tokens: the sampler's decode loop runs all max_new_tokens steps.
         assert self.rollout.sampling.stop_token_ids == ()
         steps = self.rollout.sampling.max_new_tokens
@@ -358,6 +387,9 @@ class GjaxStep:
             "padded_tokens": learner["padded_tokens"],
             "learner_useful_flops": learner["useful"],
             "learner_executed_flops": learner["executed"],
+            "update_useful_flops": learner["update_useful"],
+            "update_executed_flops": learner["update_executed"],
+            "update_executed_flops_no_remat": no_remat["update_executed"],
             "step_useful_flops": learner["useful"] + sampler["useful"],
             "step_executed_flops": learner["executed"] + sampler["executed"],
         }
@@ -399,6 +431,105 @@ class GjaxStep:
 
 
 # -------------------------------------------------------------------------------------- TRL
+
+
+def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
+    """`--compare-packing`: the learner part (`Learner.batch`: reference log-probs; then the
+    update) on the same rollout batches, padded and packed, alternating (the order flips each
+    batch), from the same state. Bins: W = the padded row length S, and J per minibatch the
+    most that any of the batches needs by first-fit decreasing (rounded up to a multiple of
+    microbatches): one static shape for all of them, no recompiles."""
+    config.train.packing = "padded"
+    step = GjaxStep(config, path, verifier, data, length_dist=args.length_dist)
+    t = config.train
+    batches = []
+    for i in range(args.warmup + args.repeats):
+        res = step.rollout(
+            step.state.params, next(step.data_iter), jax.random.fold_in(step.base_key, i)
+        )
+        groups, _ = select_groups(
+            res.groups, step.P, min_valid_fraction=0.0, drop_zero_variance=False, final_round=True
+        )
+        batches.append(groups)
+    need, s = 0, 0
+    for groups in batches:
+        host = to_model_inputs(groups)
+        spans_Bx2 = packing.row_spans(host["segment_ids_BxS"], host["loss_mask_BxT"])
+        s = host["input_ids_BxS"].shape[1]
+        for m in range(t.minibatches):
+            rows = spans_Bx2[m :: t.minibatches, 1]
+            need = max(need, packing.first_fit_decreasing(rows, len(rows), s)[2])
+    bins = -(-need // t.microbatches) * t.microbatches
+    packed_cfg = config.train.copy_and_resolve_references()
+    packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
+    learners = {"padded": step.learner, "packed": step.make_learner(train_cfg=packed_cfg)}
+    recs = {mode: [] for mode in learners}
+    for i, groups in enumerate(batches):
+        order = list(learners) if i % 2 == 0 else list(learners)[::-1]
+        for mode in order:
+            learner = learners[mode]
+            state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), step.state))
+            t0 = time.perf_counter()
+            batch = jax.block_until_ready(learner.batch(groups, state.params, step.ref_params))
+            t1 = time.perf_counter()
+            new_state, metrics = learner.update(state, batch, jax.random.key(i))
+            jax.block_until_ready((new_state, metrics))
+            t2 = time.perf_counter()
+            rec = {
+                **step.flops(groups, batch, learner),
+                "logps_s": t1 - t0,
+                "update_s": t2 - t1,
+                "loss": float(metrics["loss/total"]),
+                "grad_norm": float(metrics["optim/grad_norm"]),
+            }
+            emit({"what": "packing_step", "mode": mode, "timed": i >= args.warmup, **rec})
+            if i >= args.warmup:
+                recs[mode].append(rec)
+    med = lambda mode, k: statistics.median(r[k] for r in recs[mode])  # noqa: E731
+    summary = {}
+    for mode in learners:
+        real = med(mode, "real_tokens")
+        summary[mode] = {
+            "update_s": med(mode, "update_s"),
+            "logps_s": med(mode, "logps_s"),
+            "update_us_per_real_token": 1e6
+            * statistics.median(r["update_s"] / r["real_tokens"] for r in recs[mode]),
+            "update_executed_over_useful": statistics.median(
+                r["update_executed_flops"] / r["update_useful_flops"] for r in recs[mode]
+            ),
+            "update_executed_over_useful_no_remat": statistics.median(
+                r["update_executed_flops_no_remat"] / r["update_useful_flops"] for r in recs[mode]
+            ),
+            "learner_executed_over_useful": statistics.median(
+                r["learner_executed_flops"] / r["learner_useful_flops"] for r in recs[mode]
+            ),
+            "real_tokens": real,
+        }
+    pad, pk = summary["padded"], summary["packed"]
+    emit(
+        {
+            "what": "packing_summary",
+            **{f"{mode}_{k}": v for mode, d in summary.items() for k, v in d.items()},
+            "update_speedup_per_real_token": (
+                pad["update_us_per_real_token"] / pk["update_us_per_real_token"]
+            ),
+            "logps_speedup": pad["logps_s"] / pk["logps_s"],
+            "max_loss_diff": max(
+                abs(a["loss"] - b["loss"]) for a, b in zip(recs["padded"], recs["packed"])
+            ),
+            "packed_shape": f"{t.minibatches} minibatches x {bins} bins x {s} tokens",
+            "padded_shape": f"{step.P * config.rollout.num_samples} rows x {s} tokens",
+            "packed_update_compiles": learners["packed"].update._cache_size(),
+            "batches_timed": args.repeats,
+            "P": args.prompts,
+            "G": args.samples,
+            "max_prompt_len": args.prompt_len,
+            "max_new_tokens": args.new_tokens,
+            "length_dist": args.length_dist,
+            "train": {k: t[k] for k in ("minibatches", "microbatches", "num_iterations")},
+        }
+    )
+    step.close()
 
 
 def run_trl(args, config, path: str, verifier: Verifier, data, between=None) -> list[dict]:
@@ -572,6 +703,12 @@ def main():
         help="completion lengths: all max_new_tokens, or Pareto with mean <= max_new_tokens / 4",
     )
     ap.add_argument("--peak-flops", type=float, default=None, help="peak FLOP/s for MFU")
+    ap.add_argument(
+        "--compare-packing",
+        action="store_true",
+        help="only the learner part, padded vs packed rows on the same batches (no TRL)",
+    )
+    ap.add_argument("--microbatches", type=int, default=1, help="config.train.microbatches")
     args = ap.parse_args()
     if args.shape and args.policy:
         ap.error("--shape builds its own policy: give --shape or --policy, not both")
@@ -579,6 +716,15 @@ def main():
         ap.error(f"--length-dist pareto needs --new-tokens >= 8, got {args.new_tokens}")
 
     config = make_config(args)
+    if args.compare_packing:
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            Verifier(timeout_s=config.reward.timeout_s, num_workers=1) as verifier,
+        ):
+            path, _ = policy_dir(args, tmp)
+            data = build_prompt_data(config.data, hf_import.load_tokenizer(path))
+            compare_packing(args, config, path, verifier, data)
+        return
     import torch
 
     with (

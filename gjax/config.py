@@ -240,6 +240,13 @@ def validate(
     _require(
         config.optim.schedule in ("constant", "cosine"), "optim.schedule", "must be constant|cosine"
     )
+    _require(t.packing in ("padded", "packed"), "train.packing", "must be padded|packed")
+    _require(
+        t.pack_bins % t.microbatches == 0,
+        "train.pack_bins",
+        f"must be a multiple of train.microbatches={t.microbatches} (microbatches are bins), "
+        f"got {t.pack_bins}",
+    )
     for check in checks:
         check(config)
     return mesh

@@ -14,7 +14,8 @@ every real prompt + completion token, the head for real completion tokens only, 
 positions whose logits the learner takes), plus causal attention (the i-th real token of a
 row attends i real keys). "Executed" counts the shapes the code runs: every row at the
 padded length S, the head at all T completion slots (rows padded to the loss kernel's token
-chunk), and the full [S x S] score matrix that `dot_attention` computes before masking.
+chunk), and the full [S x S] score matrix that `dot_attention` computes before masking;
+packed (`gjax.packing`), the bins' [J, W] shape, with the head at every packed position.
 """
 
 from __future__ import annotations
@@ -92,6 +93,8 @@ def learner_flops(
     update_pieces: int = 1,
     update_token_chunk: int = 1024,
     logps_token_chunk: int = 256,
+    packed_bins: int = 0,
+    pack_length: int = 0,
 ) -> dict[str, int]:
     """Useful and executed FLOPs of a learner step on B rows `prompt ++ completion`.
 
@@ -102,6 +105,8 @@ def learner_flops(
     `num_iterations` forward+backward passes over the batch in `update_pieces` (minibatches x
     microbatches) pieces, each through the fused loss kernel with `update_token_chunk`.
     Useful counts the head as forward + backward (3 matmuls); executed as the kernel runs it.
+    Packed (`gjax.packing`, `packed_bins` > 0 bins of `pack_length` in all): the passes run
+    [bins, pack_length] instead of [B, S], and the head runs at every packed position.
     """
     rows = len(np.asarray(seq_lengths_B))
     real = int(np.sum(seq_lengths_B))
@@ -111,9 +116,10 @@ def learner_flops(
         logit_tokens=int(np.sum(completion_lengths_B)),
         attn_pairs=causal_pairs(seq_lengths_B),
     )
-    tokens_x, pairs_x = rows * padded_len_S, rows * padded_len_S**2
+    run_rows, run_len = (packed_bins, pack_length) if packed_bins else (rows, padded_len_S)
+    tokens_x, pairs_x = run_rows * run_len, run_rows * run_len**2
     stack_x = forward_flops(cfg, tokens=tokens_x, logit_tokens=0, attn_pairs=pairs_x)
-    head_rows = rows * padded_completion_len_T
+    head_rows = tokens_x if packed_bins else rows * padded_completion_len_T
     logps_x = stack_x + forward_flops(
         cfg, tokens=0, logit_tokens=chunk_padded(head_rows, logps_token_chunk), attn_pairs=0
     )

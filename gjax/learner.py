@@ -26,13 +26,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from gjax import multihost, sharding
+from gjax import multihost, packing, sharding
 from gjax import objective as obj
 from gjax.experience import Groups, to_model_inputs
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
 from gjax.objective.aggregation import minibatch_scale_MxB
-from gjax.objective.logprobs import token_logps_BxT
+from gjax.objective.logprobs import token_logps, token_logps_BxT
 
 # ----------------------------------------------------------------------------------- state
 
@@ -114,17 +114,55 @@ def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
     return hidden_BxSxD[:, s - t - 1 : s - 1]
 
 
-def policy_logps(params, batch, *, cfg: ModelConfig, temperature: float) -> jax.Array:
-    """log pi(y_t | prompt, y_<t) / temperature-scaled, for every completion token; 0 on padding."""
-    hidden_BxTxD = completion_hidden(params, cfg, batch)
-    logps_BxT, _ = token_logps_BxT(
-        hidden_BxTxD,
+def policy_logps(
+    params,
+    batch,
+    *,
+    cfg: ModelConfig,
+    temperature: float,
+    pack: packing.Packing | None = None,
+    minibatches: int = 1,
+) -> jax.Array:
+    """log pi(y_t | prompt, y_<t) / temperature-scaled, for every completion token; 0 on padding.
+
+    `pack`: the rows run packed (each minibatch's rows in its own bins, as `update` packs
+    them; the plan is in the batch), the log-probs come back in the rows' [B, T] layout.
+    """
+    if pack is None:
+        hidden_BxTxD = completion_hidden(params, cfg, batch)
+        logps_BxT, _ = token_logps_BxT(
+            hidden_BxTxD,
+            lm_head_kernel(params, cfg),
+            batch["targets_BxT"],
+            temperature=temperature,
+            with_entropy=False,
+        )
+        return jnp.where(batch["loss_mask_BxT"], logps_BxT, 0.0)
+    b, s = batch["input_ids_BxS"].shape
+    t = batch["targets_BxT"].shape[1]
+    bins, width = pack.shape(b, s, minibatches)
+    total = minibatches * bins  # minibatch m's bins are [m * bins, (m + 1) * bins)
+    plan_B = {k: batch[k] for k in packing.PLAN_KEYS}
+    plan_B["pack_bin_B"] = plan_B["pack_bin_B"] + (jnp.arange(b) % minibatches) * bins
+    dest_BxS = packing.destinations(plan_B, s, total, width)
+    n = total * width
+    inputs = packing.pack_model_inputs(batch, dest_BxS, n)
+    hidden_JxWxD = forward(
+        params,
+        cfg,
+        inputs["input_ids"].reshape(total, width),
+        inputs["positions"].reshape(total, width),
+        inputs["segment_ids"].reshape(total, width),
+    )
+    dest_BxT = packing.completion_destinations(dest_BxS, t)
+    logps_N, _ = token_logps(
+        hidden_JxWxD.reshape(n, -1),
         lm_head_kernel(params, cfg),
-        batch["targets_BxT"],
+        packing.scatter(batch["targets_BxT"], dest_BxT, n),
         temperature=temperature,
         with_entropy=False,
     )
-    return jnp.where(batch["loss_mask_BxT"], logps_BxT, 0.0)
+    return jnp.where(batch["loss_mask_BxT"], packing.gather(logps_N, dest_BxT), 0.0)
 
 
 def split_rows(tree, n: int):
@@ -156,6 +194,28 @@ _BATCH_KEYS_FOR_LOSS = ("targets_BxT", "old_logps_BxT", "ref_logps_BxT")
 _MODEL_KEYS = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS")
 
 
+def pack_minibatch(rows, prep, *, pack: packing.Packing, minibatches: int, microbatches: int):
+    """One minibatch's rows and `prepare` arrays -> its microbatches of packed bins: three
+    dicts of [K, J/K, W] arrays (model inputs, loss inputs, prep), the loss ones under the
+    objective's names (a bin is a row of the objective's [B, T] grid; its segment ids say
+    which minibatch row each token belongs to)."""
+    r, s = rows["input_ids_BxS"].shape
+    t = rows["targets_BxT"].shape[1]
+    bins, width = pack.shape(r * minibatches, s, minibatches)
+    n = bins * width
+    dest_RxS = packing.destinations(rows, s, bins, width)
+    dest_RxT = packing.completion_destinations(dest_RxS, t)
+    inputs = packing.pack_model_inputs(rows, dest_RxS, n)
+    mb = {k: packing.scatter(rows[k], dest_RxT, n) for k in _BATCH_KEYS_FOR_LOSS if k in rows}
+    mb["segment_ids"] = inputs["segment_ids"]
+    mprep = {k: packing.scatter(v, dest_RxT, n) for k, v in prep.items()}
+
+    def micro(x):  # [J * W] -> [K, J / K, W]: microbatches are contiguous bins
+        return x.reshape(microbatches, bins // microbatches, width)
+
+    return jax.tree.map(micro, (inputs, mb, mprep))
+
+
 def update(
     state: TrainState,
     batch: dict[str, jax.Array],
@@ -168,14 +228,17 @@ def update(
     microbatches: int,
     num_iterations: int,
     schedule: Callable | None = None,
+    pack: packing.Packing | None = None,
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One RL update on a rollout batch: advantages once, then the optimizer updates.
 
     `schedule` (the optimizer's learning-rate schedule) only adds `optim/lr` to the metrics,
-    computed here so the host never waits on the device for it.
+    computed here so the host never waits on the device for it. `pack`: the rows run packed
+    into bins (`gjax.packing`; the plan is in the batch); same loss, metrics and gradients.
     """
     prep, prep_metrics = obj.prepare(batch, obj_cfg, rng)  # reads only the keys it needs
-    rows = {k: batch[k] for k in _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS if k in batch}
+    keys = _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS + (packing.PLAN_KEYS if pack else ())
+    rows = {k: batch[k] for k in keys if k in batch}
     rows_M = split_rows(rows, minibatches)
     prep_M = split_rows(prep, minibatches)
     if obj_cfg.aggregation == "group_token_mean":  # per-row: groups straddle minibatches
@@ -194,11 +257,35 @@ def update(
         hidden_BxTxD = completion_hidden(params, cfg, mb)
         return obj.micro_batch_loss(hidden_BxTxD, lm_head_kernel(params, cfg), mb, mprep, obj_cfg)
 
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    def packed_loss_fn(params, micro):
+        inputs, mb, mprep = micro
+        hidden_JxWxD = forward(
+            params, cfg, inputs["input_ids"], inputs["positions"], inputs["segment_ids"]
+        )
+        return obj.micro_batch_loss(
+            hidden_JxWxD,
+            lm_head_kernel(params, cfg),
+            mb,
+            mprep,
+            obj_cfg,
+            segment_BxT=mb["segment_ids"],
+            num_segments=rows["targets_BxT"].shape[0] // minibatches + 1,
+        )
+
+    if pack is None:
+        pieces_M = (rows_M, prep_M)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    else:  # packed once per minibatch: every pass and iteration reuses the bins
+        pieces_M = jax.vmap(
+            functools.partial(
+                pack_minibatch, pack=pack, minibatches=minibatches, microbatches=microbatches
+            )
+        )(rows_M, prep_M)
+        grad_fn = jax.value_and_grad(packed_loss_fn, has_aux=True)
 
     def one_update(carry, minibatch):
         params, opt_state = carry
-        micro_K = split_rows(minibatch, microbatches)
+        micro_K = minibatch if pack else split_rows(minibatch, microbatches)
 
         def accumulate(grads, micro):
             (_, sums), g = grad_fn(params, micro)
@@ -212,7 +299,7 @@ def update(
         return (params, opt_state), (grad_norm, jax.tree.map(lambda x: x.sum(0), sums_K))
 
     def one_pass(carry, _):  # one pass over the rollout batch (GRPO's mu passes in all)
-        return jax.lax.scan(one_update, carry, (rows_M, prep_M))
+        return jax.lax.scan(one_update, carry, pieces_M)
 
     (params, opt_state), (gnorm_IxM, sums_IxM) = jax.lax.scan(
         one_pass, (state.params, state.opt_state), None, length=num_iterations
@@ -231,6 +318,9 @@ def update(
     }
     if schedule is not None:
         metrics["optim/lr"] = schedule(state.step)
+    if pack is not None and "pack_metrics" in batch:  # from the host plan
+        metrics["pack/bins_used_max"] = batch["pack_metrics"][0]
+        metrics["pack/fill"] = batch["pack_metrics"][1]
     new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 
@@ -258,12 +348,25 @@ class Learner:
     recompute_old: bool = False
     behaviour_logps: bool = True  # the backend returns the sampler's log-probs
     overlong_filter: bool = False  # DAPO: truncated completions get no loss
+    pack: packing.Packing | None = None  # rows packed into bins (the plan is made here)
+    minibatches: int = 1
 
     def batch(self, groups: Groups, params, ref_params) -> dict[str, jax.Array]:
         """The update's device batch; `ref_params` None: no KL term, no reference pass."""
-        batch = self.transfer.put_batch(
-            to_model_inputs(groups, drop_truncated=self.overlong_filter)
-        )
+        host = to_model_inputs(groups, drop_truncated=self.overlong_filter)
+        if self.pack is not None:  # one plan from every process's rows, the same everywhere
+            spans_Bx2 = self.transfer.gather_rows(
+                packing.row_spans(host["segment_ids_BxS"], host["loss_mask_BxT"])
+            )
+            host.update(
+                packing.plan(
+                    spans_Bx2,
+                    self.pack,
+                    s=host["input_ids_BxS"].shape[1],
+                    minibatches=self.minibatches,
+                )
+            )
+        batch = self.transfer.put_batch(host)
         if ref_params is not None:
             batch["ref_logps_BxT"] = self.logps(ref_params, batch)
         if self.anchors or self.recompute_old:
@@ -333,8 +436,15 @@ def make_learner(
     """`Learner` with `policy_logps` and `update` jitted for `mesh` (options: its flags)."""
     batch_sharding = sharding.activation_sharding(mesh, ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
+    pack = packing.from_config(train_cfg)
     logps = jax.jit(
-        functools.partial(policy_logps, cfg=model_cfg, temperature=obj_cfg.temperature),
+        functools.partial(
+            policy_logps,
+            cfg=model_cfg,
+            temperature=obj_cfg.temperature,
+            pack=pack,
+            minibatches=train_cfg.minibatches,
+        ),
         out_shardings=batch_sharding,
     )
     upd = jax.jit(
@@ -347,10 +457,16 @@ def make_learner(
             microbatches=train_cfg.microbatches,
             num_iterations=train_cfg.num_iterations,
             schedule=schedule,
+            pack=pack,
         ),
         out_shardings=(state_shardings, replicated),
         donate_argnums=(0,),
     )
     return Learner(
-        logps=logps, update=upd, transfer=multihost.RowTransfer(batch_sharding), **options
+        logps=logps,
+        update=upd,
+        transfer=multihost.RowTransfer(batch_sharding),
+        pack=pack,
+        minibatches=train_cfg.minibatches,
+        **options,
     )

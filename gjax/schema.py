@@ -413,6 +413,22 @@ SCHEMA: dict[str, Any] = {
         "minibatches": Field(1, "optimizer updates per rollout batch per pass", _COUNT),
         "num_iterations": Field(1, "passes over each rollout batch (GRPO's mu)", _COUNT),
         "microbatches": Field(1, "gradient accumulation pieces per minibatch", _COUNT),
+        "packing": Field(
+            "packed",
+            "how the learner lays out rows: packed (each minibatch's rows end to end in "
+            "pack_bins bins of pack_length tokens; microbatches are bins) | padded (every row "
+            "at the batch's full length); same loss and gradients",
+        ),
+        "pack_bins": Field(
+            0,
+            "bins per minibatch when packed (0: one per row, always fits); fewer bins skip "
+            "padding FLOPs (metric pack/bins_used_max: what batches needed), and a batch "
+            "whose rows do not fit stops with an error",
+            _NONNEG,
+        ),
+        "pack_length": Field(
+            0, "tokens per bin when packed (0: the padded row length, prompt + completion)", _NONNEG
+        ),
         "allow_nonfinite": Field(
             False, "go on after a non-finite loss or gradient norm instead of stopping"
         ),

@@ -107,3 +107,22 @@ def test_train_step_benchmark_pareto_smoke():
     assert s["learner_executed_over_useful"] > 1.5  # ragged rows padded to 32 + 16
     assert s["peak_flops"] == 1e12 and s["peak_source"] == "--peak-flops"
     assert s["learner_mfu"] == pytest.approx(step["learner_useful_flops"] / step["update_s"] / 1e12)
+
+
+@pytest.mark.slow
+def test_train_step_compare_packing_smoke():
+    records = _train_step_records(
+        *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--compare-packing"),
+        *("--warmup", "0", "--repeats", "2", "--length-dist", "pareto", "--microbatches", "2"),
+    )
+    s = records[-1]
+    steps = [r for r in records if r["what"] == "packing_step"]
+    assert s["what"] == "packing_summary" and len(steps) == 4
+    # Each batch runs both ways (the order flips): same rows, same loss, fewer executed FLOPs.
+    for a, b in zip(steps[0::2], steps[1::2], strict=True):
+        assert {a["mode"], b["mode"]} == {"padded", "packed"}
+        assert a["real_tokens"] == b["real_tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert s["packed_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
+    assert s["packed_update_compiles"] == 1  # one static bin shape for every batch
+    assert s["packed_shape"].endswith("x 48 tokens") and s["train"]["microbatches"] == 2

@@ -69,6 +69,12 @@ def test_learner_flops_by_hand():
     assert chunked["logps_executed"] == 32256 + 2 * 80 * 8
     halves = flops.learner_flops(cfg, **kw, update_pieces=2, update_token_chunk=2)
     assert halves["update_head_executed"] == 4 * 2 * 80 * 2 * 4
+    # Packed into 1 bin of 8: the stack runs 8 tokens (2*2*576*8 + 64*64 = 22528) and the head
+    # every packed position (8 rows: 2*80*8 = 1280 per matmul); useful is unchanged.
+    packed = flops.learner_flops(cfg, **kw, packed_bins=1, pack_length=8)
+    assert packed["padded_tokens"] == 8 and packed["useful"] == got["useful"]
+    assert packed["logps_executed"] == 22528 + 1280
+    assert packed["update_executed"] == 3 * 22528 + 4 * 1280
     # As XLA counts: one layer (stack 2*576*12 + 32*72 = 16128, x3), one piece, one chunk.
     assert (
         flops.update_flops_as_xla_counts(

@@ -480,13 +480,18 @@ def micro_batch_loss(
     mb: Batch,
     prep: Mapping[str, Array],
     cfg: ObjectiveConfig,
+    *,
+    segment_BxT: Array | None = None,
+    num_segments: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Loss of one micro-batch (rows of the global batch) and its additive metric sums.
 
     ``mb`` needs ``targets_BxT``, ``old_logps_BxT`` (and ``ref_logps_BxT`` if kl_beta > 0);
     ``prep`` is ``prepare``'s output sliced to the same rows. The returned loss is this
     micro-batch's share of the global loss (global denominators), so losses and gradients of
-    all micro-batches sum to the full-batch ones.
+    all micro-batches sum to the full-batch ones. Packed micro-batches (``gjax.packing``)
+    pass bins as the [B, T] grid and ``segment_BxT`` (int in [0, num_segments)): which
+    sequence each token is, for GSPO's per-sequence ratio; every other term is per token.
     """
     targets_BxT = mb["targets_BxT"]
     b, t = targets_BxT.shape
@@ -519,9 +524,16 @@ def micro_batch_loss(
             **_kernel_kwargs(cfg, fused=False, with_entropy=False),
         )
         logps_BxT = jax.lax.stop_gradient(logps_BxT)
-        len_B = mask_BxT.sum(axis=1)
-        log_s_B = (mask_BxT * (logps_BxT - old_BxT)).sum(axis=1) / jnp.maximum(len_B, 1.0)
-        args["seq_log_ratio"] = jnp.broadcast_to(log_s_B[:, None], (b, t))
+        diff_BxT = mask_BxT * (logps_BxT - old_BxT)
+        if segment_BxT is None:
+            len_B = mask_BxT.sum(axis=1)
+            log_s_B = diff_BxT.sum(axis=1) / jnp.maximum(len_B, 1.0)
+            args["seq_log_ratio"] = jnp.broadcast_to(log_s_B[:, None], (b, t))
+        else:
+            seg_N = segment_BxT.reshape(-1)
+            sum_Q = jax.ops.segment_sum(diff_BxT.reshape(-1), seg_N, num_segments)
+            len_Q = jax.ops.segment_sum(mask_BxT.reshape(-1), seg_N, num_segments)
+            args["seq_log_ratio"] = (sum_Q / jnp.maximum(len_Q, 1.0))[segment_BxT]
 
     loss, sums = logprobs.fused_token_loss_BxT(
         hidden_BxTxD,

@@ -1,0 +1,169 @@
+"""Packed batches: the rows `prompt ++ completion` of a minibatch laid end to end in bins.
+
+Padded, every row runs at the batch's full length S; packed, each row's span (its first real
+token up to the position that predicts its last loss token) is copied into one of J bins of
+W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
+static (`Packing`), so nothing recompiles from step to step; a batch whose rows do not fit is
+a clear error (`plan`). Positions are the rows' own (they restart in every row) and each row
+is its own segment (its padding stays segment 0; a row holds one sequence, as
+`gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
+
+The plan is made on the host from the whole batch's row lengths (`plan`: per row its span
+start and length, its bin and its offset there) and applied on the device (`destinations`,
+`scatter`, `gather`). Rows are packed per minibatch (`split_rows`' strided rows: row b in
+minibatch b % M), and bins are split contiguously into the microbatches, so a minibatch's
+rows and every global normaliser are what the padded update uses; only the token layout
+differs. Packed shape letters: J bins, W bin length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gjax.errors import ConfigError
+
+MODES = ("padded", "packed")
+PLAN_KEYS = ("pack_start_B", "pack_len_B", "pack_bin_B", "pack_offset_B")
+
+
+@dataclasses.dataclass(frozen=True)
+class Packing:
+    """Static bin shape: `bins` per minibatch (0: one per row, which always fits) of
+    `length` tokens (0: the batch's padded row length S)."""
+
+    bins: int = 0
+    length: int = 0
+
+    def shape(self, rows: int, s: int, minibatches: int) -> tuple[int, int]:
+        """(J bins per minibatch, W tokens per bin) for `rows` rows of length `s`."""
+        return (self.bins or rows // minibatches), (self.length or s)
+
+
+def from_config(train_cfg) -> Packing | None:
+    """`config.train`'s packing (None: padded rows; so is a hand-built train config
+    without the packing fields)."""
+    mode = getattr(train_cfg, "packing", "padded")
+    bins, length = getattr(train_cfg, "pack_bins", 0), getattr(train_cfg, "pack_length", 0)
+    if mode not in MODES:
+        raise ConfigError(f"config.train.packing must be one of {MODES}, got {mode!r}")
+    if mode == "padded":
+        return None
+    if bins % train_cfg.microbatches:
+        raise ConfigError(
+            f"config.train.pack_bins={bins} must be a multiple of "
+            f"config.train.microbatches={train_cfg.microbatches} (microbatches are bins)"
+        )
+    return Packing(bins=int(bins), length=int(length))
+
+
+def row_spans(segment_ids_BxS: np.ndarray, loss_mask_BxT: np.ndarray) -> np.ndarray:
+    """[B, 2] (start, length) of the tokens each row runs on: from its first real token to
+    the position predicting its last loss token (hidden[s] predicts token s + 1); a row
+    without loss tokens has length 0 and is not packed."""
+    s, t = segment_ids_BxS.shape[1], loss_mask_BxT.shape[1]
+    start_B = np.argmax(segment_ids_BxS != 0, axis=1)
+    has_loss_B = loss_mask_BxT.any(axis=1)
+    last_B = t - 1 - np.argmax(loss_mask_BxT[:, ::-1], axis=1)
+    end_B = s - t + last_B  # exclusive: position s - t - 1 + last predicts target `last`
+    length_B = np.where(has_loss_B, np.maximum(end_B - start_B, 0), 0)
+    return np.stack([start_B, length_B], axis=1).astype(np.int32)
+
+
+def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
+    """(bin_R, offset_R, bins used) by first-fit decreasing; bin -1 where a row fits nowhere
+    (longer than `width`, or `bins` are full). Ties keep row order (deterministic)."""
+    fill = np.zeros(bins, np.int64)
+    bin_R = np.zeros(len(length_R), np.int32)
+    offset_R = np.zeros(len(length_R), np.int32)
+    for r in np.argsort(-length_R, kind="stable"):
+        n = int(length_R[r])
+        if n == 0:
+            continue
+        fits = np.flatnonzero(fill + n <= width)
+        if not fits.size:
+            bin_R[r] = -1
+            continue
+        k = int(fits[0])
+        bin_R[r], offset_R[r] = k, fill[k]
+        fill[k] += n
+    return bin_R, offset_R, int((fill > 0).sum())
+
+
+def plan(spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int) -> dict:
+    """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), and `pack_metrics`: the
+    most bins a minibatch used and the fraction of bin tokens filled (f32 [2], to tune
+    `train.pack_bins` by); every process computes the same plan from the all-gathered
+    spans. Raises ConfigError when rows do not fit."""
+    b = len(spans_Bx2)
+    bins, width = packing.shape(b, s, minibatches)
+    start_B, length_B = spans_Bx2[:, 0], spans_Bx2[:, 1]
+    bin_B = np.zeros(b, np.int32)
+    offset_B = np.zeros(b, np.int32)
+    most = 0
+    for m in range(minibatches):
+        rows = np.arange(m, b, minibatches)
+        bin_R, offset_R, used = first_fit_decreasing(length_B[rows], bins, width)
+        most = max(most, used)
+        if (bin_R < 0).any():
+            _, _, need = first_fit_decreasing(length_B[rows], len(rows), max(width, s))
+            raise ConfigError(
+                f"train.packing='packed': the rows of minibatch {m} do not fit "
+                f"train.pack_bins={bins} bins of train.pack_length={width} tokens (longest "
+                f"row {int(length_B[rows].max())} tokens, {int(length_B[rows].sum())} in "
+                f"all; first-fit decreasing needs {need} bins of {max(width, s)}). Raise "
+                "train.pack_bins (0: one bin per row always fits) or train.pack_length, "
+                "or set train.packing='padded'."
+            )
+        bin_B[rows], offset_B[rows] = bin_R, offset_R
+    out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
+    fill = length_B.sum() / (minibatches * bins * width)
+    out["pack_metrics"] = np.array([most, fill], np.float32)
+    return out
+
+
+# ------------------------------------------------------------------------------ on device
+
+
+def destinations(plan_B: dict, s: int, bins: int, width: int) -> jax.Array:
+    """[R, S] flat index into the [J * W] packed tokens of each padded position; J * W
+    (out of range: dropped by `scatter`, filled by `gather`) where a position is not packed."""
+    j_RxS = jnp.arange(s, dtype=jnp.int32)[None, :] - plan_B["pack_start_B"][:, None]
+    inside = (j_RxS >= 0) & (j_RxS < plan_B["pack_len_B"][:, None])
+    base_R = plan_B["pack_bin_B"] * width + plan_B["pack_offset_B"]
+    return jnp.where(inside, base_R[:, None] + j_RxS, bins * width)
+
+
+def scatter(x_RxU: jax.Array, dest_RxU: jax.Array, n: int) -> jax.Array:
+    """Rows' values to their packed places: [R, U, ...] -> [n, ...], 0 where none lands."""
+    flat = x_RxU.reshape((-1,) + x_RxU.shape[2:])
+    zeros_N = jnp.zeros((n,) + x_RxU.shape[2:], x_RxU.dtype)
+    return zeros_N.at[dest_RxU.reshape(-1)].set(flat, mode="drop")
+
+
+def gather(x_N: jax.Array, dest_RxU: jax.Array) -> jax.Array:
+    """Packed values back to the rows: [n] -> [R, U], 0 where a position is not packed."""
+    return jnp.take(x_N, dest_RxU, axis=0, mode="fill", fill_value=0)
+
+
+def pack_model_inputs(rows: dict, dest_RxS: jax.Array, n: int) -> dict:
+    """The model's packed inputs [n]: ids, positions (the rows' own) and segment ids
+    (row r is segment r + 1; its padding stays 0)."""
+    r = rows["segment_ids_BxS"].shape[0]
+    seg_RxS = jnp.where(
+        rows["segment_ids_BxS"] != 0, jnp.arange(1, r + 1, dtype=jnp.int32)[:, None], 0
+    )
+    return {
+        "input_ids": scatter(rows["input_ids_BxS"], dest_RxS, n),
+        "positions": scatter(rows["positions_BxS"], dest_RxS, n),
+        "segment_ids": scatter(seg_RxS, dest_RxS, n),
+    }
+
+
+def completion_destinations(dest_RxS: jax.Array, t: int) -> jax.Array:
+    """[R, T]: the packed place of the position predicting each completion target."""
+    s = dest_RxS.shape[1]
+    return dest_RxS[:, s - t - 1 : s - 1]

@@ -1,0 +1,274 @@
+"""Packed batches (gjax.packing) give the padded update's loss, metrics and gradients."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from gjax import objective as obj
+from gjax import packing, sharding
+from gjax.errors import ConfigError
+from gjax.experience import Groups, to_model_inputs
+from gjax.learner import (
+    TrainState,
+    init_state,
+    make_learner,
+    pack_minibatch,
+    policy_logps,
+    update,
+)
+from gjax.models.transformer import init_params
+from tests.test_learner import CFG
+
+P, G, S, N = 4, 4, 6, 7  # B = 16 rows of S + N = 13 tokens
+M, K = 2, 2  # minibatches, microbatches
+PACK = packing.Packing(bins=4, length=26)  # per minibatch: 8 rows in 2 x 2 bins of 26
+
+
+def ragged_groups(seed=0, P=P):
+    """Prompts of 2-6 tokens (left-padded), completions of 0-7 tokens, an invalid row, a
+    truncated one, an anchor per group and judge scores: every field the objective reads."""
+    rng = np.random.default_rng(seed)
+    prompt_len = rng.integers(2, S + 1, P)
+    prompt_mask = np.arange(S)[None] >= (S - prompt_len)[:, None]
+    comp_len = rng.integers(1, N + 1, (P, G))
+    comp_len[1, 2] = 0
+    valid = np.ones((P, G), bool)
+    valid[2, 1] = False
+    truncated = np.zeros((P, G), bool)
+    truncated[3, 0] = True
+    anchor = np.zeros((P, G), bool)
+    anchor[:, -1] = True
+    return Groups(
+        prompt_ids_PxS=rng.integers(2, 60, (P, S)).astype(np.int32),
+        prompt_mask_PxS=prompt_mask,
+        completion_ids_PxGxN=rng.integers(2, 60, (P, G, N)).astype(np.int32),
+        completion_mask_PxGxN=np.arange(N)[None, None] < comp_len[..., None],
+        truncated_PxG=truncated,
+        is_anchor_PxG=anchor,
+        rewards_PxG=rng.integers(0, 2, (P, G)).astype(np.float32),
+        scores_PxG=rng.uniform(0, 10, (P, G)).astype(np.float32),
+        valid_PxG=valid,
+    )
+
+
+def host_batch(params, seed=0, pack=PACK, minibatches=M, prompts=P):
+    x = to_model_inputs(ragged_groups(seed, prompts), drop_truncated=True)
+    x.update(
+        packing.plan(
+            packing.row_spans(x["segment_ids_BxS"], x["loss_mask_BxT"]),
+            pack,
+            s=x["input_ids_BxS"].shape[1],
+            minibatches=minibatches,
+        )
+    )
+    rng = np.random.default_rng(seed + 1)
+    logps = np.asarray(policy_logps(params, x, cfg=CFG, temperature=1.0))
+    mask = x["loss_mask_BxT"]
+    for k in ("old_logps_BxT", "ref_logps_BxT", "behaviour_logps_BxT"):
+        x[k] = np.where(mask, logps + 0.3 * rng.standard_normal(logps.shape), 0.0).astype(
+            np.float32
+        )
+    return x
+
+
+def test_spans_and_first_fit_decreasing():
+    seg_BxS = np.array([[0, 0, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1]])
+    loss_BxT = np.array([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]], bool)
+    # Row 0: tokens 2..3 (position S - T - 1 + 1 = 3 predicts target 1); row 1: no loss.
+    np.testing.assert_array_equal(packing.row_spans(seg_BxS, loss_BxT), [[2, 2], [1, 0], [0, 5]])
+    bin_R, offset_R, used = packing.first_fit_decreasing(np.array([3, 5, 0, 4, 2]), 3, 8)
+    # Decreasing: 5 -> bin 0, 4 -> bin 1, 3 -> bin 0 (5 + 3 = 8), 2 -> bin 1.
+    np.testing.assert_array_equal(bin_R, [0, 0, 0, 1, 1])
+    np.testing.assert_array_equal(offset_R, [5, 0, 0, 0, 4])
+    assert used == 2
+    assert packing.first_fit_decreasing(np.array([9]), 3, 8)[0][0] == -1
+
+
+def test_rows_that_do_not_fit_stop_with_a_clear_error():
+    spans = np.array([[0, 10], [0, 10], [0, 10], [0, 11]])
+    # Minibatch 0 (rows 0, 2) fits one bin of 20, minibatch 1 (rows 1, 3) does not.
+    with pytest.raises(ConfigError, match=r"minibatch 1 do not fit train.pack_bins=1 bins"):
+        packing.plan(spans, packing.Packing(bins=1, length=20), s=12, minibatches=2)
+    with pytest.raises(ConfigError, match="needs 4 bins of 12"):
+        packing.plan(spans, packing.Packing(bins=1, length=12), s=12, minibatches=1)
+    plan = packing.plan(spans, packing.Packing(bins=2, length=21), s=12, minibatches=1)
+    np.testing.assert_array_equal(plan["pack_bin_B"], [0, 1, 1, 0])
+    np.testing.assert_array_equal(plan["pack_offset_B"], [11, 0, 10, 0])
+    with pytest.raises(ConfigError, match="train.packing must be one of"):
+        packing.from_config(ml_collections.ConfigDict({"packing": "ragged", "microbatches": 1}))
+
+
+UPDATE_CASES = tuple(
+    [(name, obj.ObjectiveConfig.preset(name)) for name in obj.PRESETS]
+    + [  # the rest of the objective's per-token inputs: LUFFY anchors, entropy, behaviour
+        (
+            "luffy_entropy_tis",
+            obj.ObjectiveConfig.preset(
+                "dagrpo",
+                anchor_treatment="luffy",
+                entropy_coef=0.01,
+                kl_beta=0.02,
+                behaviour_correction="tis",
+            ),
+        ),
+    ]
+)
+
+
+def _updates(params, batch, cases, packs):
+    """Every case's update, padded and packed, in ONE compiled function (compile once)."""
+    tx = optax.sgd(1.0)  # new params = params - gradient: compares the gradients
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    out = {}
+    for name, oc in cases:
+        for pack in packs:
+            out[name, pack is not None] = update(
+                state,
+                batch,
+                jax.random.key(0),
+                cfg=CFG,
+                obj_cfg=oc,
+                tx=tx,
+                minibatches=M,
+                microbatches=K,
+                num_iterations=1,
+                pack=pack,
+            )
+    return out
+
+
+def _assert_same(padded, packed, what):
+    (s0, m0), (s1, m1) = padded, packed
+    assert set(m0) == set(m1) - {"pack/bins_used_max", "pack/fill"}, what
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, atol=1e-6, err_msg=f"{what}: {k}")
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(s0.params), jax.tree.leaves(s1.params), strict=True
+    ):
+        np.testing.assert_allclose(
+            b, a, rtol=1e-6, atol=1e-6, err_msg=f"{what}: {jax.tree_util.keystr(path)}"
+        )
+
+
+def _micro_sum(w, h_K, mb_K, prep_K, oc, num_segments=None):
+    """micro_batch_loss summed over K stacked microbatches (one `lax.scan` body), finalized."""
+
+    def one(h, mb, mprep):
+        seg = {}
+        if num_segments:  # packed: bins are the rows of the grid, segments the sequences
+            seg = {"segment_BxT": mb["segment_ids"], "num_segments": num_segments}
+        return obj.micro_batch_loss(h, w, mb, mprep, oc, **seg)
+
+    def body(acc, xs):
+        return jax.tree.map(jnp.add, acc, one(*xs)), None
+
+    shapes = jax.eval_shape(one, *jax.tree.map(lambda x: x[0], (h_K, mb_K, prep_K)))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+    (loss, sums), _ = jax.lax.scan(body, zeros, (h_K, mb_K, prep_K))
+    return loss, obj.finalize_metrics(sums)
+
+
+def _losses(hidden_BxSxD, head_DxV, batch, cases):
+    """Every case's objective over K microbatches of one minibatch, padded and packed, with
+    gradients w.r.t. the final hidden states and the head; in ONE compiled function."""
+    b, s = batch["input_ids_BxS"].shape
+    t = batch["targets_BxT"].shape[1]
+    keep = ("_BxS", "_BxT")
+    rows = {k: v for k, v in batch.items() if k.endswith(keep) or k in packing.PLAN_KEYS}
+    pack = packing.Packing(bins=PACK.bins * M, length=PACK.length)  # one minibatch
+    dest_BxS = packing.destinations(rows, s, pack.bins, pack.length)
+    out = {}
+    for name, oc in cases:
+        prep, prep_metrics = obj.prepare(batch, oc, jax.random.key(0))
+
+        def padded(h_BxSxD, w, oc=oc, prep=prep):
+            mb_K, prep_K = obj.split_micro_batches(batch, prep, K)
+            h_K = h_BxSxD[:, s - t - 1 : s - 1].reshape(K, b // K, t, -1)
+            return _micro_sum(w, h_K, mb_K, prep_K, oc)
+
+        def packed(h_BxSxD, w, oc=oc, prep=prep):
+            _, mb_K, prep_K = pack_minibatch(rows, prep, pack=pack, minibatches=1, microbatches=K)
+            h_N = packing.scatter(h_BxSxD, dest_BxS, pack.bins * pack.length)
+            h_K = h_N.reshape(K, pack.bins // K, pack.length, -1)
+            return _micro_sum(w, h_K, mb_K, prep_K, oc, num_segments=b + 1)
+
+        for key, f in (("padded", padded), ("packed", packed)):
+            (loss, metrics), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(
+                hidden_BxSxD, head_DxV
+            )
+            out[name, key] = (loss, {**prep_metrics, **metrics}, grads)
+    return out
+
+
+def test_packed_objective_equals_padded_for_every_preset():
+    """Loss, every metric and the gradients of every preset (and LUFFY anchors, entropy,
+    behaviour correction), over 2 microbatches of bins vs 2 of rows."""
+    params = init_params(CFG, jax.random.key(1))
+    host = host_batch(params, pack=packing.Packing(PACK.bins * M, PACK.length), minibatches=1)
+    assert np.bincount(host["pack_bin_B"][host["pack_len_B"] > 0]).max() >= 3  # really packs
+    assert (host["pack_len_B"] == 0).any()  # and leaves out rows without loss tokens
+    batch = {k: jnp.asarray(v) for k, v in host.items()}
+    k1, k2 = jax.random.split(jax.random.key(3))
+    hidden_BxSxD = jax.random.normal(k1, (P * G, S + N, 8))
+    head_DxV = 0.5 * jax.random.normal(k2, (8, CFG.vocab_size))
+    out = jax.jit(_losses, static_argnums=3)(hidden_BxSxD, head_DxV, batch, UPDATE_CASES)
+    for name, _ in UPDATE_CASES:
+        (l0, m0, g0), (l1, m1, g1) = out[name, "padded"], out[name, "packed"]
+        assert float(l0) != 0.0, name
+        np.testing.assert_allclose(l1, l0, rtol=1e-6, atol=1e-6, err_msg=name)
+        assert set(m0) == set(m1), name
+        for k in m0:
+            np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, atol=1e-6, err_msg=f"{name}: {k}")
+        for a, b, what in zip(g0, g1, ("hidden", "head"), strict=True):
+            np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6, err_msg=f"{name}: d{what}")
+
+
+def test_packed_learner_on_a_mesh_equals_padded_on_one_device():
+    """make_learner with train.packing='packed' on a 4 x 2 (data x fsdp) mesh, 2 minibatches x
+    2 microbatches: the reference log-probs and the whole update (model forward and backward:
+    loss, every metric, every parameter gradient) equal the padded ones on one device. GSPO
+    with a KL term: the per-sequence ratio comes from the bins' segments."""
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 2, "tensor": 1})
+    params = init_params(CFG, jax.random.key(4))
+    pack = packing.Packing(bins=8, length=26)
+    host = host_batch(params, seed=5, pack=pack, prompts=8)  # 32 rows, 16 per minibatch
+    bins_B = host["pack_bin_B"] + (np.arange(32) % M) * pack.bins
+    assert np.bincount(bins_B[host["pack_len_B"] > 0]).max() >= 3
+    oc = obj.ObjectiveConfig.preset("gspo", kl_beta=0.04)
+    tx = optax.sgd(1.0)
+    state, shardings = init_state(sharding.shard_params(params, mesh), tx, mesh)
+    train_cfg = ml_collections.ConfigDict(
+        dict(
+            minibatches=M,
+            microbatches=K,
+            num_iterations=1,
+            packing="packed",
+            pack_bins=pack.bins,
+            pack_length=pack.length,
+        )
+    )
+    learner = make_learner(
+        mesh=mesh, model_cfg=CFG, obj_cfg=oc, tx=tx, state_shardings=shardings, train_cfg=train_cfg
+    )
+    assert learner.pack == pack
+    batch = learner.transfer.put_batch(host)
+    np.testing.assert_allclose(
+        learner.logps(state.params, batch),
+        policy_logps(params, host, cfg=CFG, temperature=1.0),
+        rtol=1e-6,
+        atol=1e-6,
+    )
+    sharded = learner.update(state, batch, jax.random.key(0))
+    single = jax.jit(_updates, static_argnums=(2, 3))(
+        params, {k: jnp.asarray(v) for k, v in host.items()}, (("gspo", oc),), (None,)
+    )
+    assert float(single["gspo", False][1]["loss/kl"]) > 0
+    # The plan's figures, to tune train.pack_bins by: bins used, token fill.
+    used = max(len(set(host["pack_bin_B"][m::M][host["pack_len_B"][m::M] > 0])) for m in range(M))
+    fill = host["pack_len_B"].sum() / (M * pack.bins * pack.length)
+    assert float(sharded[1]["pack/bins_used_max"]) == used
+    assert float(sharded[1]["pack/fill"]) == pytest.approx(fill)
+    _assert_same(single["gspo", False], jax.device_get(sharded), "mesh")
