@@ -11,7 +11,9 @@ torch.compile), then `--reps` timed forward+backward calls; the median is report
 Methods (all compute loss and gradients w.r.t. hidden [N, D] and head):
   fused  gjax.objective.loss (GRPO advantages, PPO-clip eps 0.2, token-mean
          aggregation) on top of gjax.objective.logprobs.fused_token_loss with its defaults
-         (two-pass, store_logits=False, token_chunk=1024), jax.grad.
+         (kernel 'auto': the platform's schedule from logprobs.FUSED_TILES), jax.grad.
+  fused_ref  the same with lm_head_kernel='reference' (4 matmuls, token_chunk=1024: the
+         schedule before FUSED_TILES), side by side with `fused`.
   fused_3mm  gjax.objective.logprobs.fused_token_loss(store_logits=True, token_chunk=96)
          with the same PPO-clip token-mean loss: 3 matmuls, the [96 x V] logits kept per chunk.
   naive  the same PPO-clip token-mean loss from materialized logits -> log_softmax -> gather,
@@ -33,8 +35,13 @@ Peak memory, two measures:
            reads VmHWM - VmRSS(before). It includes the outputs (gradients, same size for all
            methods) and, for torch, autograd's saved tensors.
 
+Time, two measures: time_s (wall, median) and cpu_s (this process's CPU time, all threads,
+median). On a shared machine cpu_s is the steadier one: other processes' time slices do not
+count, their cache and memory-bandwidth pressure still does.
+
 Output: one JSON line per (case, method), a markdown table, and as the LAST line a JSON
-summary: worst_fused_over_floor (max over cases of fused/floor time), the memory ratios
+summary: worst_fused_over_floor (max over cases of fused/floor time; *_cpu the same in CPU
+time; *_ref for fused_ref), the memory ratios
 naive/fused at vocab 151,936 (min over those cases), min_speedup_vs_liger/trl (min over cases
 of peer time / fused time). The machine may be shared: compare ratios within one run.
 
@@ -46,6 +53,16 @@ Measured once (shared, heavily loaded 2-core CPU, --reps 2, default grid at N=51
   The 4-matmul default cannot reach 1.35x the 3-matmul floor; fused_3mm (3 matmuls, 96-row
   chunks to stay small) pays a [D x V] head-gradient update per chunk and skinny matmuls.
   Materialized paths (naive, TRL) are fast on CPU at these N: they win on time, lose on memory.
+
+Measured 2026-11-25 (jax 0.10.2, the same host shared with 5 other jobs, load 6-14, --reps 2,
+cases 512x{896,1536}x151936 and {512,1024}x2048x32000), fused (auto) vs fused_ref:
+  cpu x floor  fused 1.16 / 1.24 / 1.02 / 1.15, fused_ref 1.14 / 1.20 / 1.24 / 1.32 (at
+  V = 151936 both run the same 4-matmul schedule: 1.14 vs 1.16 and 1.20 vs 1.24 is noise);
+  wall x floor fused 1.37 / 1.89 / 1.50 / 1.13, fused_ref 1.51 / 3.22 / 1.63 / 2.65 (the
+  floor's subprocess ran while cores were free: its cpu_s exceeds its wall time).
+  XLA temp memory at V = 32000: fused 171 / 187 MB (the stored [512 x V] logits) vs 76 / 95.
+  TRL-style loss / fused: cpu 1.34 / 1.24 / 1.63 / 1.64, wall 0.87 / 1.25 / 1.88 / 2.13.
+  Idle, earlier that day: 512x896x151936 fused/floor 1.10 wall (1.79 s floor).
 """
 
 from __future__ import annotations
@@ -60,7 +77,7 @@ import time
 
 DEFAULT_TOKENS = (512, 1024)
 DEFAULT_DV = ((1536, 151936), (896, 151936), (2048, 32000))
-METHODS = ("fused", "fused_3mm", "naive", "floor", "liger", "trl")
+METHODS = ("fused", "fused_ref", "fused_3mm", "naive", "floor", "liger", "trl")
 THREE_PASS_CHUNK = 96
 EPS = 0.2
 BATCH_ROWS = 4  # N tokens = 4 sequences of N / 4 tokens
@@ -96,14 +113,16 @@ def _measure(step, reps: int) -> dict:
     gc.collect()
     rss0 = _status_kb("VmRSS")
     reset = _reset_peak_rss()
-    times = []
+    times, cpu = [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     peak = _status_kb("VmHWM")
     return {
         "time_s": statistics.median(times),
+        "cpu_s": round(statistics.median(cpu), 4),
         "times_s": [round(t, 4) for t in times],
         "warmup_s": round(warmup_s, 3),
         "rss_mb": round((peak - rss0) / 1024, 1) if reset else None,
@@ -148,10 +167,15 @@ def _jax_worker(method: str, n: int, d: int, v: int, reps: int) -> dict:
         pg = -jnp.minimum(ratio * adv_N, jnp.clip(ratio, 1 - EPS, 1 + EPS) * adv_N)
         return jnp.mean(pg)
 
-    if method == "fused":
+    if method in ("fused", "fused_ref"):
         from gjax.objective.loss import ObjectiveConfig, full_batch_loss
 
-        cfg = ObjectiveConfig(advantage="grpo", policy_loss="ppo_clip", aggregation="token_mean")
+        cfg = ObjectiveConfig(
+            advantage="grpo",
+            policy_loss="ppo_clip",
+            aggregation="token_mean",
+            lm_head_kernel="reference" if method == "fused_ref" else "auto",
+        )
         # rewards chosen so that GRPO advantages are non-zero; one prompt group of B rows.
         batch = {
             "targets_BxT": targets.reshape(b, t),
@@ -325,6 +349,9 @@ def _summary(rows):
         return out
 
     fo = ratios("fused", "floor")
+    fo_cpu = ratios("fused", "floor", key="cpu_s")
+    fo_ref = ratios("fused_ref", "floor")
+    fo_ref_cpu = ratios("fused_ref", "floor", key="cpu_s")
     mem_temp = ratios("naive", "fused", 151936, "temp_mb")
     mem_rss = ratios("naive", "fused", 151936, "rss_mb")
     liger = ratios("liger", "fused")
@@ -334,6 +361,9 @@ def _summary(rows):
         "summary": True,
         "worst_fused_over_floor": max(fo) if fo else None,
         "median_fused_over_floor": statistics.median(fo) if fo else None,
+        "worst_fused_over_floor_cpu": max(fo_cpu) if fo_cpu else None,
+        "worst_fused_ref_over_floor": max(fo_ref) if fo_ref else None,
+        "worst_fused_ref_over_floor_cpu": max(fo_ref_cpu) if fo_ref_cpu else None,
         "naive_over_fused_memory_at_vocab_151936": min(mem_temp) if mem_temp else None,
         "naive_over_fused_rss_at_vocab_151936": min(mem_rss) if mem_rss else None,
         "min_speedup_vs_liger": min(liger) if liger else None,
@@ -349,21 +379,23 @@ def _summary(rows):
 
 def _table(rows):
     lines = [
-        "| tokens | hidden | vocab | method | time s (median) | x floor | temp MB (XLA) | peak RSS MB |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|",
+        "| tokens | hidden | vocab | method | time s (median) | x floor | cpu s | cpu x floor "
+        "| temp MB (XLA) | peak RSS MB |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    floor = {
-        (r["tokens"], r["hidden"], r["vocab"]): r.get("time_s")
-        for r in rows
-        if r["method"] == "floor"
-    }
+    floor = {(r["tokens"], r["hidden"], r["vocab"]): r for r in rows if r["method"] == "floor"}
+
+    def over(r, fl, key):
+        a, b = r.get(key), (fl or {}).get(key)
+        return f"{a / b:.2f}" if a and b else "-"
+
     for r in rows:
         fl = floor.get((r["tokens"], r["hidden"], r["vocab"]))
         ts = r.get("time_s")
-        xf = f"{ts / fl:.2f}" if ts and fl else "-"
         lines.append(
             f"| {r['tokens']} | {r['hidden']} | {r['vocab']} | {r['method']} | "
-            f"{ts if ts is None else round(ts, 3)} | {xf} | {r.get('temp_mb', '-')} | "
+            f"{ts if ts is None else round(ts, 3)} | {over(r, fl, 'time_s')} | "
+            f"{r.get('cpu_s', '-')} | {over(r, fl, 'cpu_s')} | {r.get('temp_mb', '-')} | "
             f"{r.get('rss_mb', '-')} |" + (f" error: {r['error']}" if "error" in r else "")
         )
     return "\n".join(lines)

@@ -344,6 +344,11 @@ SCHEMA: dict[str, Any] = {
         "vocab_tile": Field(
             PRESET, "vocabulary tile of the log-prob kernel (None: its default)", _COUNT, kind=int
         ),
+        "lm_head_kernel": Field(
+            PRESET,
+            "schedule of the fused LM-head loss: auto (per platform, gjax.objective.logprobs."
+            "FUSED_TILES) | reference (4 matmuls, 1024-token chunks)",
+        ),
     },
     "anchors": {
         "per_group": Field(0, "DaGRPO: demonstrations mixed into each group of G", _NONNEG),

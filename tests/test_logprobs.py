@@ -320,3 +320,33 @@ def test_sharded_inputs_under_jit_match_unsharded():
     want = both(hidden, head, targets, args)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, r, **TOL)
+
+
+def test_fused_schedule_per_platform_and_reference():
+    # cpu: the stored-logits (3-matmul) schedule only when 512+ rows of [C x V] f32 fit 64 MiB.
+    assert lp.fused_schedule(32000, platform="cpu") == (True, 512, 4096)
+    assert lp.fused_schedule(151936, platform="cpu") == (False, 1024, 4096)
+    assert lp.fused_schedule(151936, platform="cpu", token_chunk=64) == (False, 64, 4096)
+    assert lp.fused_schedule(151936, platform="cpu", store_logits=True)[:2] == (True, 96)
+    for v in (33, 32000, 151936):  # the first fixed schedule, whatever the platform
+        assert lp.fused_schedule(v, kernel="reference", platform="gpu") == (False, 1024, 4096)
+    with pytest.raises(ValueError, match="reference"):
+        lp.fused_schedule(100, kernel="nope")
+
+
+def test_auto_kernel_matches_reference_kernel():
+    """The default ('auto': stored logits at this small V) against the reference schedule."""
+    n, d, v = 40, 16, 300
+    assert lp.fused_schedule(v)[0] and not lp.fused_schedule(v, kernel="reference")[0]
+    hidden, head, targets = _inputs(21, n, d, v)
+    args = _ppo_args(21, hidden, head, targets, 0.8)
+
+    def run(kernel):
+        fn = lambda h, w: lp.fused_token_loss(
+            h, w, targets, ppo_token_loss, args, temperature=0.8, kernel=kernel
+        )
+        return jax.jit(jax.value_and_grad(fn, (0, 1), has_aux=True))(hidden, head)
+
+    got, want = run("auto"), run("reference")
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, r, **TOL)

@@ -17,13 +17,13 @@ Two entry points (plus [B, T] conveniences):
   only scales them by the incoming cotangent. Two schedules (`store_logits`):
     - True, 3 matmuls (the floor): one logits matmul per chunk kept as a [C x V] f32 buffer,
       swept for the statistics and again for the gradient tiles. Memory ~C x V x 4 bytes.
-    - False (default), 4 matmuls: the statistics sweep computes logits tile by tile, the
-      gradient sweep recomputes them; only [C x vocab_tile] tiles exist, so C can be large.
-  Measured on the 2-core CPU (benchmarks/loss_kernels.py) the 4-matmul schedule with
-  C = 1024 beats the 3-matmul one at any C whose [C x V] buffer is small: every chunk costs a
-  read-modify-write of the whole f32 [D x V] head gradient, and small C also means skinny,
-  slow matmuls (K = C in h^T dz). With a large memory budget, store_logits=True with a big
-  token_chunk is the fastest.
+    - False, 4 matmuls: the statistics sweep computes logits tile by tile, the gradient
+      sweep recomputes them; only [C x vocab_tile] tiles exist, so C can be large.
+  The 3-matmul schedule pays off only with large C: every chunk costs a read-modify-write of
+  the whole f32 [D x V] head gradient, and small C means skinny matmuls (K = C in h^T dz).
+  `FUSED_TILES` picks per platform: 3 matmuls when a [C x V] buffer within the platform's
+  budget holds enough rows (on the CPU, V <= 32768), else 4 (kernel="reference" keeps the
+  first fixed schedule: always 4 matmuls, C = 1024).
 
 Math, with z = h W / tau (tau = temperature), p = softmax(z), lse = logsumexp(z):
     logp_t = z_{t, y_t} - lse_t
@@ -66,7 +66,10 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
+    "FUSED_TILES",
+    "KERNELS",
     "default_token_chunk",
+    "fused_schedule",
     "fused_token_loss",
     "fused_token_loss_BxT",
     "token_logps",
@@ -79,6 +82,60 @@ _F32 = jnp.float32
 # Budget (elements) for one [token_chunk x V] f32 array in the fused loss: 2**24 elements =
 # 64 MiB; the fused chunk body holds about three such arrays at its peak.
 _FUSED_CHUNK_ELEMENTS = 2**24
+
+
+# The fused kernel's schedule per platform: the one place its tile sizes are chosen.
+# The 3-matmul schedule (store_logits) runs when a [C x V] f32 logits buffer of
+# `logits_budget` elements holds at least `min_stored_rows` rows (C: as many as fit, at most
+# `max_stored_rows`); below that its matmuls are too skinny and its per-chunk [D x V]
+# head-gradient update too frequent, and the 4-matmul schedule with `chunk` rows runs.
+# cpu: measured with benchmarks/loss_kernels.py (2-core AVX-512 host, jax 0.10.2): stored
+# 512-row chunks are ~10 % faster than the 4-matmul schedule at V = 32000; 96-row ones are
+# ~1.8x slower at V = 151936. gpu / tpu: not measured (no accelerator); a 1 GiB buffer.
+FUSED_TILES = {
+    "cpu": dict(
+        logits_budget=2**24, min_stored_rows=512, max_stored_rows=1024, chunk=1024, vocab_tile=4096
+    ),
+    "gpu": dict(
+        logits_budget=2**28, min_stored_rows=512, max_stored_rows=4096, chunk=4096, vocab_tile=4096
+    ),
+    "tpu": dict(
+        logits_budget=2**28, min_stored_rows=512, max_stored_rows=4096, chunk=4096, vocab_tile=4096
+    ),
+}
+# "auto": the schedule FUSED_TILES picks for the platform; "reference": the fixed schedule
+# gjax shipped first (4 matmuls, 1024-row chunks, 4096-column tiles), kept to compare against.
+KERNELS = ("auto", "reference")
+
+
+def fused_schedule(
+    vocab_size: int,
+    *,
+    kernel: str = "auto",
+    token_chunk: int | None = None,
+    vocab_tile: int | None = None,
+    store_logits: bool | None = None,
+    platform: str | None = None,
+) -> tuple[bool, int, int]:
+    """(store_logits, token_chunk, vocab_tile) of `fused_token_loss`; arguments given win."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown LM-head kernel {kernel!r}; valid: {', '.join(KERNELS)}")
+    v = max(int(vocab_size), 1)
+    if kernel == "reference":
+        store = bool(store_logits)
+        if token_chunk is None:
+            token_chunk = default_token_chunk(v) if store else 1024
+        return store, int(token_chunk), int(4096 if vocab_tile is None else vocab_tile)
+    tiles = FUSED_TILES.get(platform or jax.default_backend(), FUSED_TILES["gpu"])
+    fit = min(tiles["max_stored_rows"], tiles["logits_budget"] // v // 16 * 16)
+    if store_logits is None:
+        rows = fit if token_chunk is None else int(token_chunk)
+        store_logits = tiles["min_stored_rows"] <= rows and rows * v <= tiles["logits_budget"]
+    if token_chunk is None:
+        token_chunk = max(fit, 16) if store_logits else tiles["chunk"]
+    if vocab_tile is None:
+        vocab_tile = tiles["vocab_tile"]
+    return bool(store_logits), int(token_chunk), int(vocab_tile)
 
 
 def default_token_chunk(vocab_size: int) -> int:
@@ -456,8 +513,9 @@ def fused_token_loss(
     *,
     temperature: float = 1.0,
     token_chunk: int | None = None,
-    vocab_tile: int = 4096,
-    store_logits: bool = False,
+    vocab_tile: int | None = None,
+    store_logits: bool | None = None,
+    kernel: str = "auto",
 ) -> tuple[jax.Array, Any]:
     """Sum over tokens of an elementwise loss of (logp_t, H_t), gradients fused in the forward.
 
@@ -480,21 +538,29 @@ def fused_token_loss(
       hidden_NxD, head_DxV, targets_N, temperature: as in `token_logps`.
       token_loss_fn: elementwise per-token loss, see above.
       token_args: pytree of arrays with leading dim N.
-      token_chunk: static rows per chunk. Default: 1024 when store_logits=False; else
-        `default_token_chunk(V)` (a [chunk x V] f32 buffer of ~64 MiB).
+      token_chunk: static rows per chunk (None: see `kernel`).
       vocab_tile: static column tile of the sweeps: dhead is accumulated tile by tile in
         place (no second [D x V] buffer); the other temporaries are [chunk x vocab_tile].
-      store_logits: False (default): 4 matmuls, logits computed twice tile by tile, memory
-        ~a few chunk x vocab_tile x 4 bytes. True: 3 matmuls, the [chunk x V] f32 logits of a
-        chunk are kept for the gradient sweep.
+      store_logits: False: 4 matmuls, logits computed twice tile by tile, memory ~a few
+        chunk x vocab_tile x 4 bytes. True: 3 matmuls, the [chunk x V] f32 logits of a chunk
+        are kept for the gradient sweep. None: see `kernel`.
+      kernel: how unset schedule arguments are chosen (`fused_schedule`). "auto": per
+        platform (`FUSED_TILES`): 3 matmuls when the logits buffer holds enough rows, else 4.
+        "reference": 4 matmuls, 1024-row chunks (`default_token_chunk(V)` rows if
+        store_logits), 4096-column tiles.
       Besides the temporaries, the f32 head-gradient accumulator [D x V] is live (it becomes
       the returned gradient; for f32 heads XLA aliases it to the output).
 
     Returns:
       (loss, aux_sums): f32 scalar and the pytree of summed aux values.
     """
-    if token_chunk is None:
-        token_chunk = default_token_chunk(head_DxV.shape[-1]) if store_logits else 1024
+    store_logits, token_chunk, vocab_tile = fused_schedule(
+        head_DxV.shape[-1],
+        kernel=kernel,
+        token_chunk=token_chunk,
+        vocab_tile=vocab_tile,
+        store_logits=store_logits,
+    )
     _check_inputs(hidden_NxD, head_DxV, targets_N, temperature, token_chunk)
     _check_token_args(token_args, hidden_NxD.shape[0])
     run = functools.partial(

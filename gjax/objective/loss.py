@@ -121,6 +121,8 @@ class ObjectiveConfig:
       anchor_treatment: 'ratio' or 'luffy' (off-policy anchors, see module docstring).
       luffy_gamma: gamma of LUFFY's shaping f(pi) = pi / (pi + gamma).
       token_chunk, vocab_tile: kernel tile sizes (None: the kernel's defaults).
+      lm_head_kernel: schedule of the fused loss kernel, a name in ``logprobs.KERNELS``
+        ('auto': chosen per platform; 'reference': the first fixed one).
       behaviour_correction, behaviour_level, behaviour_cap: correction for the sampler's
         policy when ``behaviour_logps_BxT`` is in the batch ('none' | 'tis' | 'mask', at
         'token' or 'sequence' level, cap C; ``gjax.objective.off_policy``).
@@ -144,6 +146,7 @@ class ObjectiveConfig:
     luffy_gamma: float = 0.1
     token_chunk: int | None = None
     vocab_tile: int | None = None
+    lm_head_kernel: str = "auto"
     behaviour_correction: str = "none"
     behaviour_level: str = "token"
     behaviour_cap: float = 2.0
@@ -160,6 +163,10 @@ class ObjectiveConfig:
         off_policy.check_correction(
             self.behaviour_correction, self.behaviour_level, self.behaviour_cap
         )
+        if self.lm_head_kernel not in logprobs.KERNELS:
+            raise ValueError(
+                f"lm_head_kernel must be one of {logprobs.KERNELS}, got {self.lm_head_kernel!r}"
+            )
         if self.anchor_treatment not in ANCHOR_TREATMENTS:
             raise ValueError(
                 f"anchor_treatment must be one of {ANCHOR_TREATMENTS}, got {self.anchor_treatment!r}"
@@ -571,6 +578,8 @@ def _kernel_kwargs(cfg: ObjectiveConfig, fused: bool = True, **extra) -> dict[st
         kw["token_chunk"] = cfg.token_chunk
     if cfg.vocab_tile is not None and not fused:  # the fused pass sweeps full vocab rows
         kw["vocab_tile"] = cfg.vocab_tile
+    if fused:
+        kw["kernel"] = cfg.lm_head_kernel
     kw.update(extra)
     return kw
 
