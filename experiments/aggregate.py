@@ -267,29 +267,28 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
         if log_axis:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    _legend(axes[0][0])
     fig.tight_layout()
     written.append(_save(fig, plt, os.path.join(out_dir, "curves.png")))
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    base_drawn = False
+    every = [r["passk"] for rs in runs.values() for r in rs if r["passk"] is not None]
+    n = min((p["n"] for p in every), default=1)
+    ks = np.arange(1, n + 1)
     for i, (name, rs) in enumerate(runs.items()):
-        pk = [r["passk"] for r in rs if r["passk"] is not None]
-        if not pk:
-            continue
-        n = min(p["n"] for p in pk)
-        ks = np.arange(1, n + 1)
-        final = [np.asarray([p["final"][f"pass@{k}"] for k in ks]) for p in pk]
-        _plot_band(ax, *band([(ks, y) for y in final]), f"C{i}", name)
-        if not base_drawn:
-            base = [np.asarray([p["base"][f"pass@{k}"] for k in ks]) for p in pk]
-            _plot_band(ax, *band([(ks, y) for y in base]), "k", "base policy", "--")
-            base_drawn = True
+        final = [[r["passk"]["final"][f"pass@{k}"] for k in ks] for r in rs if r["passk"]]
+        if final:
+            _plot_band(ax, *band([(ks, np.asarray(y)) for y in final]), f"C{i}", name)
+    base = {p["seed"]: [p["base"][f"pass@{k}"] for k in ks] for p in every}  # one per seed
+    if base:
+        _plot_band(ax, *band([(ks, np.asarray(y)) for y in base.values()]), "k", "base", "--")
     ax.set_xscale("log", base=2)
+    ticks = [k for k in ks if k & (k - 1) == 0]
+    ax.set_xticks(ticks, [str(k) for k in ticks])
     ax.set_xlabel("k")
     ax.set_title("held-out pass@k at the end")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     written.append(_save(fig, plt, os.path.join(out_dir, "passk.png")))
 
@@ -299,8 +298,10 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
         for r in rs:
             tokens = np.concatenate([[0.0], sampled_tokens(r)])
             pts = [(tokens[min(s, len(tokens) - 1)], v) for s, v in pass1_points(r)]
-            x, y = map(np.asarray, zip(*pts))
-            series.append((x, y))
+            if pts:
+                series.append(tuple(map(np.asarray, zip(*pts))))
+        if not series:
+            continue
         grid = np.linspace(0, min(x[-1] for x, _ in series), 40)
         b = band([(grid, np.interp(grid, x, y)) for x, y in series])
         if b is not None:
@@ -308,10 +309,15 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
     ax.set_xlabel("sampled completion tokens (estimate)")
     ax.set_title("held-out pass@1 at equal sampled tokens")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    _legend(ax)
     fig.tight_layout()
     written.append(_save(fig, plt, os.path.join(out_dir, "pass1_vs_tokens.png")))
     return written
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
 
 
 def _save(fig, plt, path: str) -> str:

@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default: 5)")
     p.add_argument("--out", default="experiments/runs", help="runs dir (default: %(default)s)")
     p.add_argument("--steps", type=int, help="train.steps (default: each config's)")
-    p.add_argument("--eval_every", type=int, help="held-out eval every N steps (default: steps/12)")
+    p.add_argument("--eval_every", type=int, help="held-out eval every N steps (default: steps/8)")
     p.add_argument("--variants", help="comma list: only these variants")
     p.add_argument("--smoke", action="store_true", help="tiny evaluations (CI's smoke test)")
     args = p.parse_args(argv)

@@ -130,7 +130,7 @@ _STUDIES = (
                 Variant(
                     f"anchors_{a}",
                     "dagrpo",
-                    f"delta = {3}, {a} anchors per group of 8 (anchor ratio {a}/8)",
+                    f"delta = 3, {a} anchors per group of 8 (anchor ratio {a}/8)",
                     overrides={"anchors.per_group": a},
                 )
                 for a in (2, 4)
@@ -209,8 +209,10 @@ def build_config(
         c.train.steps = steps
     c.log.progress = False  # workers log to files
     c.log.tensorboard = False
-    if eval_every is None:  # about 12 held-out evaluations a run (none in a smoke run)
-        eval_every = 0 if smoke else max(1, c.train.steps // 12)
+    # About 8 held-out evaluations a run (none in a smoke run): each samples the held-out set
+    # (256 problems x eval.num_samples), so more would cost as much as the training.
+    if eval_every is None:
+        eval_every = 0 if smoke else max(1, c.train.steps // 8)
     c.log.eval_every = eval_every
     if smoke:  # greedy held-out accuracy of 16 problems before and after, nothing sampled
         c.data.heldout_size = 16

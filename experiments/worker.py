@@ -41,9 +41,16 @@ def run_one(args) -> int:
     signum = train_lib.train(config, workdir)
     if signum is not None:
         return 128 + signum  # stopped early, checkpoint saved: the next invocation resumes
+    t_train = time.time() - t0
     n = studies.passk_samples(args.smoke)
     passk.evaluate(config, workdir, num_samples=n, cache_dir=os.path.join(args.out, "_base"))
-    write_done(workdir, steps=config.train.steps, passk_samples=n, seconds=time.time() - t0)
+    write_done(
+        workdir,
+        steps=config.train.steps,
+        passk_samples=n,
+        train_s=round(t_train, 1),  # this invocation's (a resumed run: since the resume)
+        passk_s=round(time.time() - t0 - t_train, 1),
+    )
     return 0
 
 

@@ -70,7 +70,7 @@ def test_plan_skips_finished_runs_only(tmp_path):
     out = str(tmp_path)
     wd = worker.workdir_of(out, "smoke", "grpo", 1)
     os.makedirs(wd)
-    worker.write_done(wd, steps=2, passk_samples=studies.passk_samples(True), seconds=1.0)
+    worker.write_done(wd, steps=2, passk_samples=studies.passk_samples(True))
     done = {(v, s): d for v, s, _, d in run.plan(study, 2, out=out, steps=2, smoke=True)}
     assert done == {("grpo", 0): False, ("grpo", 1): True, ("dr_grpo", 0): False,
                     ("dr_grpo", 1): False}  # fmt: skip
