@@ -85,7 +85,12 @@ def run_study(args) -> int:
             )
         with lock:
             finished[0] += 1
-            status = "done" if code == 0 else f"FAILED (exit {code}; see {wd}/worker.log)"
+            if code == 0:
+                status = "done"
+            elif code in (130, 143):  # SIGINT / SIGTERM: the trainer saved a checkpoint
+                status = "stopped (checkpoint saved; rerun to resume)"
+            else:
+                status = f"FAILED (exit {code}; see {wd}/worker.log)"
             if code != 0:
                 failed.append(wd)
             print(f"[{finished[0]}/{len(todo)}] {variant} seed {seed}: {status} in "
