@@ -12,7 +12,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PACKAGES = ("gjax", "configs")
+PACKAGES = ("gjax", "configs", "experiments")
 
 
 def _module_name(path: pathlib.Path) -> str:

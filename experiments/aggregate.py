@@ -1,0 +1,374 @@
+"""Aggregates a study's runs into a table and figures: mean and 95 % confidence interval
+over seeds (Student t, n - 1 degrees of freedom) per variant.
+
+    python -m experiments.aggregate STUDY [--runs experiments/runs] [--out experiments/results]
+
+Reads each run's metrics.jsonl, summary.json and passk.json (OUT of `experiments.run`) and
+writes RESULTS/STUDY/: results.md (the table), runs.json (every run's final figures),
+curves.png (held-out pass@1, entropy, response length, grad norm over steps), passk.png
+(pass@k against k, final and base policy) and pass1_vs_tokens.png (held-out pass@1 against
+the sampled completion tokens, an estimate: see `sampled_tokens`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from experiments import studies
+from experiments.passk import PASSK_FILE
+from gjax.errors import UserError, format_user_error
+from gjax.metrics import read_jsonl
+from gjax.plot import ema
+
+TABLE_KS = (1, 4, 16, 64)
+PASS1 = "eval/heldout_pass@1"
+CURVES = (  # (metrics key, title, log axis, smoothed)
+    (PASS1, "held-out pass@1", False, False),
+    ("policy/entropy", "entropy (nats/token)", False, True),
+    ("response/length_mean", "response length (tokens)", False, True),
+    ("optim/grad_norm", "grad norm", True, True),
+)
+SMOOTH = 0.6  # EMA weight of the training curves (gjax.plot's default)
+TAIL = 0.1  # "final" training figures: the mean over the last 10 % of steps
+FORMATS = {"length": ".1f", "grad_spikes": ".1f", "sampled_tokens": ".3g"}
+SPIKE_FACTOR = 3.0  # a grad-norm spike: a step above 3 x the run's median grad norm
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+def t_cdf_two_sided(t: float, df: int) -> float:
+    """P(|T| < t) for Student's t with integer df (Abramowitz & Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    if df % 2:  # odd
+        acc, term = 0.0, 1.0
+        for i in range(1, (df - 1) // 2 + 1):
+            acc += term
+            term *= c2 * (2 * i) / (2 * i + 1)
+        return 2 / math.pi * (theta + (s * math.cos(theta) * acc if df > 1 else 0.0))
+    acc, term = 0.0, 1.0
+    for i in range(1, df // 2 + 1):
+        acc += term
+        term *= c2 * (2 * i - 1) / (2 * i)
+    return s * acc
+
+
+def t_quantile(df: int, confidence: float = 0.95) -> float:
+    """t such that P(|T| < t) = confidence (bisection; exact to ~1e-12)."""
+    lo, hi = 0.0, 1.0
+    while t_cdf_two_sided(hi, df) < confidence:
+        hi *= 2
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if t_cdf_two_sided(mid, df) < confidence else (lo, mid)
+    return (lo + hi) / 2
+
+
+def mean_ci(values, confidence: float = 0.95) -> tuple[float, float, int]:
+    """(mean, half-width of the two-sided t interval, n); half-width is nan for n < 2."""
+    x = np.asarray([v for v in values if v is not None and np.isfinite(v)], float)
+    n = len(x)
+    if n == 0:
+        return math.nan, math.nan, 0
+    if n == 1:
+        return float(x[0]), math.nan, 1
+    se = x.std(ddof=1) / math.sqrt(n)
+    return float(x.mean()), float(t_quantile(n - 1, confidence) * se), n
+
+
+def fmt_ci(mean: float, half: float, fmt: str = ".3f") -> str:
+    if math.isnan(mean):
+        return "–"
+    return f"{mean:{fmt}}" if math.isnan(half) else f"{mean:{fmt}} ± {half:{fmt}}"
+
+
+# --------------------------------------------------------------------------- runs
+
+
+def load_runs(runs_dir: str, study) -> dict[str, list[dict]]:
+    """{variant: [run, ...]} in the study's variant order; a run: its rows, summary, passk,
+    config; only seeds with metrics."""
+    out = {}
+    for v in study.variants:
+        vdir = os.path.join(runs_dir, study.name, v.name)
+        seeds = sorted(
+            (d for d in os.listdir(vdir) if d.startswith("seed_")) if os.path.isdir(vdir) else [],
+            key=lambda d: int(d.removeprefix("seed_")),
+        )
+        runs = []
+        for d in seeds:
+            wd = os.path.join(vdir, d)
+            rows = read_jsonl(os.path.join(wd, "metrics.jsonl"))
+            if rows:
+                runs.append(
+                    {
+                        "seed": int(d.removeprefix("seed_")),
+                        "workdir": wd,
+                        "rows": rows,
+                        "summary": _json(os.path.join(wd, "summary.json")) or {},
+                        "passk": _json(os.path.join(wd, PASSK_FILE)),
+                        "config": _json(os.path.join(wd, "config.json")) or {},
+                    }
+                )
+        if runs:
+            out[v.name] = runs
+    if not out:
+        raise UserError(
+            f"no runs of study {study.name!r} under {runs_dir}/{study.name}: run "
+            f"`python -m experiments.run {study.name}` first (or give --runs)"
+        )
+    return out
+
+
+def _json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def sampled_tokens(run: dict) -> np.ndarray:
+    """Cumulative completion tokens sampled by the end of each step (steps 1..N), estimated
+    as rollout rounds x P x G x that step's mean response length (the length is the last
+    round's; anchors are counted as sampled)."""
+    r = run["config"].get("rollout", {})
+    per_round = r.get("prompts_per_step", 1) * r.get("num_samples", 1)
+    tok = [
+        row.get("sampling/rollouts", 1) * per_round * (row.get("response/length_mean") or 0.0)
+        for row in run["rows"]
+    ]
+    return np.cumsum(tok)
+
+
+def pass1_points(run: dict) -> list[tuple[int, float]]:
+    """(step, held-out pass@1): the evaluations during training, the summary's before (step
+    0) and after (the last step)."""
+    pts = {r["step"]: r[PASS1] for r in run["rows"] if r.get(PASS1) is not None}
+    s = run["summary"]
+    if s.get("heldout_pass@1_before") is not None:
+        pts.setdefault(0, s["heldout_pass@1_before"])
+    if s.get("heldout_pass@1_after") is not None:
+        pts.setdefault(
+            s.get("steps", max(r["step"] for r in run["rows"])), s["heldout_pass@1_after"]
+        )
+    return sorted(pts.items())
+
+
+def run_figures(run: dict) -> dict[str, float]:
+    """One run's final figures: the table's columns."""
+    rows, s, pk = run["rows"], run["summary"], run["passk"]
+    tail = rows[-max(1, round(len(rows) * TAIL)) :]
+    out = {
+        "greedy_before": s.get("heldout_accuracy_before"),
+        "greedy_after": s.get("heldout_accuracy_after"),
+        "steps": rows[-1]["step"],
+    }
+    if pk is not None:
+        for k in range(1, pk["n"] + 1):
+            out[f"pass@{k}"] = pk["final"][f"pass@{k}"]
+            out[f"base_pass@{k}"] = pk["base"][f"pass@{k}"]
+    elif s.get("heldout_pass@1_after") is not None:  # no passk.json: the trainer's own
+        out["pass@1"] = s["heldout_pass@1_after"]
+    for key, name in (("policy/entropy", "entropy"), ("response/length_mean", "length")):
+        vals = [r[key] for r in tail if r.get(key) is not None]
+        out[name] = float(np.mean(vals)) if vals else None
+    g = np.asarray([r["optim/grad_norm"] for r in rows if r.get("optim/grad_norm") is not None])
+    out["grad_spikes"] = int(np.sum(g > SPIKE_FACTOR * np.median(g))) if len(g) else None
+    out["sampled_tokens"] = float(sampled_tokens(run)[-1])
+    for key in ("tw/cov_mean", "tw/cov_std", "adv/masked_fraction"):
+        vals = [r[key] for r in tail if r.get(key) is not None]
+        if vals:
+            out[key] = float(np.mean(vals))
+    return out
+
+
+# --------------------------------------------------------------------------- table
+
+
+def table(study, figures: dict[str, list[dict]]) -> str:
+    """The markdown table: one row per variant (and the base policy), mean ± 95 % CI."""
+    every = [f for runs in figures.values() for f in runs]
+    ks = [k for k in TABLE_KS if any(f"pass@{k}" in f for f in every)]
+    cols = [("greedy_after", "greedy acc")]
+    cols += [(f"pass@{k}", f"pass@{k}") for k in ks]
+    cols += [("entropy", "entropy"), ("length", "length"), ("grad_spikes", "gnorm spikes")]
+    cols += [(k, k) for k in ("tw/cov_mean", "adv/masked_fraction") if any(k in f for f in every)]
+    cols += [("sampled_tokens", "sampled tokens")]
+    head = ["variant", "seeds", "steps", *(title for _, title in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    base = {"greedy_after": "greedy_before", **{f"pass@{k}": f"base_pass@{k}" for k in ks}}
+    per_seed = {f["seed"]: f for f in every}  # the base policy's figures depend on the seed only
+    base_vals = {col: mean_ci([f.get(src) for f in per_seed.values()]) for col, src in base.items()}
+    if any(v[2] for v in base_vals.values()):
+        cells = ["base policy", str(max(v[2] for v in base_vals.values())), "0"]
+        cells += [fmt_ci(*base_vals[c][:2]) if c in base_vals else "" for c, _ in cols]
+        lines.append("| " + " | ".join(cells) + " |")
+    for name, runs in figures.items():
+        steps = sorted({f["steps"] for f in runs})
+        cells = [name, str(len(runs)), "/".join(map(str, steps))]
+        for col, _ in cols:
+            m, h, _n = mean_ci([f.get(col) for f in runs])
+            cells.append(fmt_ci(m, h, FORMATS.get(col, ".3f")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def band(series: list[tuple[np.ndarray, np.ndarray]]):
+    """Mean and 95 % half-width over runs at the x values all runs share."""
+    common = sorted(set.intersection(*(set(x.tolist()) for x, _ in series)))
+    if not common:
+        return None
+    ys = np.stack([np.interp(common, x, y) for x, y in series])
+    stats = [mean_ci(ys[:, i]) for i in range(len(common))]
+    mean = np.asarray([m for m, _, _ in stats])
+    half = np.nan_to_num(np.asarray([h for _, h, _ in stats]))
+    return np.asarray(common), mean, half
+
+
+def _plot_band(ax, x, mean, half, color, label, style="-"):
+    ax.plot(x, mean, style, color=color, label=label, markersize=3)
+    ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.2, linewidth=0)
+
+
+def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
+    import matplotlib  # on use: a slow import
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # deferred with matplotlib
+
+    written = []
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4), squeeze=False)
+    for ax, (key, title, log_axis, smooth) in zip(axes[0], CURVES):
+        for i, (name, rs) in enumerate(runs.items()):
+            series = []
+            for r in rs:
+                pts = pass1_points(r) if key == PASS1 else [
+                    (row["step"], row[key]) for row in r["rows"] if row.get(key) is not None
+                ]  # fmt: skip
+                if pts:
+                    x, y = map(np.asarray, zip(*pts))
+                    series.append((x, ema(y.astype(float), SMOOTH) if smooth else y))
+            b = band(series) if series else None
+            if b is not None:
+                _plot_band(ax, *b, f"C{i}", name, "o-" if key == PASS1 else "-")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        if log_axis:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    _legend(axes[0][0])
+    fig.tight_layout()
+    written.append(_save(fig, plt, os.path.join(out_dir, "curves.png")))
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    every = [r["passk"] for rs in runs.values() for r in rs if r["passk"] is not None]
+    n = min((p["n"] for p in every), default=1)
+    ks = np.arange(1, n + 1)
+    for i, (name, rs) in enumerate(runs.items()):
+        final = [[r["passk"]["final"][f"pass@{k}"] for k in ks] for r in rs if r["passk"]]
+        if final:
+            _plot_band(ax, *band([(ks, np.asarray(y)) for y in final]), f"C{i}", name)
+    base = {p["seed"]: [p["base"][f"pass@{k}"] for k in ks] for p in every}  # one per seed
+    if base:
+        _plot_band(ax, *band([(ks, np.asarray(y)) for y in base.values()]), "k", "base", "--")
+    ax.set_xscale("log", base=2)
+    ticks = [k for k in ks if k & (k - 1) == 0]
+    ax.set_xticks(ticks, [str(k) for k in ticks])
+    ax.set_xlabel("k")
+    ax.set_title("held-out pass@k at the end")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    fig.tight_layout()
+    written.append(_save(fig, plt, os.path.join(out_dir, "passk.png")))
+
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for i, (name, rs) in enumerate(runs.items()):
+        series = []
+        for r in rs:
+            tokens = np.concatenate([[0.0], sampled_tokens(r)])
+            pts = [(tokens[min(s, len(tokens) - 1)], v) for s, v in pass1_points(r)]
+            if pts:
+                series.append(tuple(map(np.asarray, zip(*pts))))
+        if not series:
+            continue
+        grid = np.linspace(0, min(x[-1] for x, _ in series), 40)
+        b = band([(grid, np.interp(grid, x, y)) for x, y in series])
+        if b is not None:
+            _plot_band(ax, *b, f"C{i}", name)
+    ax.set_xlabel("sampled completion tokens (estimate)")
+    ax.set_title("held-out pass@1 at equal sampled tokens")
+    ax.grid(alpha=0.3)
+    _legend(ax)
+    fig.tight_layout()
+    written.append(_save(fig, plt, os.path.join(out_dir, "pass1_vs_tokens.png")))
+    return written
+
+
+def _legend(ax) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+
+
+def _save(fig, plt, path: str) -> str:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- main
+
+
+def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
+    """Writes RESULTS/STUDY/{results.md, runs.json, *.png}; returns that directory."""
+    study = studies.get(study_name)
+    runs = load_runs(runs_dir, study)
+    figs = {name: [{"seed": r["seed"], **run_figures(r)} for r in rs] for name, rs in runs.items()}
+    out_dir = os.path.join(out_root, study.name)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "runs.json"), "w") as f:
+        json.dump(figs, f, indent=1)
+    docs = "\n".join(f"- `{v.name}`: {v.doc}" for v in study.variants if v.name in runs)
+    md = (
+        f"# {study.name}\n\nClaim: {study.claim}.\n\n{docs}\n\n"
+        "Mean ± 95 % confidence half-width over seeds (Student t). pass@k: n samples per "
+        "held-out problem at the end of training (the base policy: the same samples' seeds "
+        "with the initial params); greedy acc: one greedy completion per problem; entropy, "
+        f"length: mean over the last {TAIL:.0%} of steps; gnorm spikes: steps with a grad norm "
+        f"above {SPIKE_FACTOR:g} x the run's median; sampled tokens: an estimate "
+        "(rollout rounds x P x G x mean length).\n\n" + table(study, figs)
+    )
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(md)
+    figures(runs, out_dir)
+    return out_dir
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.aggregate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("study", help=f"one of: {', '.join(studies.STUDIES)}")
+    p.add_argument("--runs", default="experiments/runs", help="runs dir (default: %(default)s)")
+    p.add_argument("--out", default="experiments/results", help="default: %(default)s")
+    args = p.parse_args(argv)
+    try:
+        out = aggregate(args.study, args.runs, args.out)
+    except UserError as e:
+        print(format_user_error(e), file=sys.stderr, flush=True)
+        sys.exit(2)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

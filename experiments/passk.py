@@ -1,0 +1,133 @@
+"""Held-out pass@k at the end of a run against the base policy: n samples per held-out
+problem with the final params and with the initial (base) params, k = 1..n (A-GRAE eq. (37)),
+written to WORKDIR/passk.json.
+
+The base policy's figures depend only on the model, the held-out set and the sampling, not on
+the variant; they are kept in `cache_dir` under a hash of those, so a study evaluates the base
+once per seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import jax
+import numpy as np
+
+from gjax import sharding
+from gjax.checkpoint import Checkpointer
+from gjax.config import resolve_mesh_shape
+from gjax.data import builders as data_builders
+from gjax.embedded import resolve_model_path
+from gjax.evaluation.metrics import pass_at_k
+from gjax.evaluation.sampling import sample_and_score
+from gjax.models import hf_import
+from gjax.rewards.verifier import Verifier
+from gjax.rollout import LocalSampler, SamplingParams
+from gjax.rollout.backend import stop_and_pad
+
+PASSK_FILE = "passk.json"
+
+
+def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
+    """{"pass@k": mean over problems} for k = 1..n from each problem's correct count."""
+    return {
+        f"pass@{k}": float(np.mean([pass_at_k(n, int(c), k) for c in correct_P]))
+        for k in range(1, n + 1)
+    }
+
+
+def evaluate(config, workdir: str, *, num_samples: int, cache_dir: str) -> dict:
+    """Samples `num_samples` completions per held-out problem (the run's eval temperature and
+    top-p) with the base params and with the last checkpoint's; writes and returns passk.json."""
+    n = num_samples
+    data_cfg = data_builders.run_data_config(config)
+    base_key = {
+        "model": [config.model.path, config.model.dtype, config.model.param_dtype],
+        "data": data_cfg,
+        "sampling": [config.rollout.max_new_tokens, config.eval.temperature, config.eval.top_p],
+        "n": n,
+        "seed": config.seed,
+    }
+    digest = hashlib.sha256(json.dumps(base_key, sort_keys=True).encode()).hexdigest()[:16]
+    base_path = os.path.join(cache_dir, f"base_{digest}.json")
+    mesh = sharding.make_mesh(resolve_mesh_shape(config.mesh, jax.device_count()))
+    with jax.set_mesh(mesh), sharding.use_rules():
+        model_cfg, params, tok = hf_import.load_policy(
+            resolve_model_path(config.model.path), config.model, mesh
+        )
+        heldout = data_builders.build_prompt_data(data_cfg, tok, heldout=True)
+        abstract = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
+        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+        try:
+            step, final = ckpt.restore_params(abstract)
+        finally:
+            ckpt.close()
+        eos, pad_id = stop_and_pad(model_cfg, tok)
+        sampling = SamplingParams(
+            max_new_tokens=config.rollout.max_new_tokens,
+            temperature=config.eval.temperature,
+            top_p=config.eval.top_p,
+            stop_token_ids=eos,
+            pad_token_id=pad_id,
+        )
+        backend = LocalSampler(model_cfg)
+        rng = jax.random.fold_in(jax.random.key(config.seed), 0x9A55)
+        r = config.reward
+        with Verifier(timeout_s=r.timeout_s, num_workers=r.workers) as verifier:
+
+            def correct_counts(p) -> list[int]:
+                s = sample_and_score(
+                    backend, p, tok, heldout, verifier, num_samples=n, sampling=sampling,
+                    rng=rng, max_rows=config.eval.max_rows,
+                )  # fmt: skip
+                return s.correct_PxN.sum(-1).astype(int).tolist()
+
+            base = _read(base_path)
+            if base is None:
+                base = {"correct_counts": correct_counts(params), "key": base_key}
+                _write(base_path, base)
+            final_counts = correct_counts(final)
+    out = result(
+        base["correct_counts"],
+        final_counts,
+        n=n,
+        step=int(step),
+        temperature=config.eval.temperature,
+        top_p=config.eval.top_p,
+        seed=config.seed,
+    )
+    _write(os.path.join(workdir, PASSK_FILE), out)
+    return out
+
+
+def result(base_counts, final_counts, *, n: int, **settings) -> dict:
+    """passk.json: each problem's correct count of n and pass@k for k = 1..n, base and final."""
+    return {
+        "n": n,
+        "problems": len(final_counts),
+        **settings,
+        "base": {"correct_counts": list(base_counts), **pass_at_ks(np.asarray(base_counts), n)},
+        "final": {"correct_counts": list(final_counts), **pass_at_ks(np.asarray(final_counts), n)},
+    }
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: str, obj: dict) -> None:
+    """Whole or not at all: another worker may read it at any time."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)

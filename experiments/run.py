@@ -1,0 +1,137 @@
+"""Runs a study: every (variant, seed) in its own worker process, N at a time.
+
+    python -m experiments.run STUDY [--workers 2] [--seeds 5] [--out experiments/runs]
+        [--steps N] [--eval_every N] [--variants a,b] [--smoke]
+
+Each run trains in OUT/STUDY/VARIANT/seed_S (metrics.jsonl, summary.json, checkpoints),
+then writes passk.json (held-out pass@k, k = 1..64, final vs base params) and done.json.
+A run with done.json for the same steps is skipped; an unfinished one resumes from its last
+checkpoint. Ctrl-C stops every worker at the end of its step, checkpoint saved; rerun the
+same command to go on. Each worker's output is in its workdir's worker.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from experiments import studies
+from experiments.worker import read_done, workdir_of
+from gjax.errors import UserError, format_user_error
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variants=None):
+    """(variant, seed, workdir, done) of every run; done: finished for these settings."""
+    chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
+    runs = []
+    for v in chosen:
+        want = studies.build_config(v, 0, steps=steps, smoke=smoke).train.steps
+        for seed in range(seeds):
+            wd = workdir_of(out, study.name, v.name, seed)
+            marker = read_done(wd)
+            done = (
+                marker is not None
+                and marker["steps"] == want
+                and (marker["passk_samples"] == studies.passk_samples(smoke))
+            )
+            runs.append((v.name, seed, wd, done))
+    return runs
+
+
+def worker_command(study: str, variant: str, seed: int, args) -> list[str]:
+    cmd = [sys.executable, "-m", "experiments.worker", study, variant, str(seed)]
+    cmd += ["--out", os.path.abspath(args.out)]
+    if args.steps is not None:
+        cmd += ["--steps", str(args.steps)]
+    if args.eval_every is not None:
+        cmd += ["--eval_every", str(args.eval_every)]
+    if args.smoke:
+        cmd.append("--smoke")
+    return cmd
+
+
+def run_study(args) -> int:
+    """Runs what is not done; returns the number of runs that failed."""
+    study = studies.get(args.study)
+    variants = args.variants.split(",") if args.variants else None
+    runs = plan(
+        study, args.seeds, out=args.out, steps=args.steps, smoke=args.smoke, variants=variants
+    )
+    todo = [r for r in runs if not r[3]]
+    print(f"{study.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to run "
+          f"with {args.workers} workers", flush=True)  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # workers share an accelerator
+    lock, finished, failed = threading.Lock(), [0], []
+
+    def one(run) -> None:
+        variant, seed, wd, _ = run
+        os.makedirs(wd, exist_ok=True)
+        t0 = time.time()
+        with open(os.path.join(wd, "worker.log"), "a") as log:
+            code = subprocess.call(
+                worker_command(study.name, variant, seed, args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env=env,
+            )
+        with lock:
+            finished[0] += 1
+            if code == 0:
+                status = "done"
+            elif code in (130, 143):  # SIGINT / SIGTERM: the trainer saved a checkpoint
+                status = "stopped (checkpoint saved; rerun to resume)"
+            else:
+                status = f"FAILED (exit {code}; see {wd}/worker.log)"
+            if code != 0:
+                failed.append(wd)
+            print(f"[{finished[0]}/{len(todo)}] {variant} seed {seed}: {status} in "
+                  f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.workers)
+    try:
+        for f in [pool.submit(one, r) for r in todo]:
+            f.result()
+    except KeyboardInterrupt:  # the workers got it too: each saves a checkpoint and exits
+        pool.shutdown(wait=True, cancel_futures=True)
+        print("interrupted: rerun the same command to resume", file=sys.stderr, flush=True)
+        return len(todo)
+    pool.shutdown()
+    if failed:
+        print(f"{len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr, flush=True)
+    return len(failed)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(
+        prog="python -m experiments.run", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("study", help=f"one of: {', '.join(studies.STUDIES)}")
+    p.add_argument("--workers", type=int, default=2, help="runs in parallel (default: 2)")
+    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default: 5)")
+    p.add_argument("--out", default="experiments/runs", help="runs dir (default: %(default)s)")
+    p.add_argument("--steps", type=int, help="train.steps (default: each config's)")
+    p.add_argument("--eval_every", type=int, help="held-out eval every N steps (default: steps/8)")
+    p.add_argument("--variants", help="comma list: only these variants")
+    p.add_argument("--smoke", action="store_true", help="tiny evaluations (CI's smoke test)")
+    args = p.parse_args(argv)
+    if args.workers < 1 or args.seeds < 1 or (args.steps is not None and args.steps < 1):
+        p.error("--workers, --seeds and --steps must be >= 1")
+    try:
+        failed = run_study(args)
+    except UserError as e:
+        print(format_user_error(e), file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

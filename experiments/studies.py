@@ -1,0 +1,235 @@
+"""The studies: each a list of variants, each variant a config preset plus overrides.
+
+A variant names a `configs/<module>.py` and its argument (`tiny`: the embedded task), an
+optional objective preset that replaces `config.objective` whole (`gjax.schema.objective`),
+and dotted-path overrides applied after it. `build_config` makes the run config of one
+(variant, seed); an override of a field the config lacks is an error, never a new field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import ml_collections
+
+from gjax import schema
+from gjax.errors import ConfigError
+
+# Held-out pass@k after training: n samples per problem (k = 1..n), as A-GRAE Fig. 2.
+PASSK_SAMPLES = 64
+SMOKE_PASSK_SAMPLES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str  # a directory name: letters, digits, '_', '-', '.'
+    config: str  # a module of configs/ ("grpo"), loaded with `arg`
+    doc: str
+    objective: str | None = None  # an objective preset replacing config.objective
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    arg: str = "tiny"
+
+
+@dataclasses.dataclass(frozen=True)
+class Study:
+    name: str
+    claim: str  # what the paper says, in one line (the README states it in full)
+    variants: tuple[Variant, ...]
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise ConfigError(
+            f"study {self.name!r} has no variant {name!r}; its variants: "
+            f"{', '.join(v.name for v in self.variants)}"
+        )
+
+
+def _agrae(name: str, sample_level: str, group_level: str, doc: str) -> Variant:
+    kw = "objective.advantage_kwargs"
+    return Variant(
+        name,
+        "a_grae",
+        doc,
+        overrides={f"{kw}.sample_level": sample_level, f"{kw}.group_level": group_level},
+    )
+
+
+_STUDIES = (
+    Study(
+        "all_algorithms",
+        "every algorithm on one task: held-out pass@1 over steps, pass@k at the end against the "
+        "base policy, entropy, response length and grad norm over steps",
+        (
+            Variant("grpo", "grpo", "GRPO (DeepSeekMath), k3 KL 0.04"),
+            Variant("dr_grpo", "dr_grpo", "Dr.GRPO: no std, token sum / constant"),
+            Variant("dapo", "dapo", "DAPO: clip-higher, token mean, dynamic sampling, overlong"),
+            Variant("gspo", "grpo", "GSPO: sequence-level ratio and clip", objective="gspo"),
+            Variant("gpg", "gpg", "GPG: -logp * A, alpha = B/(B-M), beta_th 0.6"),
+            Variant("a_grae", "a_grae", "A-GRAE: DDAS eq. (12) + ASS eq. (13)"),
+            Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance token weights"),
+            Variant("dagrpo", "dagrpo", "DaGRPO: delta 3, one anchor per group, rule judge"),
+        ),
+    ),
+    Study(
+        "a_grae_variants",
+        "A-GRAE Sec. 4 / Table 1 / Table 5: negative-dominant beats GRPO on pass@k at large k; "
+        "hard- vs easy-focused has no universal winner; DDAS + ASS improves on both parts",
+        (
+            _agrae("grpo", "none", "none", "GRPO advantages (no reshaping), same setup"),
+            _agrae("positive_dominant", "none", "positive_dominant", "Table 1(a): A+ x beta"),
+            _agrae("negative_dominant", "none", "negative_dominant", "Table 1(a): A+ / beta"),
+            _agrae("easy_focused", "easy", "none", "Table 1(b): A gamma / sqrt(1 - p)"),
+            _agrae("hard_focused", "hard", "none", "Table 1(b): A gamma / sqrt(p)"),
+            _agrae("ddas_only", "ddas", "none", "Table 5: sample level only (eq. (12))"),
+            _agrae("ass_only", "none", "ass", "Table 5: group level only (eq. (13))"),
+            _agrae("a_grae", "ddas", "ass", "A-GRAE: DDAS + ASS"),
+        ),
+    ),
+    Study(
+        "cw_grpo_vs_grpo",
+        "CW-GRPO Fig. 1 / Table 1: GRPO's entropy is unstable; covariance weights keep it at a "
+        "reasonable level and improve accuracy",
+        (
+            Variant("grpo", "cw_grpo", "GRPO in CW-GRPO's setup", objective="grpo"),
+            Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance weights (scope group)"),
+        ),
+    ),
+    Study(
+        "dagrpo",
+        "DaGRPO Sec. 5-6: masking indistinct pairs removes conflicting gradients (fewer grad-norm "
+        "spikes) and prevents length / entropy collapse; ablations on delta, anchors, ratio",
+        (
+            Variant(
+                "dr_grpo",
+                "dagrpo",
+                "the Dr.GRPO setting DaGRPO builds on: no masks, no anchors, no judge",
+                objective="dr_grpo",
+                overrides={"anchors.per_group": 0, "reward.judge.name": "none"},
+            ),
+            *(
+                Variant(
+                    f"delta_{d}",
+                    "dagrpo",
+                    f"delta = {d} (eqs. (8)-(9)), one anchor per group of 8",
+                    overrides={"objective.advantage_kwargs.delta": float(d)},
+                )
+                for d in (1, 3, 5)
+            ),
+            Variant(
+                "no_anchors",
+                "dagrpo",
+                "delta = 3 without off-policy anchors",
+                overrides={"anchors.per_group": 0},
+            ),
+            *(
+                Variant(
+                    f"anchors_{a}",
+                    "dagrpo",
+                    f"delta = 3, {a} anchors per group of 8 (anchor ratio {a}/8)",
+                    overrides={"anchors.per_group": a},
+                )
+                for a in (2, 4)
+            ),
+        ),
+    ),
+    Study(
+        "gpg",
+        "GPG Tables 1, 13-15: plain policy gradient matches or beats GRPO at lower cost; the "
+        "alpha = B/(B-M) correction and the beta_th threshold matter",
+        (
+            Variant("grpo", "grpo", "GRPO (compare at equal sampled tokens: figure x axis)"),
+            Variant("gpg", "gpg", "GPG: alpha on, beta_th 0.6"),
+            Variant(
+                "gpg_no_alpha",
+                "gpg",
+                "GPG without the alpha correction (eq. (8))",
+                overrides={"objective.advantage_kwargs.fold_alpha": False},
+            ),
+            *(
+                Variant(
+                    f"gpg_beta_th_{b}",
+                    "gpg",
+                    f"GPG with beta_th = {b}",
+                    overrides={"sampling.min_valid_fraction": b},
+                )
+                for b in (0.0, 0.8)
+            ),
+        ),
+    ),
+    # CI's smoke study (tests/test_experiments.py): two cheap variants.
+    Study(
+        "smoke",
+        "none: the runner's and the aggregation's smoke test",
+        (
+            Variant("grpo", "grpo", "GRPO"),
+            Variant("dr_grpo", "dr_grpo", "Dr.GRPO"),
+        ),
+    ),
+)
+
+STUDIES: dict[str, Study] = {s.name: s for s in _STUDIES}
+
+
+def get(name: str) -> Study:
+    if name not in STUDIES:
+        raise ConfigError(f"unknown study {name!r}; the studies: {', '.join(STUDIES)}")
+    return STUDIES[name]
+
+
+def passk_samples(smoke: bool) -> int:
+    return SMOKE_PASSK_SAMPLES if smoke else PASSK_SAMPLES
+
+
+def build_config(
+    variant: Variant,
+    seed: int,
+    *,
+    steps: int | None = None,
+    eval_every: int | None = None,
+    smoke: bool = False,
+) -> ml_collections.ConfigDict:
+    """The run config of (variant, seed): the preset, the variant's overrides, the seed (of the
+    model's randomness and of the data order; the held-out set stays fixed), and the study's
+    logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
+    c = importlib.import_module(f"configs.{variant.config}").get_config(variant.arg)
+    if variant.objective is not None:
+        c.objective = schema.objective(variant.objective)
+    c.lock()  # an override of a missing field raises instead of adding one
+    for path, value in variant.overrides.items():
+        _set(c, path, value, variant.name)
+    c.seed = seed
+    c.data.shuffle_seed = seed
+    c.algo = variant.name
+    if steps is not None:
+        c.train.steps = steps
+    c.log.progress = False  # workers log to files
+    c.log.tensorboard = False
+    # About 8 held-out evaluations a run (none in a smoke run): each samples the held-out set
+    # (256 problems x eval.num_samples), so more would cost as much as the training.
+    if eval_every is None:
+        eval_every = 0 if smoke else max(1, c.train.steps // 8)
+    c.log.eval_every = eval_every
+    if smoke:  # greedy held-out accuracy of 16 problems before and after, nothing sampled
+        c.data.heldout_size = 16
+        c.eval.num_samples = 0
+        c.checkpoint.async_save = False
+    return c
+
+
+def _set(c: ml_collections.ConfigDict, path: str, value, where: str) -> None:
+    *parents, leaf = path.split(".")
+    node = c
+    try:
+        for p in parents:
+            node = node[p]
+        node[leaf] = value
+    except (KeyError, AttributeError, TypeError) as e:
+        raise ConfigError(
+            f"variant {where!r}: cannot set config.{path} = {value!r} ({e}); a study may only "
+            "set fields the config has (gjax/schema.py)"
+        ) from e

@@ -1,0 +1,162 @@
+"""experiments/: the study registry, the runner's resumability, the aggregation's statistics,
+table and figures (synthetic runs in the trainer's formats), and one real smoke study."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from experiments import aggregate, passk, run, studies, worker
+from gjax import schema
+from gjax import train as train_lib
+from gjax.config import validate
+from gjax.errors import ConfigError
+from gjax.metrics import MetricsWriter
+from gjax.objective.advantages import ADVANTAGES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_t_quantile_and_interval_by_hand():
+    # t_{0.975} from printed tables: df 1 -> 12.706, df 4 -> 2.776, df 29 -> 2.045.
+    assert aggregate.t_quantile(1) == pytest.approx(12.7062, abs=1e-4)
+    assert aggregate.t_quantile(4) == pytest.approx(2.7764, abs=1e-4)
+    assert aggregate.t_quantile(29) == pytest.approx(2.0452, abs=1e-4)
+    # 1..5: mean 3, sample sd sqrt(2.5), se sqrt(2.5 / 5) = 0.70711; 2.77645 * 0.70711 = 1.96324
+    mean, half, n = aggregate.mean_ci([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert (mean, n) == (3.0, 5)
+    assert half == pytest.approx(1.96324, abs=1e-4)
+    assert math.isnan(aggregate.mean_ci([0.5])[1])
+
+
+def test_every_variant_builds_a_valid_config():
+    for study in studies.STUDIES.values():
+        for v in study.variants:
+            c = studies.build_config(v, seed=3, steps=7)
+            assert (c.seed, c.data.shuffle_seed, c.train.steps) == (3, 3, 7)
+            validate(c, 1, checks=train_lib.CONFIG_CHECKS)
+            obj = schema.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
+            # the estimator accepts its hyperparameters (checked when it is traced)
+            f32, b = jax.ShapeDtypeStruct((2, 8), jnp.float32), jax.ShapeDtypeStruct((2, 8), bool)
+            jax.eval_shape(
+                lambda r, v, s, a, o=obj: ADVANTAGES.get(o.advantage)(
+                    r, v, scores_PxG=s, is_anchor_PxG=a, **dict(o.advantage_kwargs)
+                ),
+                f32, b, f32, b,
+            )  # fmt: skip
+    agrae = studies.get("a_grae_variants").variant("negative_dominant")
+    kw = studies.build_config(agrae, 0).objective.advantage_kwargs
+    assert (kw.sample_level, kw.group_level) == ("none", "negative_dominant")
+
+
+def test_an_override_of_a_missing_field_is_refused():
+    v = studies.Variant("x", "grpo", "doc", overrides={"objective.advantage_kwargs.nope": 1})
+    with pytest.raises(ConfigError, match="advantage_kwargs.nope"):
+        studies.build_config(v, 0)
+    with pytest.raises(ConfigError, match="no variant"):
+        studies.get("smoke").variant("gpg")
+
+
+def test_plan_skips_finished_runs_only(tmp_path):
+    study = studies.get("smoke")
+    out = str(tmp_path)
+    wd = worker.workdir_of(out, "smoke", "grpo", 1)
+    os.makedirs(wd)
+    worker.write_done(wd, steps=2, passk_samples=studies.passk_samples(True))
+    done = {(v, s): d for v, s, _, d in run.plan(study, 2, out=out, steps=2, smoke=True)}
+    assert done == {("grpo", 0): False, ("grpo", 1): True, ("dr_grpo", 0): False,
+                    ("dr_grpo", 1): False}  # fmt: skip
+    # more steps asked for: the finished run resumes from its checkpoint
+    assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
+
+
+def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4):
+    """A run's files as the trainer and the worker write them."""
+    wd = worker.workdir_of(out, "smoke", variant, seed)
+    w = MetricsWriter(wd, total_steps=len(grad_norms), tensorboard=False, progress=False)
+    for step, g in enumerate(grad_norms, 1):
+        row = {"optim/grad_norm": g, "policy/entropy": 0.2, "response/length_mean": 10.0,
+               "sampling/rollouts": 1.0}  # fmt: skip
+        if step % 2 == 0:
+            row["eval/heldout_pass@1"] = 0.4 + 0.01 * step
+        w.write(step, row)
+    w.close()
+    summary = {"steps": len(grad_norms), "heldout_accuracy_before": 0.3,
+               "heldout_accuracy_after": 0.5, "heldout_pass@1_before": 0.3,
+               "heldout_pass@1_after": 0.5}  # fmt: skip
+    with open(os.path.join(wd, "summary.json"), "w") as f:
+        json.dump(summary, f)
+    with open(os.path.join(wd, "config.json"), "w") as f:
+        json.dump({"rollout": {"prompts_per_step": 2, "num_samples": 4}}, f)
+    base = [1, 1, 2, 2, 0]
+    res = passk.result(base, final_counts, n=n, step=len(grad_norms), seed=seed)
+    with open(os.path.join(wd, passk.PASSK_FILE), "w") as f:
+        json.dump(res, f)
+
+
+def test_aggregate_table_and_figures(tmp_path):
+    runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
+    # grpo's final pass@1 over 5 problems x 4 samples: 10/20, 12/20, 14/20 -> 0.5, 0.6, 0.7
+    for seed, counts in enumerate(([2, 2, 2, 2, 2], [4, 2, 2, 2, 2], [4, 4, 2, 2, 2])):
+        _fake_run(runs, "grpo", seed, final_counts=counts, grad_norms=[1, 1, 10, 1, 1, 1])
+    for seed in range(2):
+        _fake_run(runs, "dr_grpo", seed, final_counts=[4, 4, 4, 4, 4], grad_norms=[1.0] * 6)
+    out = aggregate.aggregate("smoke", runs, results)
+    md = pathlib.Path(out, "results.md").read_text()
+    head = next(line for line in md.splitlines() if line.startswith("| variant"))
+    cols = [c.strip() for c in head.strip("|").split("|")]
+    rows = {
+        cells[0]: dict(zip(cols, cells))
+        for line in md.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    # mean 0.6, sd 0.1, se 0.057735, t(2) = 4.302653 -> half-width 0.248414
+    assert rows["grpo"]["pass@1"] == "0.600 ± 0.248"
+    assert rows["grpo"]["seeds"] == "3"
+    assert rows["grpo"]["gnorm spikes"] == "1.0 ± 0.0"  # 10 > 3 x median 1, once per run
+    assert rows["dr_grpo"]["pass@1"] == "1.000 ± 0.000"
+    assert rows["dr_grpo"]["pass@4"] == "1.000 ± 0.000"
+    # base: counts 1,1,2,2,0 of 4 -> pass@1 0.3 for every seed
+    assert rows["base policy"]["pass@1"] == "0.300 ± 0.000"
+    assert rows["grpo"]["sampled tokens"].startswith("480")  # 6 steps x 2 x 4 x 10 tokens
+    for name in ("curves.png", "passk.png", "pass1_vs_tokens.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 10_000
+    per_run = json.loads(pathlib.Path(out, "runs.json").read_text())
+    assert [r["pass@1"] for r in per_run["grpo"]] == pytest.approx([0.5, 0.6, 0.7])
+    # c = 2 of n = 4 on every problem: pass@2 = 1 - C(2, 2) / C(4, 2) = 5/6
+    assert per_run["grpo"][0]["pass@2"] == pytest.approx(5 / 6)
+
+
+@pytest.mark.slow
+def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
+    """The real thing: 2 variants x 1 seed x 1 step, 2 workers; a second invocation skips
+    both; aggregation reads what the trainer and the worker wrote."""
+    out = str(tmp_path / "runs")
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "experiments.run", "smoke", "--seeds", "1", "--steps", "1",
+           "--smoke", "--workers", "2", "--out", out]  # fmt: skip
+    first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr
+    logs = {}
+    for v in ("grpo", "dr_grpo"):
+        wd = worker.workdir_of(out, "smoke", v, 0)
+        assert worker.read_done(wd)["steps"] == 1
+        pk = json.loads(pathlib.Path(wd, passk.PASSK_FILE).read_text())
+        assert pk["n"] == studies.SMOKE_PASSK_SAMPLES and pk["problems"] == 16
+        logs[wd] = os.path.getsize(os.path.join(wd, "worker.log"))
+    second = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    assert "2 runs, 2 done, 0 to run" in second.stdout
+    assert {wd: os.path.getsize(os.path.join(wd, "worker.log")) for wd in logs} == logs
+    res = aggregate.aggregate("smoke", out, str(tmp_path / "results"))
+    md = pathlib.Path(res, "results.md").read_text()
+    assert "| grpo | 1 | 1 |" in md and "| dr_grpo | 1 | 1 |" in md
