@@ -73,6 +73,8 @@ _STUDIES = (
             Variant("a_grae", "a_grae", "A-GRAE: DDAS eq. (12) + ASS eq. (13)"),
             Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance token weights"),
             Variant("dagrpo", "dagrpo", "DaGRPO: delta 3, one anchor per group, rule judge"),
+            Variant("cispo", "cispo", "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)"),
+            Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
         ),
     ),
     Study(
