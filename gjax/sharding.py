@@ -218,6 +218,15 @@ def make_meshes(
     return train, make_mesh(rollout_shape, devices[split:])
 
 
+def process_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of `mesh` as a mesh of their own, in `mesh`'s order: `tensor`
+    as in `mesh`, the process's block of batch rows (`data x fsdp`, `multihost.RowLayout`) on
+    `data` (a process-local rollout wants whole replicas, as `make_meshes`' rollout mesh)."""
+    rows = mesh.devices.reshape(-1, mesh.devices.shape[-1])
+    mine = rows[[all(d.process_index == jax.process_index() for d in row) for row in rows]]
+    return Mesh(mine[:, None, :], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
 def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
     """Product of the sizes of `axes` in `mesh` (1 for None)."""
     return math.prod(mesh.shape[a] for a in _as_tuple(axes))

@@ -9,7 +9,8 @@ saves. `make_producer` picks the implementation once, at set-up:
   the batch on the learner's thread from the params pushed last, the learner's own. The
   degenerate case of the schedule below (k = 0: v(j) = j).
 * `AsyncProducer` (k > 0, or rollouts on devices of their own): a thread collects batches
-  while the learner updates, at most k policy versions behind.
+  while the learner updates, at most k policy versions behind (with several processes too,
+  below).
 
 The staleness rule (deterministic on purpose): the batch of step j is sampled with policy
 version
@@ -38,6 +39,20 @@ its own weights (JetStream's versioned holder) receives them through `backend.pu
 samples with them, so every completion of the step comes from that version; the producer
 records its own version number on them. (`SyncProducer` hands the learner's params to
 `generate`, which pushes new ones to such a backend itself.)
+
+Several processes (`jax.distributed`, collocated only): every process must issue the
+programs that span other processes' devices (collectives, jits over global arrays) in the
+same order, and two threads that both issued them would interleave differently on each
+process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
+point of the loop) makes a copy of the params on this process's own devices
+(`sharding.process_mesh`; an all-gather first where they are sharded over processes), and the
+thread samples, decodes and scores this process's block of rows there
+(`Rollout.process_local`: each row's random draws are its row's of the whole batch, so the
+batch equals one process's). Its host exchanges (metrics, `select_groups` counts, the
+give-up of a failed rollout) go through jax's coordination key-value store under names
+numbered per call (`multihost.KeyValueGather`), which the learner's collectives cannot pair
+with. Every process makes the same exchanges in the same order, so the schedule, data order
+and resume rule are the one-process ones.
 
 Teacher-forced passes (old log-probs of anchors or with `recompute_old_logps`, reference
 log-probs) are the learner's (`gjax.learner.Learner.batch`), with its params at the start of
@@ -207,6 +222,11 @@ class AsyncProducer:
         """The data position after the last batch the learner took (what a checkpoint saves)."""
         return self._consumed_data_state
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (the producer thread then stops at its next wait)."""
+        return self._closed
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -266,11 +286,21 @@ def make_producer(
     backend: RolloutBackend,
 ) -> Producer:
     """The run's producer, started: synchronous for k = 0 on the train mesh, else an
-    `AsyncProducer` on the rollout mesh. Step j's batch is `collect_step` with key
-    `fold_in(base_key, j)` on this process's share of the prompts in either case."""
+    `AsyncProducer` on the rollout mesh (several processes: on each process's own devices of
+    the train mesh). Step j's batch is `collect_step` with key `fold_in(base_key, j)` on this
+    process's share of the prompts in every case."""
     k = config.rollout.max_staleness
+    gather = None  # several processes, asynchronous: the producer thread's host exchanges
     if k == 0 and rollout_mesh is train_mesh:
         to_rollout = None
+    elif jax.process_count() > 1:  # collocated (gjax.config refuses rollout devices here)
+        rollout_mesh = sharding.process_mesh(train_mesh)
+        to_rollout = _process_local_copy(params, train_mesh, rollout_mesh)
+        gather = multihost.KeyValueGather()
+        rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
+        # The key, made replicated over the train mesh, copied from this process's shard.
+        local_key = base_key.addressable_data(0)
+        base_key = jax.device_put(local_key, jax.sharding.NamedSharding(rollout_mesh, PS()))
     elif rollout_mesh is train_mesh:
 
         def to_rollout(p):
@@ -293,7 +323,7 @@ def make_producer(
             jax.random.fold_in(base_key, step),
             P=data_iter.local_batch_size,  # this process's slots of the P
             sampling=config.sampling,
-            allgather=multihost.allgather,
+            allgather=rollout.transfer.allgather,
         )
 
     if to_rollout is None:
@@ -307,4 +337,25 @@ def make_producer(
         context=lambda: _on_mesh(rollout_mesh),
         backend=backend,
     )
+    if gather is not None:  # a closed producer stops waiting for peers that will not come
+        gather.stopped = lambda: producer.closed
     return producer.begin(params, dict(data_iter.state()))
+
+
+def _process_local_copy(params, train_mesh, local_mesh) -> Callable[[Any], Any]:
+    """`to_rollout` of a multi-process run: the pushed params as arrays on this process's own
+    devices (`local_mesh`), so that the producer thread runs no program over other processes'
+    devices (see the module docstring). Called on the learner's thread, where the all-gather
+    of params sharded over processes is a collective in the loop's order like every other."""
+    local = sharding.param_shardings(params, local_mesh)
+    replicate = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(train_mesh, PS()))
+
+    def to_rollout(p):
+        if not all(x.is_fully_replicated for x in jax.tree.leaves(p)):  # alike everywhere
+            p = replicate(p)
+        # A copy, never an alias: the next update donates the learner's buffers.
+        return jax.tree.map(
+            lambda x, s: jax.device_put(x.addressable_data(0), s, may_alias=False), p, local
+        )
+
+    return to_rollout
