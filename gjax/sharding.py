@@ -219,12 +219,18 @@ def make_meshes(
 
 
 def process_mesh(mesh: Mesh) -> Mesh:
-    """This process's devices of `mesh` as a mesh of their own, in `mesh`'s order: `tensor`
-    as in `mesh`, the process's block of batch rows (`data x fsdp`, `multihost.RowLayout`) on
-    `data` (a process-local rollout wants whole replicas, as `make_meshes`' rollout mesh)."""
-    rows = mesh.devices.reshape(-1, mesh.devices.shape[-1])
-    mine = rows[[all(d.process_index == jax.process_index() for d in row) for row in rows]]
-    return Mesh(mine[:, None, :], MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    """This process's devices of `mesh` as a mesh of their own: the sub-grid they form (a
+    process holds a contiguous block of batch rows, `multihost.RowLayout`, so a block of
+    `data` x `fsdp` positions), same axes, same order. An axis the processes do not split
+    keeps its size, so a param sharded over it has the same shard on each device as in
+    `mesh`."""
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+    index = [np.flatnonzero(mine.any(axis=tuple(a for a in range(3) if a != i))) for i in range(3)]
+    block = np.ix_(*index)
+    if not mine[block].all():
+        raise ValueError(f"this process's devices of the mesh {dict(mesh.shape)} are no block")
+    grid = mesh.devices[block]
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from gjax import multihost
+from gjax import multihost, sharding
 from gjax.experience import Groups, select_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +102,8 @@ def test_one_process_helpers_are_identities():
     assert multihost.put_rows(x[:1], layout).sharding.is_fully_replicated  # too few rows
     assert multihost.combine_metrics({"a_s": 1.0}) == {"a_s": 1.0}
     assert not multihost.any_process(False)
+    grid = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert sharding.process_mesh(grid) == grid  # every device is this process's
     layout.check_rows(3, "config.rollout.prompts_per_step")  # one process: any row count
     layout.count = 2  # as if half the devices were another process's
     with pytest.raises(multihost.DistributedError, match="prompts_per_step=3 must be a multiple"):

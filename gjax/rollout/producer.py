@@ -44,11 +44,13 @@ Several processes (`jax.distributed`, collocated only): every process must issue
 programs that span other processes' devices (collectives, jits over global arrays) in the
 same order, and two threads that both issued them would interleave differently on each
 process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
-point of the loop) makes a copy of the params on this process's own devices
-(`sharding.process_mesh`; an all-gather first where they are sharded over processes), and the
-thread samples, decodes and scores this process's block of rows there
-(`Rollout.process_local`: each row's random draws are its row's of the whole batch, so the
-batch equals one process's). Its host exchanges (metrics, `select_groups` counts, the
+point of the loop) copies the params onto this process's own devices (`sharding.process_mesh`:
+sharded as on the train mesh, replicated over an axis the processes split, which takes an
+all-gather there), and the thread samples, decodes and scores this process's block of rows
+there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
+Where the processes split only `data` (the usual layout) every device runs the program it
+runs in one process, so the run equals one process's with the same devices; where they
+split `fsdp`, log-probs agree to float rounding. Its host exchanges (metrics, `select_groups` counts, the
 give-up of a failed rollout) go through jax's coordination key-value store under names
 numbered per call (`multihost.KeyValueGather`), which the learner's collectives cannot pair
 with. Every process makes the same exchanges in the same order, so the schedule, data order
@@ -71,6 +73,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
@@ -295,7 +298,7 @@ def make_producer(
         to_rollout = None
     elif jax.process_count() > 1:  # collocated (gjax.config refuses rollout devices here)
         rollout_mesh = sharding.process_mesh(train_mesh)
-        to_rollout = _process_local_copy(params, train_mesh, rollout_mesh)
+        to_rollout = _process_local_copy(train_mesh, rollout_mesh)
         gather = multihost.KeyValueGather()
         rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
         # The key, made replicated over the train mesh, copied from this process's shard.
@@ -342,20 +345,28 @@ def make_producer(
     return producer.begin(params, dict(data_iter.state()))
 
 
-def _process_local_copy(params, train_mesh, local_mesh) -> Callable[[Any], Any]:
-    """`to_rollout` of a multi-process run: the pushed params as arrays on this process's own
-    devices (`local_mesh`), so that the producer thread runs no program over other processes'
-    devices (see the module docstring). Called on the learner's thread, where the all-gather
-    of params sharded over processes is a collective in the loop's order like every other."""
-    local = sharding.param_shardings(params, local_mesh)
-    replicate = jax.jit(lambda p: p, out_shardings=jax.sharding.NamedSharding(train_mesh, PS()))
+def _process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
+    """`to_rollout` of a multi-process run: the pushed params as arrays of `local_mesh` (this
+    process's devices of the train mesh), sharded as on the train mesh over the axes the
+    processes do not split and replicated over those they do, so that the producer thread
+    runs no program over other processes' devices and samples with the train layout. Called
+    on the learner's thread, where the copy (with an all-gather over processes for params
+    sharded across them) is a program in the loop's order like every other."""
+    split = {a for a in sharding.MESH_AXES if local_mesh.shape[a] != train_mesh.shape[a]}
 
-    def to_rollout(p):
-        if not all(x.is_fully_replicated for x in jax.tree.leaves(p)):  # alike everywhere
-            p = replicate(p)
-        # A copy, never an alias: the next update donates the learner's buffers.
-        return jax.tree.map(
-            lambda x, s: jax.device_put(x.addressable_data(0), s, may_alias=False), p, local
+    def kept(entry):  # one PartitionSpec entry without the axes split over processes
+        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in split]
+        return None if not axes or axes == [None] else axes[0] if len(axes) == 1 else tuple(axes)
+
+    def copy(x):
+        spec = PS(*(kept(e) for e in x.sharding.spec))
+        if spec == x.sharding.spec:  # a copy: the next update donates the learner's buffers
+            y = jnp.copy(x)
+        else:  # gathered over the processes: a new array
+            y = jax.jit(lambda a: a, out_shardings=NamedSharding(train_mesh, spec))(x)
+        shards = [s.data for s in y.addressable_shards]  # the same blocks on the same devices
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local_mesh, spec), shards
         )
 
-    return to_rollout
+    return lambda params: jax.tree.map(copy, params)
