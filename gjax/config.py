@@ -173,11 +173,22 @@ def validate(
         f"must be in [0, {num_devices}) (0: rollouts share the train mesh), got {n_roll}",
     )
     mesh = resolve_mesh_shape(config.mesh, num_devices - n_roll)
+    processes = jax.process_count()
     _require(
-        jax.process_count() == 1 or (n_roll == 0 and config.rollout.max_staleness == 0),
+        processes == 1 or n_roll == 0,
+        "mesh.rollout_devices",
+        f"rollouts on devices of their own run in one process; a run of {processes} processes "
+        "samples on the train mesh (each process on its own devices): set "
+        "mesh.rollout_devices=0, with rollout.max_staleness > 0 to overlap rollouts with "
+        "training",
+    )
+    _require(
+        processes == 1 or config.rollout.max_staleness == 0 or config.rollout.backend == "local",
         "rollout.max_staleness",
-        "the asynchronous rollout pipeline (max_staleness > 0 or mesh.rollout_devices > 0) "
-        "runs in one process; a multi-process run trains synchronously",
+        f"a run of {processes} processes overlaps rollouts with training on the local sampler "
+        f"only (each process samples its own rows on its own devices), not with "
+        f"rollout.backend={config.rollout.backend!r}: set rollout.max_staleness=0 or "
+        "rollout.backend='local'",
     )
     r, t, s = config.rollout, config.train, config.sampling
     _require(

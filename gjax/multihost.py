@@ -8,10 +8,18 @@ scores only its block, and the global arrays are assembled from the blocks with
 group-level arrays (`*_PxG`: rewards, scores, flags) and per-step host metrics are
 all-gathered (`gather_rows`, `combine_metrics`), selection counts and the stop flag agree
 through `allgather`. With one process every function here is the identity.
+
+Collectives (and so `allgather`, a jitted program over every process's devices) must be
+issued in the same order on every process. A second thread that exchanges (the rollout
+producer, `gjax.rollout.producer`) uses `KeyValueGather` instead: named keys in jax's
+coordination store, which no other thread's calls can pair with, and `LocalRows` for its
+rows, which never leave the process.
 """
 
 from __future__ import annotations
 
+import io
+import itertools
 import logging
 import os
 import sys
@@ -317,20 +325,74 @@ def split_work(n: int, work, *, index=None, count=None, gather=allgather) -> np.
     return np.asarray(gather(local)).reshape(-1)[:n]
 
 
-def gather_rows(x: np.ndarray, layout: RowLayout) -> np.ndarray:
+class KeyValueGather:
+    """`allgather` through jax's coordination key-value store: for a thread other than the one
+    that issues the collectives (see the module docstring).
+
+    Call n writes this process's array under `<prefix>/<n>/<process>` and reads every
+    process's. Every process makes the same calls on its own such thread, so the names agree
+    whatever the other threads do. For small host arrays (counts, metrics, per-group figures).
+    While it waits for a peer it asks `stopped()` every `POLL_MS` and raises `Stopped` once it
+    says so (a producer closed before its peers reached the same call); a dead peer ends the
+    process through `PeerWatch`.
+    """
+
+    POLL_MS = 1000
+    _serial = itertools.count()  # every process creates its gathers in the same order
+
+    class Stopped(Exception):
+        """Waiting for peers was given up because `stopped()` said so."""
+
+    def __init__(self, stopped: Callable[[], bool] = lambda: False):
+        self.index, self.count = jax.process_index(), jax.process_count()
+        self.client = jax_distributed.global_state.client if self.count > 1 else None
+        self.prefix = f"gjax/gather/{next(self._serial)}"
+        self.stopped = stopped
+        self.calls = 0
+
+    def __call__(self, x) -> np.ndarray:
+        x = np.asarray(x)
+        if self.count == 1:
+            return x[None]
+        n, self.calls = self.calls, self.calls + 1
+        buf = io.BytesIO()
+        np.save(buf, x, allow_pickle=False)
+        self.client.key_value_set_bytes(self._key(n, self.index), buf.getvalue())
+        parts = [x if p == self.index else self._get(self._key(n, p)) for p in range(self.count)]
+        if n:  # each peer wrote call n after reading all of call n - 1: ours can go
+            self.client.key_value_delete(self._key(n - 1, self.index))
+        return np.stack(parts)
+
+    def _key(self, n: int, process: int) -> str:
+        return f"{self.prefix}/{n}/{process}"
+
+    def _get(self, key: str) -> np.ndarray:
+        while True:
+            try:
+                data = self.client.blocking_key_value_get_bytes(key, self.POLL_MS)
+            except jax.errors.JaxRuntimeError as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+                if self.stopped():
+                    raise self.Stopped(key) from None
+                continue
+            return np.load(io.BytesIO(data), allow_pickle=False)
+
+
+def gather_rows(x: np.ndarray, layout: RowLayout, *, gather=allgather) -> np.ndarray:
     """This process's rows -> all rows of the batch, blocks in mesh order (host arrays)."""
     if layout.count == 1:
         return np.asarray(x)
-    parts = allgather(x)
+    parts = gather(x)
     return np.concatenate([parts[p] for p in layout.process_at])
 
 
-def any_process(flag: bool) -> bool:
+def any_process(flag: bool, *, gather=allgather) -> bool:
     """True on every process when `flag` is set on any (e.g. a SIGTERM seen by one host)."""
-    return bool(allgather(np.asarray(bool(flag))).any())
+    return bool(gather(np.asarray(bool(flag))).any())
 
 
-def combine_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+def combine_metrics(metrics: Mapping[str, float], *, gather=allgather) -> dict[str, float]:
     """Per-process host metrics -> one global figure each, the same on every process.
 
     Times (`*_s`, `*latency*`) take the slowest process (it gates the step); means and
@@ -341,12 +403,12 @@ def combine_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     if jax.process_count() == 1:
         return dict(metrics)
     keys = sorted(metrics)
-    sig = allgather(np.asarray([len(keys), zlib.crc32("\n".join(keys).encode())], np.int64))
+    sig = gather(np.asarray([len(keys), zlib.crc32("\n".join(keys).encode())], np.int64))
     if not (sig == sig[0]).all():
         raise DistributedError(
             "processes report different host metric keys; they must run the same config"
         )
-    values = allgather(np.asarray([float(metrics[k]) for k in keys], np.float64))
+    values = gather(np.asarray([float(metrics[k]) for k in keys], np.float64))
     out = {}
     for i, k in enumerate(keys):
         col = values[:, i]
@@ -398,6 +460,7 @@ class RowTransfer:
     """
 
     def __init__(self, batch_sharding: NamedSharding):
+        self.allgather = allgather  # host exchanges: collectives, on the loop's thread
         self.layout = RowLayout(batch_sharding)
         self.batch_sharding = batch_sharding
         self.replicated = NamedSharding(batch_sharding.mesh, jax.sharding.PartitionSpec())
@@ -418,6 +481,11 @@ class RowTransfer:
         """This process's rows -> the global array sharded over the batch axes."""
         return put_rows(x, self.layout)
 
+    def sampler_rows(self, x: np.ndarray):
+        """This process's rows as the sampler's input: the global array (several processes),
+        or the host array (one process: the sampler's jit places it on the params' mesh)."""
+        return self.put_rows(x) if self.layout.count > 1 else np.asarray(x)
+
     def local_rows(self, x: jax.Array) -> np.ndarray:
         """A global row-sharded array -> this process's rows on the host."""
         return local_rows(x, self.layout)
@@ -436,3 +504,24 @@ class RowTransfer:
     def pull_full(self, x: jax.Array) -> np.ndarray:
         """A global row-sharded array -> all of its rows on every process's host."""
         return self.gather_rows(self.local_rows(x))
+
+
+class LocalRows:
+    """`RowTransfer`'s rollout half for a thread that issues no collectives (the rollout
+    producer of a multi-process run): each process samples its own block of rows on its own
+    devices (`row_block` for the sampler's random draws), rows never leave the process, and
+    host exchanges go through `allgather` (a `KeyValueGather`). `layout` is the batch's
+    `RowLayout` (the order of the blocks)."""
+
+    def __init__(self, layout: RowLayout, gather: KeyValueGather):
+        self.layout, self.allgather = layout, gather
+        self.row_block = (layout.block, layout.count)
+
+    def sampler_rows(self, x: np.ndarray) -> np.ndarray:
+        return np.asarray(x)
+
+    def local_rows(self, x) -> np.ndarray:
+        return np.asarray(x)
+
+    def gather_rows(self, x: np.ndarray) -> np.ndarray:
+        return gather_rows(x, self.layout, gather=self.allgather)

@@ -218,6 +218,21 @@ def make_meshes(
     return train, make_mesh(rollout_shape, devices[split:])
 
 
+def process_mesh(mesh: Mesh) -> Mesh:
+    """This process's devices of `mesh` as a mesh of their own: the sub-grid they form (a
+    process holds a contiguous block of batch rows, `multihost.RowLayout`, so a block of
+    `data` x `fsdp` positions), same axes, same order. An axis the processes do not split
+    keeps its size, so a param sharded over it has the same shard on each device as in
+    `mesh`."""
+    mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
+    index = [np.flatnonzero(mine.any(axis=tuple(a for a in range(3) if a != i))) for i in range(3)]
+    block = np.ix_(*index)
+    if not mine[block].all():
+        raise ValueError(f"this process's devices of the mesh {dict(mesh.shape)} are no block")
+    grid = mesh.devices[block]
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
 def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
     """Product of the sizes of `axes` in `mesh` (1 for None)."""
     return math.prod(mesh.shape[a] for a in _as_tuple(axes))

@@ -281,6 +281,25 @@ def test_config_errors_name_the_field(field, value, match):
         validate(c, 8)
 
 
+def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sampler(
+    monkeypatch,
+):
+    """Two processes (the count faked: jax's runtime is the edge): k = 1 on the train mesh is
+    valid; rollout devices of their own, or k > 0 with a serving backend, are refused."""
+    from gjax import config as config_lib
+    from gjax.errors import ConfigError
+
+    monkeypatch.setattr(config_lib.jax, "process_count", lambda: 2)
+    c = tiny_config(max_staleness=1)
+    config_lib.validate(c, 8)
+    c.mesh.rollout_devices = 4
+    with pytest.raises(ConfigError, match="mesh.rollout_devices.*run of 2 processes"):
+        config_lib.validate(c, 8)
+    c.mesh.rollout_devices, c.rollout.backend = 0, "jetstream_grpc"
+    with pytest.raises(ConfigError, match="rollout.max_staleness.*'jetstream_grpc'"):
+        config_lib.validate(c, 8)
+
+
 def test_split_mesh_shapes():
     train_mesh, roll = sharding.make_meshes({"data": -1, "tensor": 2}, 4, jax.devices())
     assert dict(train_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}

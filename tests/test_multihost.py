@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import pytest
 
-from gjax import multihost
+from gjax import multihost, sharding
 from gjax.experience import Groups, select_groups
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +102,8 @@ def test_one_process_helpers_are_identities():
     assert multihost.put_rows(x[:1], layout).sharding.is_fully_replicated  # too few rows
     assert multihost.combine_metrics({"a_s": 1.0}) == {"a_s": 1.0}
     assert not multihost.any_process(False)
+    grid = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    assert sharding.process_mesh(grid) == grid  # every device is this process's
     layout.check_rows(3, "config.rollout.prompts_per_step")  # one process: any row count
     layout.count = 2  # as if half the devices were another process's
     with pytest.raises(multihost.DistributedError, match="prompts_per_step=3 must be a multiple"):
@@ -169,8 +171,8 @@ def _env(devices):
     return e
 
 
-def _train(workdir, steps, *, processes):
-    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS]
+def _train(workdir, steps, *, processes, extra=()):
+    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.train.steps={steps}")
     if processes == 1:
         procs = [
@@ -296,6 +298,88 @@ def test_two_processes_train_as_one_and_resume(tmp_path):
     assert json.loads((two / "summary.json").read_text()) == json.loads(
         (ref / "summary.json").read_text()
     )
+
+
+_GATHER = """
+import sys, threading, time
+import numpy as np
+from gjax import multihost
+pid, port = int(sys.argv[1]), sys.argv[2]
+multihost.initialize(f"127.0.0.1:{port}", 2, pid)
+gather = multihost.KeyValueGather()
+for n in range(3):
+    if pid == 1 and n == 1:
+        time.sleep(1.5)  # a late peer: the other waits past a poll
+    print(n, gather(np.full(2, 10 * pid + n)).tolist(), flush=True)
+keys = [k for k, _ in gather.client.key_value_dir_get_bytes(gather.prefix + "/")]
+print("own keys", [k for k in keys if k.endswith(f"/{pid}")], flush=True)
+closed = threading.Event()
+gather.stopped = closed.is_set
+if pid == 0:  # the peer never makes this call: waiting ends once closed
+    threading.Timer(1.0, closed.set).start()
+    try:
+        gather(np.zeros(1))
+    except multihost.KeyValueGather.Stopped:
+        print("stopped", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
+    """Two processes: the n-th calls meet however late one of them is; each call leaves only
+    its own key (the previous one is deleted); a wait for a peer that never calls ends once
+    `stopped()` says so."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GATHER, str(i), str(port)],
+            env=_env(1),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    for pid, out in enumerate(outs):
+        for n in range(3):
+            assert f"{n} [[{n}, {n}], [{10 + n}, {10 + n}]]" in out, out[-3000:]
+        assert f"own keys ['gjax/gather/0/2/{pid}']" in out, out[-3000:]  # the last call's
+        assert ("stopped" in out) == (pid == 0), out[-3000:]
+
+
+def _data_state(workdir, step):
+    """The data position a checkpoint saved (gjax.rollout.producer's resume rule)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(workdir / "checkpoints", item_names=("state", "meta")) as m:
+        return m.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta["data"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
+def test_two_processes_at_k1_train_as_one_and_resume(tmp_path):
+    """rollout.max_staleness=1: each process's producer thread samples its own rows on its own
+    devices (no collective off the loop's thread), from version max(j - 1, start). Two
+    processes x 4 devices equal one process with 8 at k = 1 (rows, version lags, params to
+    the reordering tolerance); a resume follows the one-process rule (the first resumed batch
+    is drawn from the restored params, from the same prompts and keys)."""
+    k1 = ["--config.rollout.max_staleness=1"]
+    ref, two = tmp_path / "one_process", tmp_path / "two_processes"
+    _train(ref, 3, processes=1, extra=k1)
+    _train(two, 2, processes=2, extra=k1)
+    ref_rows = _rows(ref)
+    assert [r["async/version_lag_max"] for r in ref_rows] == [0, 1, 1]
+    _assert_same_run(ref_rows[:2], _rows(two), _state(ref, 2), _state(two, 2), updates=2)
+    outs = _train(two, 3, processes=2, extra=k1)
+    assert "resumed from step 2" in outs[0]
+    rows = _rows(two)
+    assert [r["async/version_lag_max"] for r in rows] == [0, 1, 0]
+    _assert_same_run(ref_rows[:2], rows[:2], _state(ref, 2), _state(two, 2), updates=2)
+    assert _data_state(two, 3) == _data_state(ref, 3)
 
 
 # ------------------------------------------------------------------------------- faults

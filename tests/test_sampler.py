@@ -213,6 +213,26 @@ def test_same_key_same_output_and_backend_protocol():
     assert len({tuple(r) for r in np.asarray(a.tokens_BxN[:3])}) > 1
 
 
+def test_a_block_of_rows_samples_as_in_the_whole_batch():
+    """row_block = (1, 2): the second half of the prompts, sampled alone, gets the rows the
+    whole batch gets (a multi-process run's process-local rollout), not the first half's
+    random draws."""
+    import dataclasses
+
+    tokens, mask = left_pad(PROMPTS + [[17, 2, 2, 9]], S)
+    sp = SamplingParams(max_new_tokens=5, temperature=0.9, stop_token_ids=(3,))
+    key = jax.random.key(3)
+    whole = generate(PARAMS, CFG, tokens, mask, key, num_samples=2, sampling=sp)
+    block = dataclasses.replace(sp, row_block=(1, 2))
+    part = generate(PARAMS, CFG, tokens[2:], mask[2:], key, num_samples=2, sampling=block)
+    np.testing.assert_array_equal(part.tokens_BxN, whole.tokens_BxN[4:])
+    np.testing.assert_array_equal(part.mask_BxN, whole.mask_BxN[4:])
+    np.testing.assert_allclose(part.logps_BxN, whole.logps_BxN[4:], atol=1e-5)
+    assert not np.array_equal(part.tokens_BxN, whole.tokens_BxN[:4])  # other draws
+    with pytest.raises(ValueError, match="row_block"):
+        SamplingParams(4, row_block=(2, 2))
+
+
 @pytest.mark.slow
 def test_sharded_generation_matches_single_device():
     if jax.device_count() < 8:

@@ -14,11 +14,14 @@ sampling, GPG's beta_th carry-over), all with one set of params.
 
 With several processes each process runs all of this on its own block of prompts (the
 sampler is one global program over everyone's rows; decoding and rewards stay on the host
-that owns the rows); only metrics and selection counts are exchanged.
+that owns the rows); only metrics and selection counts are exchanged, through the transfer's
+`allgather`. `Rollout.process_local` is the same rollout for a thread that issues no
+collectives (the asynchronous producer's): each process samples its block on its own devices.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from collections.abc import Callable
@@ -109,11 +112,21 @@ class Rollout:
             **self.backend.metrics(),
             # Per-batch figures only: process-lifetime counters would restart on a resume.
             **multihost.combine_metrics(
-                {k: float(v) for k, v in scored.metrics.items() if k != "rewards/batches"}
+                {k: float(v) for k, v in scored.metrics.items() if k != "rewards/batches"},
+                gather=self.transfer.allgather,
             ),
         }
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)
+
+    def process_local(self, transfer: multihost.LocalRows) -> Rollout:
+        """This rollout on `transfer`: each process samples its own block of rows on the
+        devices of the params it is given, with those rows' random draws of the whole batch
+        (so the rows equal the global sampler's), and exchanges only through `transfer`."""
+        local = copy.copy(self)
+        local.transfer = transfer
+        local.sampling = dataclasses.replace(self.sampling, row_block=transfer.row_block)
+        return local
 
     def anchors(self, demonstrations: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """DaGRPO anchors: each prompt's demonstration (+ EOS) as A completions [P, A, T]."""
@@ -128,10 +141,11 @@ class Rollout:
     def _sample(self, params, prompts, rng) -> Groups:
         """G - A completions per prompt from the backend, then the A anchors."""
         P, g_on = len(prompts), self.G - self.A
-        # Several processes: each puts its block of the prompts into the global batch. One
-        # process: host arrays, placed by the sampler's jit on the params' mesh (the rollout
-        # mesh when rollouts have devices of their own).
-        put = self.transfer.put_rows if self.transfer.layout.count > 1 else np.asarray
+        # Several processes: each puts its block of the prompts into the global batch (or,
+        # process-local, keeps it). One process: host arrays, placed by the sampler's jit on
+        # the params' mesh (the rollout mesh when rollouts have devices of their own).
+        put = self.transfer.sampler_rows
+        agree = lambda flag: multihost.any_process(flag, gather=self.transfer.allgather)
         start, tries = time.monotonic(), 0
         while True:
             tries += 1
@@ -144,13 +158,13 @@ class Rollout:
                 sampling=self.sampling,
             )
             # Every process's rows dropped: nothing to learn from (all processes agree).
-            if out.valid_B is None or multihost.any_process(np.asarray(out.valid_B).any()):
+            if out.valid_B is None or agree(np.asarray(out.valid_B).any()):
                 break
             # Tried again only while the first try's request deadline lasts: a try that waited
             # it out (a server that is down) is not repeated. Every process decides alike.
             spent = time.monotonic() - start
             late = tries > ALL_DROPPED_RETRIES or spent >= self.request_timeout_s
-            if multihost.any_process(late):
+            if agree(late):
                 raise ServingFailed(
                     f"every rollout request failed on {tries} tr{'y' if tries == 1 else 'ies'} "
                     f"of the same rollout in {spent:.0f} s ({len(out.valid_B)} requests each; "

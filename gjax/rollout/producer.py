@@ -9,7 +9,8 @@ saves. `make_producer` picks the implementation once, at set-up:
   the batch on the learner's thread from the params pushed last, the learner's own. The
   degenerate case of the schedule below (k = 0: v(j) = j).
 * `AsyncProducer` (k > 0, or rollouts on devices of their own): a thread collects batches
-  while the learner updates, at most k policy versions behind.
+  while the learner updates, at most k policy versions behind (with several processes too,
+  below).
 
 The staleness rule (deterministic on purpose): the batch of step j is sampled with policy
 version
@@ -39,6 +40,22 @@ samples with them, so every completion of the step comes from that version; the 
 records its own version number on them. (`SyncProducer` hands the learner's params to
 `generate`, which pushes new ones to such a backend itself.)
 
+Several processes (`jax.distributed`, collocated only): every process must issue the
+programs that span other processes' devices (collectives, jits over global arrays) in the
+same order, and two threads that both issued them would interleave differently on each
+process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
+point of the loop) copies the params onto this process's own devices (`sharding.process_mesh`:
+sharded as on the train mesh, replicated over an axis the processes split, which takes an
+all-gather there), and the thread samples, decodes and scores this process's block of rows
+there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
+Where the processes split only `data` (the usual layout) every device runs the program it
+runs in one process, so the run equals one process's with the same devices; where they
+split `fsdp`, log-probs agree to float rounding. Its host exchanges (metrics, `select_groups` counts, the
+give-up of a failed rollout) go through jax's coordination key-value store under names
+numbered per call (`multihost.KeyValueGather`), which the learner's collectives cannot pair
+with. Every process makes the same exchanges in the same order, so the schedule, data order
+and resume rule are the one-process ones.
+
 Teacher-forced passes (old log-probs of anchors or with `recompute_old_logps`, reference
 log-probs) are the learner's (`gjax.learner.Learner.batch`), with its params at the start of
 the update: with k > 0 the old log-probs are then the PPO proximal policy and the sampler's
@@ -56,6 +73,7 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
@@ -207,6 +225,11 @@ class AsyncProducer:
         """The data position after the last batch the learner took (what a checkpoint saves)."""
         return self._consumed_data_state
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (the producer thread then stops at its next wait)."""
+        return self._closed
+
     def close(self) -> None:
         with self._cv:
             self._closed = True
@@ -266,11 +289,21 @@ def make_producer(
     backend: RolloutBackend,
 ) -> Producer:
     """The run's producer, started: synchronous for k = 0 on the train mesh, else an
-    `AsyncProducer` on the rollout mesh. Step j's batch is `collect_step` with key
-    `fold_in(base_key, j)` on this process's share of the prompts in either case."""
+    `AsyncProducer` on the rollout mesh (several processes: on each process's own devices of
+    the train mesh). Step j's batch is `collect_step` with key `fold_in(base_key, j)` on this
+    process's share of the prompts in every case."""
     k = config.rollout.max_staleness
+    gather = None  # several processes, asynchronous: the producer thread's host exchanges
     if k == 0 and rollout_mesh is train_mesh:
         to_rollout = None
+    elif jax.process_count() > 1:  # collocated (gjax.config refuses rollout devices here)
+        rollout_mesh = sharding.process_mesh(train_mesh)
+        to_rollout = _process_local_copy(train_mesh, rollout_mesh)
+        gather = multihost.KeyValueGather()
+        rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
+        # The key, made replicated over the train mesh, copied from this process's shard.
+        local_key = base_key.addressable_data(0)
+        base_key = jax.device_put(local_key, jax.sharding.NamedSharding(rollout_mesh, PS()))
     elif rollout_mesh is train_mesh:
 
         def to_rollout(p):
@@ -293,7 +326,7 @@ def make_producer(
             jax.random.fold_in(base_key, step),
             P=data_iter.local_batch_size,  # this process's slots of the P
             sampling=config.sampling,
-            allgather=multihost.allgather,
+            allgather=rollout.transfer.allgather,
         )
 
     if to_rollout is None:
@@ -307,4 +340,33 @@ def make_producer(
         context=lambda: _on_mesh(rollout_mesh),
         backend=backend,
     )
+    if gather is not None:  # a closed producer stops waiting for peers that will not come
+        gather.stopped = lambda: producer.closed
     return producer.begin(params, dict(data_iter.state()))
+
+
+def _process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
+    """`to_rollout` of a multi-process run: the pushed params as arrays of `local_mesh` (this
+    process's devices of the train mesh), sharded as on the train mesh over the axes the
+    processes do not split and replicated over those they do, so that the producer thread
+    runs no program over other processes' devices and samples with the train layout. Called
+    on the learner's thread, where the copy (with an all-gather over processes for params
+    sharded across them) is a program in the loop's order like every other."""
+    split = {a for a in sharding.MESH_AXES if local_mesh.shape[a] != train_mesh.shape[a]}
+
+    def kept(entry):  # one PartitionSpec entry without the axes split over processes
+        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in split]
+        return None if not axes or axes == [None] else axes[0] if len(axes) == 1 else tuple(axes)
+
+    def copy(x):
+        spec = PS(*(kept(e) for e in x.sharding.spec))
+        if spec == x.sharding.spec:  # a copy: the next update donates the learner's buffers
+            y = jnp.copy(x)
+        else:  # gathered over the processes: a new array
+            y = jax.jit(lambda a: a, out_shardings=NamedSharding(train_mesh, spec))(x)
+        shards = [s.data for s in y.addressable_shards]  # the same blocks on the same devices
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local_mesh, spec), shards
+        )
+
+    return lambda params: jax.tree.map(copy, params)

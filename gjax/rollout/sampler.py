@@ -50,7 +50,10 @@ class SamplingParams:
     temperature: 0 means greedy (argmax). top_k: 0 disables. top_p: 1.0 disables (nucleus
     over softmax(logits / T) after top-k; tokens tied with the threshold logit are kept).
     stop_token_ids: a row finishes at the first of these it emits (e.g. the tokenizer's EOS
-    ids); empty means always generate `max_new_tokens`.
+    ids); empty means always generate `max_new_tokens`. row_block = (i, n): the prompts given
+    are block i of n equal blocks of a whole batch (a multi-process run's process-local
+    rollout); each row's random draws are those of its row in the whole batch, so the rows
+    come out as one sampler over the whole batch makes them.
     """
 
     max_new_tokens: int
@@ -59,6 +62,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop_token_ids: tuple[int, ...] = ()
     pad_token_id: int = 0
+    row_block: tuple[int, int] = (0, 1)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -71,6 +75,9 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.stop_token_ids, tuple):
             raise ValueError(f"stop_token_ids must be a tuple, got {self.stop_token_ids!r}")
+        i, n = self.row_block
+        if not 0 <= i < n:
+            raise ValueError(f"row_block (i, n) needs 0 <= i < n, got {self.row_block!r}")
 
 
 class SampleOutput(NamedTuple):
@@ -110,14 +117,16 @@ def _truncate(scaled_BxV, sp: SamplingParams):
     return jnp.where(scaled_BxV >= threshold_B[:, None], scaled_BxV, -jnp.inf)
 
 
-def _inverse_cdf_sample(logits_BxV, key):
+def _inverse_cdf_sample(logits_BxV, key, row_block=(0, 1)):
     """Exact categorical sampling from softmax(logits) with ONE uniform per row.
 
     Two-level inverse CDF: pick the vocabulary block whose cumulative mass first reaches
     u * total, then the token inside that block. Costs one exp pass plus a cumsum over
     V / 128 block sums and over 128 entries, instead of V Gumbel draws or a length-V cumsum
     (both slow on CPU). A zero-probability token (e.g. truncated by top-k) owns an empty CDF
-    interval and is never drawn. Returns (tokens_B, logsumexp_B of `logits_BxV`).
+    interval and is never drawn. The rows are block `row_block` = (i, n) of a batch of n * B
+    rows: row b takes the uniform of row i * B + b of that batch. Returns (tokens_B, logsumexp_B
+    of `logits_BxV`).
     """
     b, v = logits_BxV.shape
     nb = -(-v // _BLOCK)
@@ -129,7 +138,9 @@ def _inverse_cdf_sample(logits_BxV, key):
     block_cdf = jnp.cumsum(e_BxNbxC.sum(-1), axis=-1)
     total_B = block_cdf[:, -1]
     # u in (0, 1): x > 0, so the chosen block and token always carry positive mass.
-    x_B = jax.random.uniform(key, (b,), minval=1e-12, maxval=1.0) * total_B
+    i, n = row_block
+    u_nB = jax.random.uniform(key, (n * b,), minval=1e-12, maxval=1.0)
+    x_B = jax.lax.dynamic_slice_in_dim(u_nB, i * b, b) * total_B
     j_B = jnp.minimum(jnp.sum(block_cdf < x_B[:, None], axis=-1), nb - 1)
     prev_B = jnp.where(
         j_B > 0, jnp.take_along_axis(block_cdf, jnp.maximum(j_B - 1, 0)[:, None], -1)[:, 0], 0.0
@@ -149,7 +160,7 @@ def _sample(logits_BxV, key, sp: SamplingParams):
     else:
         scaled = logits_BxV / sp.temperature
         truncated = _truncate(scaled, sp)
-        tokens_B, lse_B = _inverse_cdf_sample(truncated, key)
+        tokens_B, lse_B = _inverse_cdf_sample(truncated, key, sp.row_block)
         if truncated is not scaled:  # log-probs are over the full (untruncated) vocabulary
             lse_B = jax.nn.logsumexp(scaled, axis=-1)
     picked_B = jnp.take_along_axis(scaled, tokens_B[:, None], axis=-1)[:, 0]
