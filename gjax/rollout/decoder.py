@@ -361,6 +361,7 @@ class ContinuousDecoder:
                     np.asarray(reg, np.int32),
                 )
                 stats["prefill_calls"] += 1
+                stats["prompts_prefilled"] += len(chunk)
             if admits:
                 pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
                 cols = np.asarray(admits + pad, np.int32).T
