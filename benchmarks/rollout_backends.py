@@ -12,7 +12,7 @@ KV budget M (tokens of KV the device may hold; `--kv-budget`, default 64 rows x 
               holds its prompt once and G rows of N), run one after another; a batch decodes
               until its longest row ends (max_new_tokens = that length);
   continuous  gjax.rollout.decoder: S slots of N and R prompt regions of Sp, S*N + R*Sp <= M
-              (R = S unless `--regions`); a slot is refilled when its row ends.
+              (R: the decoder's default unless `--regions`); a slot is refilled when its row ends.
 (a) useful tokens per decode step (the sum of the lengths over the steps run) and row-steps per
     request (rows held x steps / requests), static vs continuous: counted, not timed;
 (b) wall useful tokens/s on this machine (median of `--repeats` after a warm-up) and the
@@ -130,7 +130,9 @@ def main():
     ap.add_argument("--max-prompt", type=int, default=15)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--kv-budget", type=int, default=0, help="KV tokens (0: 64 x (N + Sp))")
-    ap.add_argument("--regions", type=int, default=0, help="prompt regions (0: the slots)")
+    ap.add_argument(
+        "--regions", type=int, default=0, help="prompt regions (0: the decoder's default)"
+    )
     ap.add_argument("--tokens-per-dispatch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--hbm-bw", type=float, default=0.0, help="bytes/s (0: the device's table)")
@@ -153,8 +155,15 @@ def main():
     if args.regions:
         regions = args.regions
         slots = (budget - regions * sp_len) // n_
-    else:
-        slots = regions = budget // (n_ + sp_len)
+    else:  # the decoder's default regions; the prompt KV they save buys slots
+        slots = budget // (n_ + sp_len)
+
+        def regions_for(s):
+            return ContinuousDecoder(cfg, slots=s, tokens_per_dispatch=1).regions_for(g_)
+
+        while (slots + 1) * n_ + regions_for(slots + 1) * sp_len <= budget:
+            slots += 1
+        regions = regions_for(slots)
     if groups_per_batch < 1 or slots < 1 or groups_per_batch * g_ >= p_ * g_:
         raise SystemExit(
             f"--kv-budget {budget} must hold one group ({g_ * n_ + sp_len} tokens) and fewer "

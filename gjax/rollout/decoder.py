@@ -246,7 +246,8 @@ class ContinuousDecoder:
       cfg: the model config. slots: S, rows decoding at once.
       tokens_per_dispatch: decode steps per jitted call (one host sync each); a slot freed
         inside a dispatch is refilled at its end.
-      prompt_regions: R, prompts whose KV is held at once (None: 2 * ceil(S / G), at most S).
+      prompt_regions: R, prompts whose KV is held at once (None: 4 * ceil(S / G), at most S;
+        a group holds its region until its last row ends, so long tails need R > S / G).
       prefill_batch: prompts per prefill call (None: ceil(S / G)).
       share_prompt: False gives every row a region of its own (the G-copies layout; tests).
     """
@@ -278,7 +279,7 @@ class ContinuousDecoder:
             return self.slots
         if self.prompt_regions is not None:
             return self.prompt_regions
-        return min(self.slots, 2 * -(-self.slots // num_samples))
+        return min(self.slots, 4 * -(-self.slots // num_samples))
 
     def generate(
         self,
