@@ -134,3 +134,19 @@ def test_bad_arguments():
         decode(max_tokens_B=np.full(6, N + 1))
     with pytest.raises(ValueError, match="permutation"):
         decode(order=[0, 1, 2])
+
+
+def test_local_backend_decodes_continuously_from_the_config(static_greedy):
+    from configs import common
+    from gjax.rollout.factory import make_backend
+
+    config = common.tiny(common.base())
+    config.rollout.decoder, config.rollout.decode_slots = "continuous", 3
+    config.rollout.tokens_per_dispatch = 4
+    backend = make_backend(config, CFG, PARAMS)
+    assert backend.metrics() == {}
+    out = backend.generate(PARAMS, TOKENS, MASK, jax.random.key(0), num_samples=G, sampling=GREEDY)
+    assert_same(jax.tree.map(np.asarray, out), static_greedy, atol=1e-5)
+    m = backend.metrics()
+    assert m["rollout/decode_steps"] >= static_greedy.lengths_B.max()
+    assert 0 < m["rollout/slot_occupancy"] <= 1 and 0 <= m["rollout/host_fraction"] < 1
