@@ -1,42 +1,72 @@
-"""Rollout backends on a long-tailed workload: static batch vs JetStream continuous batching.
+"""Static batch vs continuous decoding at a fixed KV-memory budget, on long-tailed lengths.
 
-The same random Qwen2-shaped policy, the same prompts (P prompts x G samples, mixed prompt
-lengths) and the same per-request response lengths go through:
-  local           gjax's jit sampler: one static batch of P*G rows, decoding until its
-                  longest row ends (with stops forced at the drawn lengths, the batch runs
-                  max(lengths) steps; what a static batch does with real stop tokens);
-  jetstream       the gjax Engine behind JetStream's own Driver, in this process, with
-                  `--slots` decode slots; a slot is refilled as soon as its request ends;
-  jetstream_grpc  the same engine behind JetStream's gRPC server (server_lib) on
-                  127.0.0.1, driven by the gjax gRPC client (in this process, real sockets).
-Response lengths are drawn once from a heavy-tailed (Pareto, shape 1.5) distribution, clipped
-to [1, max_new_tokens] with mean <= max_new_tokens / 4, and forced identically for every
-backend (JetStream's per-request `max_tokens`; the static batch runs max(lengths) steps).
-Sampling is greedy with no stop ids, so every backend generates the same tokens.
+The ratios that carry over to accelerators are the ones counted in decode steps: a decode step
+reads the weights and the live KV once, whatever the row count, so an accelerator's step time
+barely depends on the rows; what limits concurrency is the KV memory. Workload: P prompts x G
+samples (mixed prompt lengths, left-padded to Sp), per-row lengths drawn once from a Pareto(1.5)
+tail clipped to [1, N] (mean <= N / 4), forced identically for both decoders (greedy, no stop
+ids: both produce the same tokens, checked).
 
-Useful tokens/s = the sum of the drawn lengths (unpadded tokens) / wall time, median of
-`--repeats` timed runs after a warm-up (compilation excluded).
+KV budget M (tokens of KV the device may hold; `--kv-budget`, default 64 rows x (N + Sp)):
+  static      gjax.rollout.sampler: batches of W groups, W = floor(M / (G*N + Sp)) (each group
+              holds its prompt once and G rows of N), run one after another; a batch decodes
+              until its longest row ends (max_new_tokens = that length);
+  continuous  gjax.rollout.decoder: S slots of N and R prompt regions of Sp, S*N + R*Sp <= M
+              (R: the decoder's default unless `--regions`); a slot is refilled when its row ends.
+(a) useful tokens per decode step (the sum of the lengths over the steps run) and row-steps per
+    request (rows held x steps / requests), static vs continuous: counted, not timed;
+(b) wall useful tokens/s on this machine (median of `--repeats` after a warm-up) and the
+    continuous decoder's host time outside its jitted calls, per dispatch and as a fraction;
+(c) roofline (accelerator only): bytes one decode step reads (weights + the live KV) over the
+    measured step time, as a fraction of the chip's HBM bandwidth (`gjax.flops.PEAK_HBM_BW`).
 
-    python benchmarks/rollout_backends.py           # 32 prompts x 8, 128 new tokens, 64 slots
+    python benchmarks/rollout_backends.py                  # 4.2M params, 256 requests, N=128
+    python benchmarks/rollout_backends.py --shape qwen2-1.5b --dtype bfloat16 \\
+        --prompts 32 --samples 8 --new-tokens 1024          # on an accelerator, for (c)
 
-Prints one JSON line per measurement; the LAST line is a JSON summary with each backend's
-useful tokens/s and `continuous_over_static` (jetstream over local).
+Prints one JSON line per measurement; the LAST line is the summary.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import socket
+import os
 import statistics
+import sys
 import time
 
 import jax
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from gjax.flops import table_hbm_bandwidth
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
-from gjax.rollout import LocalSampler, SamplingParams
+from gjax.rollout import SamplingParams, generate
+from gjax.rollout.decoder import ContinuousDecoder
+
+SHAPES = {  # Qwen2.5 (tied embeddings, q/k/v bias)
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    "qwen2-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+    ),
+}
 
 
 def emit(record):
@@ -51,61 +81,107 @@ def draw_lengths(n: int, max_new: int, rng) -> np.ndarray:
     return lengths
 
 
+def model_config(args) -> ModelConfig:
+    if args.shape:
+        dims = SHAPES[args.shape]
+    else:
+        dims = dict(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=args.mlp,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            head_dim=args.hidden // args.heads,
+        )
+    return ModelConfig(
+        model_type="qwen2",
+        attention_bias=True,
+        tie_word_embeddings=True,
+        dtype=args.dtype,
+        param_dtype=args.dtype,
+        max_position_embeddings=32768,
+        **dims,
+    )
+
+
+def timed(run, repeats):
+    jax.block_until_ready(run())  # warm-up: compiles
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return out, statistics.median(times)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--mlp", type=int, default=768)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=15)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--slots", type=int, default=64)
+    ap.add_argument("--kv-budget", type=int, default=0, help="KV tokens (0: 64 x (N + Sp))")
+    ap.add_argument(
+        "--regions", type=int, default=0, help="prompt regions (0: the decoder's default)"
+    )
+    ap.add_argument("--tokens-per-dispatch", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--skip-grpc", action="store_true")
+    ap.add_argument("--hbm-bw", type=float, default=0.0, help="bytes/s (0: the device's table)")
     args = ap.parse_args()
 
-    from gjax.rollout import jetstream_backend
-    from gjax.serve import start_server
-
-    cfg = ModelConfig(
-        model_type="qwen2",
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.mlp,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        head_dim=args.hidden // args.heads,
-        attention_bias=True,
-        tie_word_embeddings=True,
-        dtype=args.dtype,
-    )
+    cfg = model_config(args)
     params = tr.init_params(cfg, jax.random.key(0))
     rng = np.random.RandomState(0)
-    p_, g_, n_ = args.prompts, args.samples, args.new_tokens
-    plen = rng.randint(max(1, args.max_prompt // 3), args.max_prompt + 1, p_)
-    tokens = np.zeros((p_, args.max_prompt), np.int32)
+    p_, g_, n_, sp_len = args.prompts, args.samples, args.new_tokens, args.max_prompt
+    plen = rng.randint(max(1, sp_len // 3), sp_len + 1, p_)
+    tokens = np.zeros((p_, sp_len), np.int32)
     mask = np.zeros_like(tokens)
     for i, n in enumerate(plen):  # left-padded
-        tokens[i, -n:] = rng.randint(3, args.vocab, n)
+        tokens[i, -n:] = rng.randint(3, cfg.vocab_size, n)
         mask[i, -n:] = 1
     lengths = draw_lengths(p_ * g_, n_, rng)
     useful = int(lengths.sum())
-    sp_static = SamplingParams(max_new_tokens=int(lengths.max()), temperature=0.0)
-    sp = SamplingParams(max_new_tokens=n_, temperature=0.0)
+    budget = args.kv_budget or 64 * (n_ + sp_len)
+    groups_per_batch = budget // (g_ * n_ + sp_len)
+    if args.regions:
+        regions = args.regions
+        slots = (budget - regions * sp_len) // n_
+    else:  # the decoder's default regions; the prompt KV they save buys slots
+        slots = budget // (n_ + sp_len)
+
+        def regions_for(s):
+            return ContinuousDecoder(cfg, slots=s, tokens_per_dispatch=1).regions_for(g_)
+
+        while (slots + 1) * n_ + regions_for(slots + 1) * sp_len <= budget:
+            slots += 1
+        regions = regions_for(slots)
+    if groups_per_batch < 1 or slots < 1 or groups_per_batch * g_ >= p_ * g_:
+        raise SystemExit(
+            f"--kv-budget {budget} must hold one group ({g_ * n_ + sp_len} tokens) and fewer "
+            f"than all {p_ * g_} requests"
+        )
     emit(
         {
             "what": "setup",
             "devices": str(jax.devices()),
             "params": int(sum(x.size for x in jax.tree.leaves(params))),
             "requests": p_ * g_,
-            "slots": args.slots,
             "max_new_tokens": n_,
+            "prompt_width": sp_len,
+            "kv_budget_tokens": budget,
+            "static_rows": groups_per_batch * g_,
+            "continuous_slots": slots,
+            "continuous_regions": regions,
+            "tokens_per_dispatch": args.tokens_per_dispatch,
             "length_mean": float(lengths.mean()),
             "length_p50": float(np.median(lengths)),
             "length_p99": float(np.percentile(lengths, 99)),
@@ -114,76 +190,109 @@ def main():
         }
     )
 
-    local = LocalSampler(cfg)
-    js = jetstream_backend.JetStreamBackend(
-        cfg, params, sampling=sp, slots=args.slots, max_prompt_len=args.max_prompt
-    )
-    backends = {
-        "local": lambda: local.generate(
-            params, tokens, mask, jax.random.key(0), num_samples=g_, sampling=sp_static
-        ),
-        "jetstream": lambda: js.generate(
-            params, tokens, mask, None, num_samples=g_, sampling=sp, max_tokens_B=lengths
-        ),
-    }
-    server = grpc_be = None
-    if not args.skip_grpc:
-        engine = jetstream_backend.Engine(
-            cfg,
-            params,
-            sampling=sp,
-            max_concurrent_decodes=args.slots,
-            max_prefill_length=js.max_prefill_length,
-            record=False,
-        )
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        server = start_server(engine, "127.0.0.1", port)
-        grpc_be = jetstream_backend.JetStreamGrpcBackend(
-            f"127.0.0.1:{port}", max_prompt_len=args.max_prompt, server_sampling=sp
-        )
-        grpc_be.push(params)  # no weight directory: the server keeps its params
-        backends["jetstream_grpc"] = lambda: grpc_be.generate(
-            params, tokens, mask, None, num_samples=g_, sampling=sp, max_tokens_B=lengths
-        )
+    # Static: batches of `groups_per_batch` prompts, each run to its longest row.
+    batches = []
+    for start in range(0, p_, groups_per_batch):
+        rows = slice(start * g_, min(p_, start + groups_per_batch) * g_)
+        longest = int(lengths[rows].max())
+        batches.append((start, rows, SamplingParams(max_new_tokens=longest, temperature=0.0)))
 
-    reference = None
-    summary = {"what": "summary", "useful_tokens": useful}
-    for name, run in backends.items():
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(run())
-        emit({"what": "warmup", "backend": name, "seconds": time.perf_counter() - t0})
-        got = np.asarray(out.tokens_BxN)
-        got_len = np.asarray(out.lengths_B)
-        if name == "local":
-            reference = got
-            got_len = lengths  # stops forced at the drawn lengths: tokens past them are padding
-        else:  # the same greedy tokens, cut at the same lengths
-            assert np.array_equal(got_len, lengths), name
-            for b in range(len(lengths)):
-                assert np.array_equal(got[b, : lengths[b]], reference[b, : lengths[b]]), (name, b)
-        times = []
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(run())
-            times.append(time.perf_counter() - t0)
-            emit({"what": "run", "backend": name, "repeat": r, "seconds": times[-1]})
-        med = statistics.median(times)
-        summary[f"{name}_seconds"] = med
-        summary[f"{name}_useful_tokens_per_s"] = useful / med
-    summary["continuous_over_static"] = (
-        summary["jetstream_useful_tokens_per_s"] / summary["local_useful_tokens_per_s"]
+    def run_static():
+        return [
+            generate(
+                params,
+                cfg,
+                tokens[s : s + groups_per_batch],
+                mask[s : s + groups_per_batch],
+                jax.random.key(0),
+                num_samples=g_,
+                sampling=sp,
+            )
+            for s, _, sp in batches
+        ]
+
+    static_out, static_s = timed(run_static, args.repeats)
+    static_steps = sum(sp.max_new_tokens for _, _, sp in batches)
+    static_rows = groups_per_batch * g_
+
+    sp = SamplingParams(max_new_tokens=n_, temperature=0.0)
+    dec = ContinuousDecoder(
+        cfg, slots=slots, tokens_per_dispatch=args.tokens_per_dispatch, prompt_regions=regions
     )
-    if "jetstream_grpc_useful_tokens_per_s" in summary:
-        summary["grpc_over_static"] = (
-            summary["jetstream_grpc_useful_tokens_per_s"] / summary["local_useful_tokens_per_s"]
-        )
-    js.close()
-    if grpc_be is not None:
-        grpc_be.close()
-        server.stop()
+    cont_out, cont_s = timed(
+        lambda: dec.generate(
+            params,
+            tokens,
+            mask,
+            jax.random.key(0),
+            num_samples=g_,
+            sampling=sp,
+            max_tokens_B=lengths,
+        ),
+        args.repeats,
+    )
+    st = dec.stats  # the last timed run's counters
+    got = np.asarray(cont_out.tokens_BxN)
+    assert np.array_equal(np.asarray(cont_out.lengths_B), lengths)
+    for (_, rows, _), out in zip(batches, static_out):
+        ref = np.asarray(out.tokens_BxN)
+        for i, b in enumerate(range(rows.start, rows.stop)):
+            assert np.array_equal(got[b, : lengths[b]], ref[i, : lengths[b]]), b
+
+    summary = {
+        "what": "summary",
+        "useful_tokens": useful,
+        "kv_budget_tokens": budget,
+        "static_decode_steps": static_steps,
+        "continuous_decode_steps": st["decode_steps"],
+        "static_useful_tokens_per_step": useful / static_steps,
+        "continuous_useful_tokens_per_step": useful / st["decode_steps"],
+        "static_row_steps_per_request": static_rows * static_steps / (p_ * g_),
+        "continuous_row_steps_per_request": slots * st["decode_steps"] / (p_ * g_),
+        "continuous_slot_occupancy": st["slot_steps_live"] / (slots * st["decode_steps"]),
+        "static_seconds": static_s,
+        "continuous_seconds": cont_s,
+        "static_useful_tokens_per_s": useful / static_s,
+        "continuous_useful_tokens_per_s": useful / cont_s,
+        "continuous_dispatches": st["dispatches"],
+        "continuous_host_ms_per_dispatch": 1e3 * st["host_s"] / st["dispatches"],
+        "continuous_host_fraction": st["host_s"] / st["wall_s"],
+        "continuous_step_ms": 1e3 * st["dispatch_s"] / st["decode_steps"],
+        "static_step_ms": 1e3 * static_s / static_steps,
+    }
+    summary["useful_per_step_continuous_over_static"] = (
+        summary["continuous_useful_tokens_per_step"] / summary["static_useful_tokens_per_step"]
+    )
+    summary["wall_continuous_over_static"] = static_s / cont_s
+    summary.update(roofline(args, cfg, params, lengths, sp_len, summary, slots, regions))
     emit(summary)
+
+
+def roofline(args, cfg, params, lengths, sp_len, summary, slots, regions) -> dict:
+    """(c): HBM bytes per decode step / step time over the chip's bandwidth (accelerators)."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        return {"roofline": "not measured: no accelerator"}
+    bw, bw_name = (
+        (args.hbm_bw, "--hbm-bw")
+        if args.hbm_bw
+        else table_hbm_bandwidth(device.device_kind) or (None, None)
+    )
+    if bw is None:
+        return {"roofline": f"not measured: no HBM bandwidth for {device.device_kind!r}"}
+    weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    # Live KV per step: each live row reads its prompt and its tokens so far (mean over steps).
+    live_tokens = float(np.sum(lengths * (lengths + 1) / 2)) / summary["continuous_decode_steps"]
+    cont_bytes = weights + kv_token * (live_tokens + regions * sp_len)
+    static_live = float(np.sum(lengths * (lengths + 1) / 2)) / summary["static_decode_steps"]
+    static_bytes = weights + kv_token * (static_live + sp_len * slots / args.samples)
+    out = {"hbm_bw": bw, "hbm_bw_source": bw_name, "weight_bytes": weights}
+    for name, nbytes in (("continuous", cont_bytes), ("static", static_bytes)):
+        step_s = summary[f"{name}_step_ms"] / 1e3
+        out[f"{name}_bytes_per_step"] = nbytes
+        out[f"{name}_roofline_fraction"] = nbytes / step_s / bw
+    return out
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 # Rollout backends `gjax.rollout.factory.make_backend` builds; a new backend adds its name here.
 ROLLOUT_BACKENDS = ("local", "jetstream", "jetstream_grpc")
+ROLLOUT_DECODERS = ("static", "continuous")  # backend 'local' only
 WEIGHT_TRANSFERS = ("directory", "grpc")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -119,6 +120,17 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         config.rollout.backend in ROLLOUT_BACKENDS,
         "rollout.backend",
         f"must be one of {ROLLOUT_BACKENDS}, got {config.rollout.backend!r}",
+    )
+    _require(
+        config.rollout.decoder in ROLLOUT_DECODERS,
+        "rollout.decoder",
+        f"must be one of {ROLLOUT_DECODERS}, got {config.rollout.decoder!r}",
+    )
+    _require(
+        config.rollout.decoder == "static" or config.rollout.backend == "local",
+        "rollout.decoder",
+        f"'continuous' is the local backend's decoder; rollout.backend="
+        f"{config.rollout.backend!r} batches continuously on its own: leave decoder 'static'",
     )
     _require(
         config.rollout.weight_transfer in WEIGHT_TRANSFERS,

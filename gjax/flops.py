@@ -224,3 +224,23 @@ def table_peak_flops(device_kind: str) -> tuple[float, str] | None:
         if any(k in kind for k in keys):
             return peak, name
     return None
+
+
+# HBM bandwidth per chip, bytes/s (vendor figures), matched like `PEAK_FLOPS`.
+PEAK_HBM_BW = (
+    (("h200",), 4.8e12, "H200 HBM3e"),
+    (("h100",), 3.35e12, "H100 SXM HBM3"),
+    (("a100",), 2.0e12, "A100 80GB HBM2e"),
+    (("v5 lite", "v5e"), 0.819e12, "TPU v5e HBM2"),
+    (("v5p", "tpu v5"), 2.765e12, "TPU v5p HBM2e"),
+    (("v4",), 1.2e12, "TPU v4 HBM2"),
+)
+
+
+def table_hbm_bandwidth(device_kind: str) -> tuple[float, str] | None:
+    """(HBM bytes/s of one chip, its name) for a known accelerator, else None."""
+    kind = device_kind.lower()
+    for keys, bw, name in PEAK_HBM_BW:
+        if any(k in kind for k in keys):
+            return bw, name
+    return None

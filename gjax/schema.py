@@ -220,7 +220,21 @@ SCHEMA: dict[str, Any] = {
             "jetstream_grpc",
         ),
         "decode_slots": Field(
-            64, "jetstream*: concurrent decode slots (continuous batching)", _COUNT
+            64,
+            "jetstream* and decoder=continuous: concurrent decode slots (continuous batching)",
+            _COUNT,
+        ),
+        "decoder": Field(
+            "static",
+            "local: static (one batch per step, decoded until its longest row ends) | "
+            "continuous (decode_slots slots, each refilled as soon as its row ends; a prompt's "
+            "KV held once for its G rows; one process)",
+        ),
+        "tokens_per_dispatch": Field(
+            8,
+            "decoder=continuous: decode steps per jitted call (one host sync each; a slot "
+            "freed inside a call is refilled at its end)",
+            _COUNT,
         ),
         "server_address": Field(
             "127.0.0.1:9000", "jetstream_grpc: host:port that `python -m gjax.serve` binds"

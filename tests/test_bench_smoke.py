@@ -18,10 +18,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _train_step_records(*args: str) -> list[dict]:
     """`benchmarks/train_step.py ARGS` as it is run by hand (one CPU device): its JSON lines."""
+    return _benchmark_records("train_step.py", *args)
+
+
+def _benchmark_records(script: str, *args: str) -> list[dict]:
+    """`benchmarks/SCRIPT ARGS` as it is run by hand (one CPU device): its JSON lines."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = ROOT
     proc = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), *args],
+        [sys.executable, os.path.join(ROOT, "benchmarks", script), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -126,3 +132,26 @@ def test_train_step_compare_packing_smoke():
     assert s["packed_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_update_compiles"] == 1  # one static bin shape for every batch
     assert s["packed_shape"].endswith("x 48 tokens") and s["train"]["microbatches"] == 2
+
+
+@pytest.mark.slow
+def test_rollout_backends_benchmark_smoke():
+    """Static vs continuous at a KV budget of 2 static groups / 4 slots: the run checks that
+    both decode the same tokens; the summary's counts are consistent."""
+    records = _benchmark_records(
+        "rollout_backends.py",
+        *("--vocab", "64", "--hidden", "32", "--mlp", "48", "--layers", "1", "--heads", "2"),
+        *("--kv-heads", "1", "--prompts", "4", "--samples", "2", "--max-prompt", "5"),
+        *("--new-tokens", "16", "--kv-budget", "84", "--tokens-per-dispatch", "4"),
+        *("--repeats", "1"),
+    )
+    setup, s = records[0], records[-1]
+    assert setup["what"] == "setup" and s["what"] == "summary"
+    assert (setup["static_rows"], setup["continuous_slots"]) == (4, 4)
+    assert s["continuous_decode_steps"] >= setup["length_max"]
+    assert s["static_useful_tokens_per_step"] == s["useful_tokens"] / s["static_decode_steps"]
+    assert s["useful_per_step_continuous_over_static"] == pytest.approx(
+        s["static_decode_steps"] / s["continuous_decode_steps"]
+    )
+    assert 0 < s["continuous_slot_occupancy"] <= 1 and 0 <= s["continuous_host_fraction"] < 1
+    assert s["roofline"] == "not measured: no accelerator"

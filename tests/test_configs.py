@@ -246,6 +246,7 @@ def test_harmful_values_are_rejected(path, value, match):
         ("data.template", "qwen", r"data\.template: unknown template 'qwen'.*qwen_boxed"),
         ("rollout.backend", "vllm", r"rollout\.backend: must be one of \('local',"),
         ("rollout.weight_transfer", "nfs", r"rollout\.weight_transfer: must be one of \('dir"),
+        ("rollout.decoder", "paged", r"rollout\.decoder: must be one of \('static',"),
         ("model.remat", "some", r"model\.remat"),
         ("model.dtype", "fp8", r"model\.dtype"),
         ("objective.advantage", "grpoo", r"config\.objective: unknown advantage estimator 'grpoo'"),
@@ -476,4 +477,11 @@ def test_the_loss_scores_at_the_rollout_temperature_from_one_flag(algo):
     validate(c, 1)
     c.objective.temperature = 0.9  # explicitly different: refused, naming both
     with pytest.raises(ConfigError, match=r"objective\.temperature.*0\.9.*rollout\.temperature"):
+        validate(c, 1)
+
+
+def test_continuous_decoder_is_the_local_backends_only():
+    c = common.tiny(common.base())
+    c.rollout.backend, c.rollout.decoder = "jetstream", "continuous"
+    with pytest.raises(ConfigError, match=r"rollout\.decoder: 'continuous' is the local backend"):
         validate(c, 1)

@@ -56,16 +56,28 @@ class RolloutBackend(Protocol):
 
 
 class LocalSampler:
-    """`RolloutBackend` running `gjax.rollout.sampler.generate` in-process on the mesh."""
+    """`RolloutBackend` decoding in-process: `gjax.rollout.sampler.generate` (static, on the
+    mesh), or with `decoder` a `gjax.rollout.decoder.ContinuousDecoder` (its `generate` has the
+    same contract)."""
 
     returns_logps = True
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, decoder=None):
         self.cfg = cfg
+        self.decoder = decoder
 
     def generate(
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
     ) -> SampleOutput:
+        if self.decoder is not None:
+            return self.decoder.generate(
+                params,
+                prompt_tokens_PxS,
+                prompt_mask_PxS,
+                rng,
+                num_samples=num_samples,
+                sampling=sampling,
+            )
         return generate(
             params,
             self.cfg,
@@ -80,7 +92,15 @@ class LocalSampler:
         del params  # `generate` samples with the params it is given
 
     def metrics(self) -> dict[str, float]:
-        return {}
+        st = self.decoder.stats if self.decoder is not None else {}
+        if not st.get("decode_steps"):
+            return {}
+        return {
+            "rollout/decode_steps": float(st["decode_steps"]),
+            # live rows per slot and step: what continuous batching keeps near 1
+            "rollout/slot_occupancy": st["slot_steps_live"] / (st["decode_steps"] * st["slots"]),
+            "rollout/host_fraction": st["host_s"] / st["wall_s"],
+        }
 
     def failure(self) -> str:
         return ""  # no request to drop: sampling errors are raised

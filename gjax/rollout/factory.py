@@ -11,6 +11,7 @@ from gjax import schema
 from gjax.errors import ConfigError
 from gjax.models.config import ModelConfig
 from gjax.rollout.backend import LocalSampler, RolloutBackend
+from gjax.rollout.decoder import ContinuousDecoder
 
 # JetStream 0.2.2 without seqio/TensorFlow (its metadata's), plus what it imports at load.
 JETSTREAM_INSTALL = (
@@ -46,8 +47,20 @@ def check_config(config) -> None:
 def make_backend(
     config, model_cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
 ) -> RolloutBackend:
-    """The backend `config.rollout.backend` names: local | jetstream | jetstream_grpc."""
-    if config.rollout.backend == "local":
+    """The backend `config.rollout.backend` names: local (its `rollout.decoder`) | jetstream |
+    jetstream_grpc."""
+    r = config.rollout
+    if r.backend == "local" and r.decoder == "continuous":
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "config.rollout.decoder='continuous' schedules one process's rows; a "
+                "multi-process run decodes with 'static' (each host its own rows)"
+            )
+        decoder = ContinuousDecoder(
+            model_cfg, slots=r.decode_slots, tokens_per_dispatch=r.tokens_per_dispatch
+        )
+        return LocalSampler(model_cfg, decoder=decoder)
+    if r.backend == "local":
         return LocalSampler(model_cfg)
     if config.rollout.backend == "jetstream" and jax.process_count() > 1:
         raise ConfigError(

@@ -1,0 +1,410 @@
+"""Slot-based continuous decoding: prompt KV once per group, several tokens per dispatch.
+
+`ContinuousDecoder.generate` has the signature and the output of `gjax.rollout.sampler.generate`
+(B = P*G prompt-major rows, the same log-prob definition and mask), but decodes with a fixed
+number of slots S and an in-process scheduler: a request (one row) is admitted as soon as a slot
+is free and evicted as soon as it emits a stop id or reaches its length, so with long-tailed
+lengths the slots stay busy where a static batch waits for its longest row.
+
+Device state (`SlotState`, a pytree; N = max_new_tokens, Sp = prompt width, R regions):
+    cache_k/cache_v  L x [S, K, N, Dh]   each slot's generated keys (after RoPE) and values
+    prompt_k/_v      L x [R, K, Sp, Dh]  prompt regions: a group's prompt KV, stored ONCE and
+                                         read by all of its G slots (`region_S`)
+    prompt_mask_RxSp, prompt_len_R, prompt_logits_RxV (next-token logits after the prompt)
+    region_S, n_S (tokens emitted), limit_S, token_S / logp_S (the next token, drawn), done_S,
+    keys_S (the row's key data)
+Three jitted pieces: `_prefill` (up to A prompts per call into free regions), `_insert` (new
+rows into free slots; each draws its first token from its region's logits) and `_dispatch`
+(up to `tokens_per_dispatch` decode steps in one `lax.while_loop`, stopping each slot on its
+own; one host sync per dispatch).
+
+Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
+row's completion does not depend on which slot, or which neighbours, it decoded with (exact
+for greedy; sampled results equal the static sampler's in distribution, not draw for draw).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import (
+    _MASK_VALUE,
+    apply_rope,
+    decode_layers,
+    logits_from_hidden,
+    prefill,
+    rms_norm,
+    rope_cos_sin,
+)
+from gjax.rollout.sampler import SampleOutput, SamplingParams, _sample
+
+
+class SlotState(NamedTuple):
+    """The decode state (see the module docstring)."""
+
+    cache_k: list
+    cache_v: list
+    prompt_k: list
+    prompt_v: list
+    prompt_mask_RxSp: jax.Array
+    prompt_len_R: jax.Array
+    prompt_logits_RxV: jax.Array
+    region_S: jax.Array
+    n_S: jax.Array
+    limit_S: jax.Array
+    token_S: jax.Array
+    logp_S: jax.Array
+    done_S: jax.Array
+    keys_S: jax.Array
+
+
+def init_state(cfg: ModelConfig, slots: int, regions: int, prompt_len: int, max_new: int):
+    """Empty state: every slot done (free), every region zero."""
+    dtype, kv, dh = cfg.jnp_dtype, cfg.num_kv_heads, cfg.head_dim
+    own = lambda: [jnp.zeros((slots, kv, max_new, dh), dtype) for _ in range(cfg.num_layers)]
+    pre = lambda: [jnp.zeros((regions, kv, prompt_len, dh), dtype) for _ in range(cfg.num_layers)]
+    key_shape = jax.random.key_data(jax.random.key(0)).shape
+    return SlotState(
+        cache_k=own(),
+        cache_v=own(),
+        prompt_k=pre(),
+        prompt_v=pre(),
+        prompt_mask_RxSp=jnp.zeros((regions, prompt_len), jnp.int32),
+        prompt_len_R=jnp.zeros((regions,), jnp.int32),
+        prompt_logits_RxV=jnp.zeros((regions, cfg.vocab_size), jnp.float32),
+        region_S=jnp.zeros((slots,), jnp.int32),
+        n_S=jnp.zeros((slots,), jnp.int32),
+        limit_S=jnp.zeros((slots,), jnp.int32),
+        token_S=jnp.zeros((slots,), jnp.int32),
+        logp_S=jnp.zeros((slots,), jnp.float32),
+        done_S=jnp.ones((slots,), bool),
+        keys_S=jnp.zeros((slots, *key_shape), jnp.uint32),
+    )
+
+
+def _draw(logits_SxV, keys_S, index_S, sp: SamplingParams):
+    """Token `index_S` of each slot's row, drawn with fold_in(row key, index)."""
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(keys_S), index_S)
+    tok, logp = jax.vmap(lambda lg, k: _sample(lg[None], k, sp))(logits_SxV, keys)
+    return tok[:, 0], logp[:, 0]
+
+
+def _prefill(params, cfg, state: SlotState, tokens_AxSp, mask_AxSp, region_A):
+    """Prefills A prompts into regions `region_A` (index R: a padding entry, dropped)."""
+    mask = mask_AxSp.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    hidden_AxSpxD, k, v = prefill(params, cfg, tokens_AxSp.astype(jnp.int32), positions, mask)
+    last_A = tokens_AxSp.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+    hidden_AxD = jnp.take_along_axis(hidden_AxSpxD, last_A[:, None, None], axis=1)[:, 0]
+    logits_AxV = logits_from_hidden(params, cfg, hidden_AxD)
+    put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
+    return state._replace(
+        prompt_k=[put(d, k[i]) for i, d in enumerate(state.prompt_k)],
+        prompt_v=[put(d, v[i]) for i, d in enumerate(state.prompt_v)],
+        prompt_mask_RxSp=put(state.prompt_mask_RxSp, mask),
+        prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
+        prompt_logits_RxV=put(state.prompt_logits_RxV, logits_AxV),
+    )
+
+
+def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M, sp: SamplingParams):
+    """Starts rows `row_M` in slots `slot_M` (index S: padding, dropped): their first token is
+    drawn from their region's logits; their own cache rows are zeroed (a stale NaN in V would
+    survive a masked softmax weight of 0)."""
+    keys_M = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(rng, r)))(row_M)
+    tok_M, logp_M = _draw(state.prompt_logits_RxV[region_M], keys_M, jnp.zeros_like(row_M), sp)
+    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+    zero = lambda c: c.at[slot_M].set(0, mode="drop")
+    return state._replace(
+        cache_k=[zero(c) for c in state.cache_k],
+        cache_v=[zero(c) for c in state.cache_v],
+        region_S=put(state.region_S, region_M),
+        n_S=put(state.n_S, jnp.zeros_like(row_M)),
+        limit_S=put(state.limit_S, limit_M),
+        token_S=put(state.token_S, tok_M),
+        logp_S=put(state.logp_S, logp_M),
+        done_S=put(state.done_S, jnp.zeros(row_M.shape, bool)),
+        keys_S=put(state.keys_S, keys_M),
+    )
+
+
+def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
+    """One decoder step for every slot: token at position prompt_len + n, written at own cache
+    index n. Each slot attends its region's prompt KV and its own cache n' <= n, under one
+    softmax (the arithmetic of `gjax.models.transformer.decode_step`)."""
+    dtype, f32, eps = cfg.jnp_dtype, jnp.float32, cfg.rms_norm_eps
+    s_, n_ = tokens_S.shape[0], state.cache_k[0].shape[2]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_, hq, hkv = h_ // kv_, h_ * dh, kv_ * dh
+    scale = 1.0 / math.sqrt(dh)
+    n_S = state.n_S
+    write_S = jnp.minimum(n_S, n_ - 1)  # a finished slot (n == N) writes a dead entry
+    slots = jnp.arange(s_)
+    x = jnp.take(params["embed"]["embedding"], tokens_S, axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(state.prompt_len_R[state.region_S] + n_S, cfg)
+    own_valid = (jnp.arange(n_)[None, :] <= n_S[:, None])[:, None, None, :]
+    pre_valid = state.prompt_mask_RxSp[state.region_S].astype(bool)[:, None, None, :]
+    cache_k, cache_v = list(state.cache_k), list(state.cache_v)
+    for i, lp in enumerate(layers):
+        h = rms_norm(x, lp["input_norm"], eps)
+        qkv = jnp.dot(h, lp["qkv"])
+        if "qkv_bias" in lp:
+            qkv = qkv + lp["qkv_bias"]
+        q = qkv[:, :hq].reshape(s_, h_, dh)
+        k = qkv[:, hq : hq + hkv].reshape(s_, kv_, dh)
+        v = qkv[:, hq + hkv :].reshape(s_, kv_, dh)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache_k[i] = cache_k[i].at[slots, :, write_S].set(k.astype(dtype))
+        cache_v[i] = cache_v[i].at[slots, :, write_S].set(v.astype(dtype))
+        pk = jnp.take(state.prompt_k[i], state.region_S, axis=0)  # [S, K, Sp, Dh]
+        pv = jnp.take(state.prompt_v[i], state.region_S, axis=0)
+        q_SxKxRxDh = q.reshape(s_, kv_, r_, dh)
+        s_pre = jnp.einsum("skrd,skpd->skrp", q_SxKxRxDh, pk, preferred_element_type=f32)
+        s_pre = jnp.where(pre_valid, s_pre * scale, _MASK_VALUE)
+        s_own = jnp.einsum("skrd,sknd->skrn", q_SxKxRxDh, cache_k[i], preferred_element_type=f32)
+        s_own = jnp.where(own_valid, s_own * scale, _MASK_VALUE)
+        m = jnp.maximum(s_pre.max(-1), s_own.max(-1))[..., None]
+        e_pre, e_own = jnp.exp(s_pre - m), jnp.exp(s_own - m)
+        denom = e_pre.sum(-1) + e_own.sum(-1)
+        out = jnp.einsum("skrp,skpd->skrd", e_pre.astype(dtype), pv)
+        out = out + jnp.einsum("skrn,sknd->skrd", e_own.astype(dtype), cache_v[i])
+        out = (out / denom[..., None].astype(dtype)).reshape(s_, hq)
+        o = jnp.dot(out, lp["o"])
+        x = x + (o + lp["o_bias"] if "o_bias" in lp else o)
+        h = rms_norm(x, lp["post_attn_norm"], eps)
+        gate_up = jnp.dot(h, lp["gate_up"])
+        f_ = gate_up.shape[-1] // 2
+        x = x + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
+    hidden = rms_norm(x, params["final_norm"]["scale"], eps)
+    return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
+
+
+def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int):
+    """Up to `steps` decode steps (fewer once every slot is done). Returns the new state and,
+    per slot and step, the token emitted, its log-prob and whether the slot was live, plus the
+    number of steps run."""
+    s_ = state.n_S.shape[0]
+    stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
+
+    def cond(c):
+        return (c[0] < steps) & ~jnp.all(c[1].done_S)
+
+    def body(c):
+        d, st, tok_SxD, logp_SxD, live_SxD = c
+        live_S = ~st.done_S
+        col = lambda a, x: jax.lax.dynamic_update_slice(a, x[:, None], (0, d))
+        tok_SxD = col(tok_SxD, jnp.where(live_S, st.token_S, sp.pad_token_id))
+        logp_SxD = col(logp_SxD, jnp.where(live_S, st.logp_S, 0.0))
+        live_SxD = col(live_SxD, live_S)
+        n1_S = st.n_S + live_S
+        done_S = st.done_S | (n1_S >= st.limit_S)
+        if sp.stop_token_ids:
+            done_S = done_S | (live_S & jnp.isin(st.token_S, stop_ids))
+        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, st.token_S)
+        tok_S, logp_S = _draw(logits_SxV, st.keys_S, n1_S, sp)
+        st = st._replace(
+            cache_k=cache_k,
+            cache_v=cache_v,
+            n_S=n1_S,
+            token_S=jnp.where(live_S, tok_S, st.token_S),
+            logp_S=jnp.where(live_S, logp_S, st.logp_S),
+            done_S=done_S,
+        )
+        return d + 1, st, tok_SxD, logp_SxD, live_SxD
+
+    init = (
+        jnp.int32(0),
+        state,
+        jnp.full((s_, steps), sp.pad_token_id, jnp.int32),
+        jnp.zeros((s_, steps), jnp.float32),
+        jnp.zeros((s_, steps), bool),
+    )
+    d, state, tok_SxD, logp_SxD, live_SxD = jax.lax.while_loop(cond, body, init)
+    return state, tok_SxD, logp_SxD, live_SxD, d
+
+
+_prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("state",))
+_insert_jit = jax.jit(_insert, static_argnames=("sp",), donate_argnames=("state",))
+_dispatch_jit = jax.jit(
+    _dispatch, static_argnames=("cfg", "sp", "steps"), donate_argnames=("state",)
+)
+_layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
+
+
+class ContinuousDecoder:
+    """Continuous batching over `slots` decode slots, in this process (see the module doc).
+
+    Args:
+      cfg: the model config. slots: S, rows decoding at once.
+      tokens_per_dispatch: decode steps per jitted call (one host sync each); a slot freed
+        inside a dispatch is refilled at its end.
+      prompt_regions: R, prompts whose KV is held at once (None: 4 * ceil(S / G), at most S;
+        a group holds its region until its last row ends, so long tails need R > S / G).
+      prefill_batch: prompts per prefill call (None: ceil(S / G)).
+      share_prompt: False gives every row a region of its own (the G-copies layout; tests).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        slots: int,
+        tokens_per_dispatch: int,
+        prompt_regions: int | None = None,
+        prefill_batch: int | None = None,
+        share_prompt: bool = True,
+    ):
+        if slots <= 0 or tokens_per_dispatch <= 0:
+            raise ValueError(
+                f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
+            )
+        if prompt_regions is not None and prompt_regions <= 0:
+            raise ValueError(f"prompt_regions must be > 0, got {prompt_regions}")
+        self.cfg, self.slots, self.steps = cfg, slots, tokens_per_dispatch
+        self.prompt_regions, self.prefill_batch = prompt_regions, prefill_batch
+        self.share_prompt = share_prompt
+        self.stats: dict[str, float] = {}
+
+    def regions_for(self, num_samples: int) -> int:
+        """R for groups of `num_samples` rows."""
+        if not self.share_prompt:
+            return self.slots
+        if self.prompt_regions is not None:
+            return self.prompt_regions
+        return min(self.slots, 4 * -(-self.slots // num_samples))
+
+    def generate(
+        self,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        *,
+        num_samples: int,
+        sampling: SamplingParams,
+        max_tokens_B=None,
+        order=None,
+    ) -> SampleOutput:
+        """`gjax.rollout.sampler.generate`'s contract. `max_tokens_B`: per-row length limits
+        (<= max_new_tokens; benchmarks); `order`: the rows' admission order (default 0..B-1)."""
+        t_start = time.perf_counter()
+        sp, g_, s_ = sampling, num_samples, self.slots
+        tokens_PxS = np.asarray(prompt_tokens_PxS, np.int32)
+        mask_PxS = np.asarray(prompt_mask_PxS, np.int32)
+        if tokens_PxS.shape != mask_PxS.shape or tokens_PxS.ndim != 2:
+            raise ValueError(
+                f"prompt tokens {tokens_PxS.shape} and mask {mask_PxS.shape} must be the same "
+                "[P, S] shape"
+            )
+        p_, sp_len = tokens_PxS.shape
+        b_, n_ = p_ * g_, sp.max_new_tokens
+        limits = np.full((b_,), n_, np.int32) if max_tokens_B is None else np.asarray(max_tokens_B)
+        if limits.shape != (b_,) or limits.min() < 1 or limits.max() > n_:
+            raise ValueError(f"max_tokens_B must be {b_} ints in [1, {n_}]")
+        r_ = self.regions_for(g_)
+        a_ = self.prefill_batch or max(1, -(-s_ // g_))
+        group = (lambda b: b // g_) if self.share_prompt else (lambda b: b)
+        rows_left = collections.Counter(group(b) for b in range(b_))
+
+        layers = _layers_jit(params, cfg=self.cfg)
+        state = init_state(self.cfg, s_, r_, sp_len, n_)
+        out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
+        out_logp = np.zeros((b_, n_), np.float32)
+        out_len = np.zeros((b_,), np.int32)
+        queue = list(range(b_) if order is None else order)
+        if sorted(queue) != list(range(b_)):
+            raise ValueError(f"order must be a permutation of range({b_})")
+        free_slots, free_regions = list(range(s_)), list(range(r_))
+        region_of: dict[int, int] = {}
+        slot_row = [-1] * s_
+        stats = collections.Counter()
+        t_device = 0.0
+        finished = 0
+        while finished < b_:
+            # Admit: rows in order, skipping a row whose prompt needs a region while none is free.
+            new_prompts, admits, waiting = [], [], []
+            for b in queue:
+                if not free_slots:
+                    waiting.append(b)
+                    continue
+                g = group(b)
+                if g not in region_of:
+                    if not free_regions:
+                        waiting.append(b)
+                        continue
+                    region_of[g] = free_regions.pop(0)
+                    new_prompts.append((b // g_, region_of[g]))
+                s = free_slots.pop(0)
+                slot_row[s] = b
+                admits.append((s, region_of[g], b, limits[b]))
+            queue = waiting
+            if all(r < 0 for r in slot_row):  # cannot happen with R >= 1; never spin
+                raise RuntimeError(f"continuous decoder: {len(queue)} rows and no live slot")
+            t0 = time.perf_counter()
+            for i in range(0, len(new_prompts), a_):
+                chunk = new_prompts[i : i + a_]
+                idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
+                reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
+                state = _prefill_jit(
+                    params,
+                    self.cfg,
+                    state,
+                    tokens_PxS[idx],
+                    mask_PxS[idx],
+                    np.asarray(reg, np.int32),
+                )
+                stats["prefill_calls"] += 1
+                stats["prompts_prefilled"] += len(chunk)
+            if admits:
+                pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
+                cols = np.asarray(admits + pad, np.int32).T
+                state = _insert_jit(state, rng, *cols, sp=sp)
+            t1 = time.perf_counter()
+            state, tok, logp, live, d = _dispatch_jit(
+                params, self.cfg, layers, state, sp=sp, steps=self.steps
+            )
+            tok, logp, live, d, done = jax.device_get((tok, logp, live, d, state.done_S))
+            t_device += time.perf_counter() - t1
+            stats["admit_s"] += t1 - t0
+            stats["dispatches"] += 1
+            stats["decode_steps"] += int(d)
+            stats["slot_steps_live"] += int(live.sum())
+            for s in range(s_):
+                b = slot_row[s]
+                if b < 0:
+                    continue
+                k = int(live[s].sum())
+                out_tok[b, out_len[b] : out_len[b] + k] = tok[s, :k]
+                out_logp[b, out_len[b] : out_len[b] + k] = logp[s, :k]
+                out_len[b] += k
+                if done[s]:
+                    slot_row[s] = -1
+                    free_slots.append(s)
+                    finished += 1
+                    g = group(b)
+                    rows_left[g] -= 1
+                    if rows_left[g] == 0:
+                        free_regions.append(region_of.pop(g))
+            free_slots.sort()
+        wall = time.perf_counter() - t_start
+        self.stats = {
+            **stats,
+            "useful_tokens": int(out_len.sum()),
+            "wall_s": wall,
+            "dispatch_s": t_device,
+            "host_s": wall - t_device - stats["admit_s"],
+            "regions": r_,
+            "slots": s_,
+        }
+        mask = (np.arange(n_)[None, :] < out_len[:, None]).astype(np.int32)
+        return SampleOutput(
+            jnp.asarray(out_tok), jnp.asarray(mask), jnp.asarray(out_logp), jnp.asarray(out_len)
+        )
