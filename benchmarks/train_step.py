@@ -354,6 +354,7 @@ class GjaxStep:
                 batch["input_ids_BxS"].shape[0],
                 batch["input_ids_BxS"].shape[1],
                 learner.minibatches,
+                batch.get("pack_bins_J"),  # auto bins: this batch's J
             )
             packed = dict(packed_bins=bins * learner.minibatches, pack_length=width)
         p, g, n = groups.completion_mask_PxGxN.shape
@@ -462,10 +463,16 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     bins = -(-need // t.microbatches) * t.microbatches
     packed_cfg = config.train.copy_and_resolve_references()
     packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
-    learners = {"padded": step.learner, "packed": step.make_learner(train_cfg=packed_cfg)}
+    auto_cfg = config.train.copy_and_resolve_references()  # the default: bins chosen per batch
+    auto_cfg.packing, auto_cfg.pack_bins, auto_cfg.pack_length = "packed", 0, 0
+    learners = {
+        "padded": step.learner,
+        "packed": step.make_learner(train_cfg=packed_cfg),
+        "auto": step.make_learner(train_cfg=auto_cfg),
+    }
     recs = {mode: [] for mode in learners}
     for i, groups in enumerate(batches):
-        order = list(learners) if i % 2 == 0 else list(learners)[::-1]
+        order = list(learners)[i % 3 :] + list(learners)[: i % 3]  # rotated: no mode always first
         for mode in order:
             learner = learners[mode]
             state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), step.state))
@@ -505,7 +512,7 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             ),
             "real_tokens": real,
         }
-    pad, pk = summary["padded"], summary["packed"]
+    pad, pk, auto = summary["padded"], summary["packed"], summary["auto"]
     emit(
         {
             "what": "packing_summary",
@@ -514,8 +521,14 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
                 pad["update_us_per_real_token"] / pk["update_us_per_real_token"]
             ),
             "logps_speedup": pad["logps_s"] / pk["logps_s"],
+            "auto_update_speedup_per_real_token": (
+                pad["update_us_per_real_token"] / auto["update_us_per_real_token"]
+            ),
+            "auto_update_compiles": learners["auto"].update._cache_size(),
             "max_loss_diff": max(
-                abs(a["loss"] - b["loss"]) for a, b in zip(recs["padded"], recs["packed"])
+                abs(a["loss"] - b["loss"])
+                for other in ("packed", "auto")
+                for a, b in zip(recs["padded"], recs[other])
             ),
             "packed_shape": f"{t.minibatches} minibatches x {bins} bins x {s} tokens",
             "padded_shape": f"{step.P * config.rollout.num_samples} rows x {s} tokens",

@@ -23,6 +23,7 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -140,7 +141,7 @@ def policy_logps(
         return jnp.where(batch["loss_mask_BxT"], logps_BxT, 0.0)
     b, s = batch["input_ids_BxS"].shape
     t = batch["targets_BxT"].shape[1]
-    bins, width = pack.shape(b, s, minibatches)
+    bins, width = pack.shape(b, s, minibatches, batch.get("pack_bins_J"))
     total = minibatches * bins  # minibatch m's bins are [m * bins, (m + 1) * bins)
     plan_B = {k: batch[k] for k in packing.PLAN_KEYS}
     plan_B["pack_bin_B"] = plan_B["pack_bin_B"] + (jnp.arange(b) % minibatches) * bins
@@ -194,14 +195,13 @@ _BATCH_KEYS_FOR_LOSS = ("targets_BxT", "old_logps_BxT", "ref_logps_BxT")
 _MODEL_KEYS = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS")
 
 
-def pack_minibatch(rows, prep, *, pack: packing.Packing, minibatches: int, microbatches: int):
-    """One minibatch's rows and `prepare` arrays -> its microbatches of packed bins: three
-    dicts of [K, J/K, W] arrays (model inputs, loss inputs, prep), the loss ones under the
-    objective's names (a bin is a row of the objective's [B, T] grid; its segment ids say
-    which minibatch row each token belongs to)."""
-    r, s = rows["input_ids_BxS"].shape
+def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int):
+    """One minibatch's rows and `prepare` arrays -> its microbatches of `bins` packed bins of
+    `width` tokens: three dicts of [K, J/K, W] arrays (model inputs, loss inputs, prep), the
+    loss ones under the objective's names (a bin is a row of the objective's [B, T] grid; its
+    segment ids say which minibatch row each token belongs to)."""
+    s = rows["input_ids_BxS"].shape[1]
     t = rows["targets_BxT"].shape[1]
-    bins, width = pack.shape(r * minibatches, s, minibatches)
     n = bins * width
     dest_RxS = packing.destinations(rows, s, bins, width)
     dest_RxT = packing.completion_destinations(dest_RxS, t)
@@ -276,10 +276,10 @@ def update(
         pieces_M = (rows_M, prep_M)
         grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     else:  # packed once per minibatch: every pass and iteration reuses the bins
+        b, s = rows["input_ids_BxS"].shape
+        bins, width = pack.shape(b, s, minibatches, batch.get("pack_bins_J"))
         pieces_M = jax.vmap(
-            functools.partial(
-                pack_minibatch, pack=pack, minibatches=minibatches, microbatches=microbatches
-            )
+            functools.partial(pack_minibatch, bins=bins, width=width, microbatches=microbatches)
         )(rows_M, prep_M)
         grad_fn = jax.value_and_grad(packed_loss_fn, has_aux=True)
 
@@ -350,6 +350,7 @@ class Learner:
     overlong_filter: bool = False  # DAPO: truncated completions get no loss
     pack: packing.Packing | None = None  # rows packed into bins (the plan is made here)
     minibatches: int = 1
+    microbatches: int = 1
 
     def batch(self, groups: Groups, params, ref_params) -> dict[str, jax.Array]:
         """The update's device batch; `ref_params` None: no KL term, no reference pass."""
@@ -364,8 +365,11 @@ class Learner:
                     self.pack,
                     s=host["input_ids_BxS"].shape[1],
                     minibatches=self.minibatches,
+                    microbatches=self.microbatches,
                 )
             )
+            # J as a shape (auto bins: one compile per distinct J, never per step)
+            host["pack_bins_J"] = np.zeros(host.pop("pack_bins"), np.int8)
         batch = self.transfer.put_batch(host)
         if ref_params is not None:
             batch["ref_logps_BxT"] = self.logps(ref_params, batch)
@@ -468,5 +472,6 @@ def make_learner(
         transfer=multihost.RowTransfer(batch_sharding),
         pack=pack,
         minibatches=train_cfg.minibatches,
+        microbatches=train_cfg.microbatches,
         **options,
     )

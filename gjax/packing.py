@@ -3,8 +3,10 @@
 Padded, every row runs at the batch's full length S; packed, each row's span (its first real
 token up to the position that predicts its last loss token) is copied into one of J bins of
 W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
-static (`Packing`), so nothing recompiles from step to step; a batch whose rows do not fit is
-a clear error (`plan`). Positions are the rows' own (they restart in every row) and each row
+static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
+the default) each batch takes the fewest bins it needs rounded up to a quarter of its rows
+(`auto_bins`): at most `AUTO_SHAPES` shapes, each compiled once; the update reads the chosen
+J from the shape of the batch's `pack_bins_J` marker. Positions are the rows' own (they restart in every row) and each row
 is its own segment (its padding stays segment 0; a row holds one sequence, as
 `gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
 
@@ -28,19 +30,34 @@ from gjax.errors import ConfigError
 
 MODES = ("padded", "packed")
 PLAN_KEYS = ("pack_start_B", "pack_len_B", "pack_bin_B", "pack_offset_B")
+AUTO_SHAPES = 4  # auto bins: J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
 
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
-    """Static bin shape: `bins` per minibatch (0: one per row, which always fits) of
-    `length` tokens (0: the batch's padded row length S)."""
+    """Bin shape: `bins` per minibatch (0: auto, chosen per batch by `plan`, at most one per
+    row, which always fits) of `length` tokens (0: the batch's padded row length S)."""
 
     bins: int = 0
     length: int = 0
 
-    def shape(self, rows: int, s: int, minibatches: int) -> tuple[int, int]:
-        """(J bins per minibatch, W tokens per bin) for `rows` rows of length `s`."""
-        return (self.bins or rows // minibatches), (self.length or s)
+    def shape(self, rows: int, s: int, minibatches: int, marker_J=None) -> tuple[int, int]:
+        """(J bins per minibatch, W tokens per bin) for `rows` rows of length `s`; auto bins
+        are the `pack_bins_J` marker's length (without one: one bin per row)."""
+        if self.bins:
+            bins = self.bins
+        else:
+            bins = rows // minibatches if marker_J is None else marker_J.shape[0]
+        return bins, (self.length or s)
+
+
+def auto_bins(used: int, rows: int, microbatches: int) -> int:
+    """Auto J for a minibatch of `rows` rows whose fullest plan used `used` bins: rounded up
+    to a multiple of ceil(rows / AUTO_SHAPES) (itself a multiple of `microbatches`), at most
+    `rows`, so few shapes ever compile."""
+    quantum = -(-rows // AUTO_SHAPES)
+    quantum = -(-quantum // microbatches) * microbatches
+    return min(max(-(-used // quantum), 1) * quantum, rows)
 
 
 def from_config(train_cfg) -> Packing | None:
@@ -93,11 +110,14 @@ def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
     return bin_R, offset_R, int((fill > 0).sum())
 
 
-def plan(spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int) -> dict:
-    """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), and `pack_metrics`: the
+def plan(
+    spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int, microbatches: int = 1
+) -> dict:
+    """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), `pack_metrics`: the
     most bins a minibatch used and the fraction of bin tokens filled (f32 [2], to tune
-    `train.pack_bins` by); every process computes the same plan from the all-gathered
-    spans. Raises ConfigError when rows do not fit."""
+    `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0).
+    Every process computes the same plan from the all-gathered spans. Raises ConfigError when
+    rows do not fit."""
     b = len(spans_Bx2)
     bins, width = packing.shape(b, s, minibatches)
     start_B, length_B = spans_Bx2[:, 0], spans_Bx2[:, 1]
@@ -115,13 +135,16 @@ def plan(spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int) -
                 f"train.pack_bins={bins} bins of train.pack_length={width} tokens (longest "
                 f"row {int(length_B[rows].max())} tokens, {int(length_B[rows].sum())} in "
                 f"all; first-fit decreasing needs {need} bins of {max(width, s)}). Raise "
-                "train.pack_bins (0: one bin per row always fits) or train.pack_length, "
+                "train.pack_bins (0: auto, as many as each batch needs) or train.pack_length, "
                 "or set train.packing='padded'."
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
+    if not packing.bins:  # first-fit fills bins 0.. in order: the plan fits in `most`
+        bins = auto_bins(most, b // minibatches, microbatches)
     out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
     fill = length_B.sum() / (minibatches * bins * width)
     out["pack_metrics"] = np.array([most, fill], np.float32)
+    out["pack_bins"] = bins
     return out
 
 

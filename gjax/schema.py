@@ -440,9 +440,10 @@ SCHEMA: dict[str, Any] = {
         ),
         "pack_bins": Field(
             0,
-            "bins per minibatch when packed (0: one per row, always fits); fewer bins skip "
-            "padding FLOPs (metric pack/bins_used_max: what batches needed), and a batch "
-            "whose rows do not fit stops with an error",
+            "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
+            "to a quarter of its rows: at most 4 shapes compile; N: always N, and a batch "
+            "whose rows do not fit stops with an error; metric pack/bins_used_max: what "
+            "batches needed)",
             _NONNEG,
         ),
         "pack_length": Field(

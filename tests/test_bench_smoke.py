@@ -123,14 +123,18 @@ def test_train_step_compare_packing_smoke():
     )
     s = records[-1]
     steps = [r for r in records if r["what"] == "packing_step"]
-    assert s["what"] == "packing_summary" and len(steps) == 4
-    # Each batch runs both ways (the order flips): same rows, same loss, fewer executed FLOPs.
-    for a, b in zip(steps[0::2], steps[1::2], strict=True):
-        assert {a["mode"], b["mode"]} == {"padded", "packed"}
-        assert a["real_tokens"] == b["real_tokens"]
+    assert s["what"] == "packing_summary" and len(steps) == 6
+    # Each batch runs three ways (padded, packed in fixed bins, auto bins; the order rotates):
+    # same rows, same loss, fewer executed FLOPs.
+    for a, b, c in zip(steps[0::3], steps[1::3], steps[2::3], strict=True):
+        assert {a["mode"], b["mode"], c["mode"]} == {"padded", "packed", "auto"}
+        assert a["real_tokens"] == b["real_tokens"] == c["real_tokens"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+        assert a["loss"] == pytest.approx(c["loss"], abs=1e-6)
     assert s["packed_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_update_compiles"] == 1  # one static bin shape for every batch
+    assert 1 <= s["auto_update_compiles"] <= 2  # at most one per batch (and 4 shapes)
+    assert s["auto_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_shape"].endswith("x 48 tokens") and s["train"]["microbatches"] == 2
 
 

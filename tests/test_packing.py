@@ -1,5 +1,7 @@
 """Packed batches (gjax.packing) give the padded update's loss, metrics and gradients."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -190,7 +192,9 @@ def _losses(hidden_BxSxD, head_DxV, batch, cases):
             return _micro_sum(w, h_K, mb_K, prep_K, oc)
 
         def packed(h_BxSxD, w, oc=oc, prep=prep):
-            _, mb_K, prep_K = pack_minibatch(rows, prep, pack=pack, minibatches=1, microbatches=K)
+            _, mb_K, prep_K = pack_minibatch(
+                rows, prep, bins=pack.bins, width=pack.length, microbatches=K
+            )
             h_N = packing.scatter(h_BxSxD, dest_BxS, pack.bins * pack.length)
             h_K = h_N.reshape(K, pack.bins // K, pack.length, -1)
             return _micro_sum(w, h_K, mb_K, prep_K, oc, num_segments=b + 1)
@@ -272,3 +276,63 @@ def test_packed_learner_on_a_mesh_equals_padded_on_one_device():
     assert float(sharded[1]["pack/bins_used_max"]) == used
     assert float(sharded[1]["pack/fill"]) == pytest.approx(fill)
     _assert_same(single["gspo", False], jax.device_get(sharded), "mesh")
+
+
+def test_auto_bins_round_up_to_a_quarter_of_the_rows():
+    # 16 rows per minibatch, 2 microbatches: quantum 4; J in {4, 8, 12, 16}.
+    assert [packing.auto_bins(u, 16, 2) for u in (0, 1, 4, 5, 9, 16)] == [4, 4, 4, 8, 12, 16]
+    # 6 rows, 4 microbatches: quantum ceil(6 / 4) = 2 -> 4 (a multiple of K), capped at 6.
+    assert [packing.auto_bins(u, 6, 4) for u in (1, 4, 5)] == [4, 4, 6]
+    spans = np.array([[0, 5], [0, 5], [0, 5], [0, 5], [0, 12], [0, 3], [0, 3], [0, 3]])
+    plan = packing.plan(spans, packing.Packing(bins=0, length=12), s=12, minibatches=1)
+    # First-fit decreasing: 12 | 5 5 | 5 3 3 | 3 -> 4 bins used of 8 rows: J = 4 (quantum 2).
+    assert plan["pack_bins"] == 4 and plan["pack_metrics"][0] == 4
+    assert plan["pack_bin_B"].max() < 4
+
+
+def test_auto_bins_learner_equals_padded_and_compiles_once_per_bin_count():
+    """make_learner with train.pack_bins=0 (auto): the batch carries J as the shape of its
+    `pack_bins_J` marker, J is below one bin per row, and the update equals the padded one."""
+    mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+    params = init_params(CFG, jax.random.key(6))
+    oc = obj.ObjectiveConfig.preset("grpo", kl_beta=0.04)
+    tx = optax.sgd(1.0)
+    learners = {}
+    for mode in ("padded", "packed"):
+        train_cfg = ml_collections.ConfigDict(
+            dict(
+                minibatches=M,
+                microbatches=K,
+                num_iterations=1,
+                packing=mode,
+                pack_bins=0,
+                pack_length=2 * (S + N),
+            )
+        )
+        state, shardings = init_state(params, tx, mesh)
+        learners[mode] = make_learner(
+            mesh=mesh,
+            model_cfg=CFG,
+            obj_cfg=oc,
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=train_cfg,
+        )
+    packed = learners["packed"]
+    assert packed.pack == packing.Packing(bins=0, length=26) and packed.microbatches == K
+    out, shapes = {}, set()
+    for seed in (7, 8, 9):  # three batches: one compile per distinct J (and row shape)
+        groups = ragged_groups(seed)
+        rng = np.random.default_rng(seed)  # sampler log-probs: the ratio is not 1
+        old = -rng.uniform(0.5, 3.0, groups.completion_ids_PxGxN.shape).astype(np.float32)
+        groups = dataclasses.replace(groups, old_logps_PxGxN=old)
+        for mode, learner in learners.items():
+            state, _ = init_state(jax.tree.map(jnp.copy, params), tx, mesh)  # donated
+            batch = learner.batch(groups, state.params, state.params)
+            out[mode] = jax.device_get(learner.update(state, batch, jax.random.key(0)))
+        rows = P * G // M
+        assert batch["pack_bins_J"].shape[0] < rows  # auto: fewer bins than rows
+        shapes.add((batch["pack_bins_J"].shape, batch["input_ids_BxS"].shape))
+        assert out["packed"][1]["pack/bins_used_max"] <= batch["pack_bins_J"].shape[0]
+        _assert_same(out["padded"], out["packed"], f"auto bins, seed {seed}")
+    assert packed.update._cache_size() == len(shapes) < 3
