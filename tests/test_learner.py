@@ -137,6 +137,12 @@ def test_behaviour_correction_reaches_the_update_and_microbatches_exactly():
     s1, m1 = run_update(params, batch, oc, microbatches=1)
     s4, m4 = run_update(params, batch, oc, microbatches=4)
     assert float(m1["correction/capped_frac"]) > 0
+    # The correction reaches the update: without it the gradient differs (the micro-batch
+    # comparison below holds whether or not pg_coef_BxT is applied).
+    _, m0 = run_update(params, batch, oc.replace(behaviour_correction="none"), microbatches=1)
+    assert abs(float(m0["optim/grad_norm"]) - float(m1["optim/grad_norm"])) > 1e-3 * float(
+        m0["optim/grad_norm"]
+    )
     np.testing.assert_allclose(m1["optim/grad_norm"], m4["optim/grad_norm"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -200,3 +200,46 @@ def test_streamed_push_reaches_every_replica_and_a_restarted_one_is_brought_up(t
         pool.close()
         for s in servers:
             s.stop()
+
+
+def test_repush_right_after_a_streamed_push_sends_the_new_version():
+    """A probe's re-push waiting on the lock while a push streams runs as the lock is
+    released: it must send the new params as the new version (it sent them labelled with the
+    previous one, set only after the lock was released)."""
+    import types
+
+    sent = []
+
+    class Pusher:
+        last_bytes = 0
+
+        def push(self, host, version):
+            sent.append((float(host["w"][0]), version))
+
+        def close(self):
+            pass
+
+    replica = types.SimpleNamespace(index=0, address="127.0.0.1:1", served_version=lambda t: 3)
+    pool = types.SimpleNamespace(
+        replicas=[replica], probe_s=0.01, on_behind=None, await_version=lambda v, t: [v]
+    )
+    weights = replicas.ReplicaWeights(
+        pool, types.SimpleNamespace(version=3), stream=True, ack_timeout_s=1.0
+    )
+    weights._streams = [Pusher()]
+    real = weights._lock
+
+    class Lock:  # on release, a re-push that was waiting runs before push goes on
+        def __enter__(self):
+            real.acquire()
+
+        def __exit__(self, *exc):
+            real.release()
+            weights._lock = real
+            t = threading.Thread(target=weights._repush, args=(replica,))
+            t.start()
+            t.join()
+
+    weights._lock = Lock()
+    assert weights.push({"w": np.ones(2, np.float32)}) == 4
+    assert sent == [(1.0, 4), (1.0, 4)]

@@ -252,8 +252,8 @@ class ReplicaWeights:
                 version = int(multihost.allgather(version).max())
             host = host_params(params)  # a collective: on every process
             if multihost.is_primary():
-                with self._lock:
-                    self._host = host
+                with self._lock:  # host and version together: `_repush` reads both
+                    self._host, self.version = host, version
                     for r, pusher in zip(self.pool.replicas, self._streams):
                         self._stream_to(r, pusher, host, version)
                     self.last_bytes = max((p.last_bytes for p in self._streams), default=0)
