@@ -313,6 +313,13 @@ for n in range(3):
     print(n, gather(np.full(2, 10 * pid + n)).tolist(), flush=True)
 keys = [k for k, _ in gather.client.key_value_dir_get_bytes(gather.prefix + "/")]
 print("own keys", [k for k in keys if k.endswith(f"/{pid}")], flush=True)
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+from gjax.rollout.replicas import host_params
+rows = NamedSharding(jax.make_mesh((2,), ("data",)), PartitionSpec("data"))
+x = jax.make_array_from_process_local_data(rows, np.full((1, 3), pid, np.float32), (2, 3))
+h = host_params({"w": x, "b": x * 2})  # the streamed push's gather: whole on process 0 only
+print("host", None if h is None else {k: v.tolist() for k, v in sorted(h.items())}, flush=True)
 closed = threading.Event()
 gather.stopped = closed.is_set
 if pid == 0:  # the peer never makes this call: waiting ends once closed
@@ -328,7 +335,8 @@ if pid == 0:  # the peer never makes this call: waiting ends once closed
 def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
     """Two processes: the n-th calls meet however late one of them is; each call leaves only
     its own key (the previous one is deleted); a wait for a peer that never calls ends once
-    `stopped()` says so."""
+    `stopped()` says so. Also the streamed weight push's gather (`replicas.host_params`):
+    the whole params on process 0, nothing kept on the other."""
     port = _free_port()
     procs = [
         subprocess.Popen(
@@ -349,6 +357,9 @@ def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
             assert f"{n} [[{n}, {n}], [{10 + n}, {10 + n}]]" in out, out[-3000:]
         assert f"own keys ['gjax/gather/0/2/{pid}']" in out, out[-3000:]  # the last call's
         assert ("stopped" in out) == (pid == 0), out[-3000:]
+    whole = "{'b': [[0.0, 0.0, 0.0], [2.0, 2.0, 2.0]], 'w': [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]}"
+    assert f"host {whole}" in outs[0], outs[0][-3000:]
+    assert "host None" in outs[1], outs[1][-3000:]
 
 
 def _data_state(workdir, step):

@@ -206,11 +206,18 @@ class ReplicaPool:
 
 
 def host_params(params):
-    """`params` as host arrays on every process (a collective in a multi-process run: every
-    process must call it, in the same order)."""
+    """`params` as host arrays on process 0 (None elsewhere). A collective in a multi-process
+    run (every process calls it, in the same order), gathered one leaf at a time so the other
+    processes hold at most one whole leaf, never the whole model."""
     if jax.process_count() == 1:
         return jax.device_get(params)
-    return multihost_utils.process_allgather(params, tiled=True)
+    leaves, treedef = jax.tree.flatten(params)
+    out = []
+    for leaf in leaves:
+        full = multihost_utils.process_allgather(leaf, tiled=True)
+        out.append(full if multihost.is_primary() else None)
+        del full
+    return jax.tree.unflatten(treedef, out) if multihost.is_primary() else None
 
 
 class ReplicaWeights:
@@ -264,7 +271,10 @@ class ReplicaWeights:
         seen = self.pool.await_version(version, self.ack_timeout_s)
         if jax.process_count() > 1:  # every process has seen the same replicas catch up
             multihost_utils.sync_global_devices(f"gjax-weights-{version}")
-        return version if max(seen) >= version else max(max(seen), 0)
+        served = version if max(seen) >= version else max(max(seen), 0)
+        if jax.process_count() > 1:  # one label for every process's rows
+            served = int(multihost.allgather(served).min())
+        return served
 
     def _stream_to(self, replica, pusher, host, version: int) -> None:
         try:
