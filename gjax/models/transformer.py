@@ -437,6 +437,20 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
     return out
 
 
+def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
+    """One decode token's query, key and value per row ([B, H, Dh], [B, K, Dh] twice) from a
+    layer's weights (`decode_layers`): input norm, fused QKV (+ bias), RoPE on q and k."""
+    b_, dh = x_BxD.shape[0], cfg.head_dim
+    hq, hkv = cfg.num_heads * dh, cfg.num_kv_heads * dh
+    qkv = jnp.dot(rms_norm(x_BxD, lp["input_norm"], cfg.rms_norm_eps), lp["qkv"])
+    if "qkv_bias" in lp:
+        qkv = qkv + lp["qkv_bias"]
+    q = qkv[:, :hq].reshape(b_, cfg.num_heads, dh)
+    k = qkv[:, hq : hq + hkv].reshape(b_, cfg.num_kv_heads, dh)
+    v = qkv[:, hq + hkv :].reshape(b_, cfg.num_kv_heads, dh)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 def decode_step(
     params: Params,
     cfg: ModelConfig,
@@ -486,16 +500,8 @@ def decode_step(
         return jnp.swapaxes(a, 1, 2).reshape(b_, kv_, r_, *a.shape[4:])
 
     cache_k, cache_v = list(cache_k), list(cache_v)
-    hq, hkv = h_ * dh, kv_ * dh
     for i, lp in enumerate(layers):
-        h = rms_norm(x, lp["input_norm"], eps)
-        qkv = jnp.dot(h, lp["qkv"])
-        if "qkv_bias" in lp:
-            qkv = qkv + lp["qkv_bias"]
-        q = qkv[:, :hq].reshape(b_, h_, dh)
-        k = qkv[:, hq : hq + hkv].reshape(b_, kv_, dh)
-        v = qkv[:, hq + hkv :].reshape(b_, kv_, dh)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)
         at = (0, 0, step, 0)
         cache_k[i] = jax.lax.dynamic_update_slice(cache_k[i], k[:, :, None].astype(dtype), at)
         cache_v[i] = jax.lax.dynamic_update_slice(cache_v[i], v[:, :, None].astype(dtype), at)

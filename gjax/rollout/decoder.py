@@ -37,8 +37,8 @@ import numpy as np
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import (
     _MASK_VALUE,
-    apply_rope,
     decode_layers,
+    decode_qkv,
     logits_from_hidden,
     prefill,
     rms_norm,
@@ -143,7 +143,7 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     dtype, f32, eps = cfg.jnp_dtype, jnp.float32, cfg.rms_norm_eps
     s_, n_ = tokens_S.shape[0], state.cache_k[0].shape[2]
     h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    r_, hq, hkv = h_ // kv_, h_ * dh, kv_ * dh
+    r_, hq = h_ // kv_, h_ * dh
     scale = 1.0 / math.sqrt(dh)
     n_S = state.n_S
     write_S = jnp.minimum(n_S, n_ - 1)  # a finished slot (n == N) writes a dead entry
@@ -154,14 +154,7 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     pre_valid = state.prompt_mask_RxSp[state.region_S].astype(bool)[:, None, None, :]
     cache_k, cache_v = list(state.cache_k), list(state.cache_v)
     for i, lp in enumerate(layers):
-        h = rms_norm(x, lp["input_norm"], eps)
-        qkv = jnp.dot(h, lp["qkv"])
-        if "qkv_bias" in lp:
-            qkv = qkv + lp["qkv_bias"]
-        q = qkv[:, :hq].reshape(s_, h_, dh)
-        k = qkv[:, hq : hq + hkv].reshape(s_, kv_, dh)
-        v = qkv[:, hq + hkv :].reshape(s_, kv_, dh)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)
         cache_k[i] = cache_k[i].at[slots, :, write_S].set(k.astype(dtype))
         cache_v[i] = cache_v[i].at[slots, :, write_S].set(v.astype(dtype))
         pk = jnp.take(state.prompt_k[i], state.region_S, axis=0)  # [S, K, Sp, Dh]
