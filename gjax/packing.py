@@ -6,9 +6,10 @@ W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J
 static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
 the default) each batch takes the fewest bins it needs rounded up to a quarter of its rows
 (`auto_bins`): at most `AUTO_SHAPES` shapes, each compiled once; the update reads the chosen
-J from the shape of the batch's `pack_bins_J` marker. Positions are the rows' own (they restart in every row) and each row
-is its own segment (its padding stays segment 0; a row holds one sequence, as
-`gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
+J from the shape of the batch's `pack_bins_J` marker. Positions are the rows' own (they
+restart in every row) and each row is its own segment (its padding stays segment 0; a row
+holds one sequence, as `gjax.experience.to_model_inputs` builds them), so attention never
+crosses rows.
 
 The plan is made on the host from the whole batch's row lengths (`plan`: per row its span
 start and length, its bin and its offset there) and applied on the device (`destinations`,
