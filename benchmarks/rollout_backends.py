@@ -41,32 +41,12 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from gjax.flops import QWEN2_SHAPES as SHAPES
 from gjax.flops import table_hbm_bandwidth
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
 from gjax.rollout import SamplingParams, generate
 from gjax.rollout.decoder import ContinuousDecoder
-
-SHAPES = {  # Qwen2.5 (tied embeddings, q/k/v bias)
-    "qwen2-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=64,
-    ),
-    "qwen2-1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-        head_dim=128,
-    ),
-}
 
 
 def emit(record):

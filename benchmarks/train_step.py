@@ -123,26 +123,7 @@ from gjax.rollout import LocalSampler  # noqa: E402
 from gjax.rollout.collect import Rollout  # noqa: E402
 
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
-# Qwen2.5 sizes for `--shape` (random weights, the character tokenizer; head_dim = D / H,
-# tied embeddings and q/k/v bias as in make_tiny_policy.model_config).
-SHAPES = {
-    "qwen2-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-    ),
-    "qwen2-1.5b": dict(
-        vocab_size=151936,
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_layers=28,
-        num_heads=12,
-        num_kv_heads=2,
-    ),
-}
+SHAPES = flops.QWEN2_SHAPES  # for `--shape` (random weights, the character tokenizer)
 
 
 def emit(record: dict) -> None:
@@ -192,9 +173,7 @@ def shape_config(tiny_cfg, shape: str | None):
     """`make_tiny_policy.model_config` resized to `SHAPES[shape]` (None: unchanged)."""
     if shape is None:
         return tiny_cfg
-    dims = SHAPES[shape]
-    head_dim = dims["hidden_size"] // dims["num_heads"]
-    return tiny_cfg.replace(**dims, head_dim=head_dim, max_position_embeddings=32768)
+    return tiny_cfg.replace(**SHAPES[shape], max_position_embeddings=32768)
 
 
 def pareto_lengths(rng: np.random.Generator, rows: int, max_len: int) -> np.ndarray:

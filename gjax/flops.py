@@ -24,6 +24,28 @@ import numpy as np
 
 from gjax.models.config import ModelConfig
 
+# Qwen2.5 sizes (tied embeddings, q/k/v bias) for the benchmarks' `--shape` (random weights).
+QWEN2_SHAPES = {
+    "qwen2-0.5b": dict(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_layers=24,
+        num_heads=14,
+        num_kv_heads=2,
+        head_dim=64,
+    ),
+    "qwen2-1.5b": dict(
+        vocab_size=151936,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_layers=28,
+        num_heads=12,
+        num_kv_heads=2,
+        head_dim=128,
+    ),
+}
+
 
 def layer_matmul_params(cfg: ModelConfig) -> int:
     """Kernel weights of one decoder layer (attention q/k/v/o and the SwiGLU MLP)."""

@@ -451,6 +451,16 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
+def decode_layer_out(lp: Params, x_BxD, attn_BxHDh, cfg: ModelConfig):
+    """The rest of a decode layer after attention: output projection (+ bias) into the
+    residual, post-attention norm, SwiGLU MLP into the residual."""
+    o = jnp.dot(attn_BxHDh, lp["o"])
+    x_BxD = x_BxD + (o + lp["o_bias"] if "o_bias" in lp else o)
+    gate_up = jnp.dot(rms_norm(x_BxD, lp["post_attn_norm"], cfg.rms_norm_eps), lp["gate_up"])
+    f_ = gate_up.shape[-1] // 2
+    return x_BxD + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
+
+
 def decode_step(
     params: Params,
     cfg: ModelConfig,
@@ -519,11 +529,6 @@ def decode_step(
         out = from_prefix_layout(jnp.einsum("pkqs,pksd->pkqd", e_pre.astype(dtype), prefix_v[i]))
         out = out + jnp.einsum("bkrn,bknd->bkrd", e_own.astype(dtype), cache_v[i])
         out = (out / denom[..., None].astype(dtype)).reshape(b_, h_ * dh)
-        o = jnp.dot(out, lp["o"])
-        x = x + (o + lp["o_bias"] if "o_bias" in lp else o)
-        h = rms_norm(x, lp["post_attn_norm"], eps)
-        gate_up = jnp.dot(h, lp["gate_up"])
-        f_ = gate_up.shape[-1] // 2
-        x = x + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
+        x = decode_layer_out(lp, x, out, cfg)
     hidden = rms_norm(x, params["final_norm"]["scale"], eps)
     return hidden, cache_k, cache_v

@@ -37,6 +37,7 @@ import numpy as np
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import (
     _MASK_VALUE,
+    decode_layer_out,
     decode_layers,
     decode_qkv,
     logits_from_hidden,
@@ -170,12 +171,7 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
         out = jnp.einsum("skrp,skpd->skrd", e_pre.astype(dtype), pv)
         out = out + jnp.einsum("skrn,sknd->skrd", e_own.astype(dtype), cache_v[i])
         out = (out / denom[..., None].astype(dtype)).reshape(s_, hq)
-        o = jnp.dot(out, lp["o"])
-        x = x + (o + lp["o_bias"] if "o_bias" in lp else o)
-        h = rms_norm(x, lp["post_attn_norm"], eps)
-        gate_up = jnp.dot(h, lp["gate_up"])
-        f_ = gate_up.shape[-1] // 2
-        x = x + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
+        x = decode_layer_out(lp, x, out, cfg)
     hidden = rms_norm(x, params["final_norm"]["scale"], eps)
     return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
 
