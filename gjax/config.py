@@ -19,7 +19,7 @@ import ml_collections
 from gjax import schema
 from gjax.errors import ConfigError
 from gjax.models import hf_format, hf_import
-from gjax.models.config import REMAT_POLICIES
+from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
 from gjax.schema import FIELDS, unknown_field, walk
 
 # A subsystem's config check: raises ConfigError naming the field (e.g.
@@ -115,6 +115,11 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         m.remat in REMAT_POLICIES,
         "model.remat",
         f"must be one of {REMAT_POLICIES}, got {m.remat!r}",
+    )
+    _require(
+        m.get("attention", "auto") in ATTENTION_IMPLEMENTATIONS,
+        "model.attention",
+        f"must be one of {ATTENTION_IMPLEMENTATIONS}, got {m.get('attention')!r}",
     )
     _require(
         config.rollout.backend in ROLLOUT_BACKENDS,

@@ -117,6 +117,11 @@ SCHEMA: dict[str, Any] = {
         "remat": Field(
             "full", "layer recomputation in the backward: none|full|dots|dots_with_no_batch_dims"
         ),
+        "attention": Field(
+            "auto",
+            "attention implementation: auto (cpu: xla, gpu: pallas_gpu, tpu: splash) | xla "
+            "(dense masked) | pallas_gpu | splash | cudnn (gjax.models.attention)",
+        ),
     },
     "mesh": {
         "data": Field(-1, "devices on the data axis (-1: all not used by the other axes)", _AXIS),

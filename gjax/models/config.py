@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
+# gjax.models.attention.IMPLEMENTATIONS (kept here: config imports no jax modules of its own).
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_gpu", "splash")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -56,6 +58,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
     remat: str = "none"
+    attention: str = "auto"  # gjax.models.attention.IMPLEMENTATIONS
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # keep the config hashable
@@ -84,6 +87,10 @@ class ModelConfig:
             )
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"unknown remat policy {self.remat!r}; valid: {REMAT_POLICIES}")
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"unknown attention {self.attention!r}; valid: {ATTENTION_IMPLEMENTATIONS}"
+            )
         dtype_from_name(self.param_dtype)
         dtype_from_name(self.dtype)
 

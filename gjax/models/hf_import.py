@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from gjax import sharding as sharding_lib
+from gjax.models import attention
 from gjax.models.config import ModelConfig
 from gjax.models.hf_format import (
     _ST_DTYPES,
@@ -197,13 +198,16 @@ def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
 
 def load_policy(path: str, model_cfg, mesh: jax.sharding.Mesh):
     """`(cfg, params, tokenizer)` of a run's policy: `path` loaded as `config.model` asks
-    (param dtype, compute dtype, remat), sharded on `mesh`. What train and serve both load."""
+    (param dtype, compute dtype, remat, attention), sharded on `mesh`. What train and serve
+    both load. An attention implementation the mesh's platform cannot run is a ConfigError."""
+    attention.resolve(model_cfg.get("attention", "auto"), mesh.devices.flat[0].platform)
     cfg, params = load_pretrained(
         path,
         mesh=mesh,
         param_dtype=model_cfg.param_dtype,
         dtype=model_cfg.dtype,
         remat=model_cfg.remat,
+        attention=model_cfg.get("attention", "auto"),
     )
     return cfg, params, load_tokenizer(path)
 

@@ -32,13 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from gjax.models import attention
+from gjax.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401 (decoders import it)
+from gjax.models.attention import dense_mask as attention_mask
+from gjax.models.attention import xla as dot_attention
 from gjax.models.config import ModelConfig
 
 Params = dict[str, Any]
-
-# A large negative finite value: fully masked rows (padding queries) give a uniform softmax
-# instead of NaNs, so gradients through padded batches stay finite.
-_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 _REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer in the backward pass
@@ -96,29 +96,6 @@ def apply_rope(x, cos, sin):
     cos, sin = cos[..., None, :], sin[..., None, :]
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(dtype)
-
-
-def attention_mask(segment_ids_BxT):
-    """[B, T, T] bool: causal (by index) within equal, nonzero segment ids."""
-    t = segment_ids_BxT.shape[-1]
-    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
-    seg_q = segment_ids_BxT[:, :, None]
-    seg_k = segment_ids_BxT[:, None, :]
-    return causal_TxT[None] & (seg_q == seg_k) & (seg_k != 0)
-
-
-def dot_attention(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
-    """Grouped-query attention; scores and softmax in f32. Query head h uses kv head h // R."""
-    b, t, h, dh = q_BxTxHxDh.shape
-    kv = k_BxSxKxDh.shape[2]
-    q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
-    scores = jnp.einsum(
-        "btkrd,bskd->bkrts", q, k_BxSxKxDh, preferred_element_type=jnp.float32
-    ) / math.sqrt(dh)
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
-    out = jnp.einsum("bkrts,bskd->btkrd", probs, v_BxSxKxDh)
-    return out.reshape(b, t, h, dh)
 
 
 def _linear(p, x, dtype):
@@ -184,7 +161,7 @@ class Attention(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, cos, sin, mask_BxTxT):
+    def __call__(self, x_BxTxD, cos, sin, attn_in):
         cfg = self.cfg
         b, t, _ = x_BxTxD.shape
         h, k, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -200,7 +177,8 @@ class Attention(nn.Module):
             val.reshape(b, t, k, dh), ("batch", "length", "kv_heads", None)
         )
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
-        out = dot_attention(q, key, val, mask_BxTxT).reshape(b, t, h * dh)
+        impl = attention.platform_impl(cfg.attention)
+        out = attention.attend(impl, q, key, val, attn_in).reshape(b, t, h * dh)
         out = nn.with_logical_constraint(out, ("batch", "length", "q_heads"))
         return Linear(cfg, cfg.hidden_size, ("q_heads", "embed"), cfg.o_bias, name="o")(out)
 
@@ -224,10 +202,10 @@ class Block(nn.Module):
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x_BxTxD, cos, sin, mask_BxTxT):
+    def __call__(self, x_BxTxD, cos, sin, attn_in):
         cfg = self.cfg
         h = RMSNorm(cfg, name="input_norm")(x_BxTxD)
-        x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h, cos, sin, mask_BxTxT)
+        x_BxTxD = x_BxTxD + Attention(cfg, name="attn")(h, cos, sin, attn_in)
         h = RMSNorm(cfg, name="post_attn_norm")(x_BxTxD)
         x_BxTxD = x_BxTxD + MLP(cfg, name="mlp")(h)
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
@@ -251,7 +229,8 @@ class Transformer(nn.Module):
         x_BxTxD = jnp.take(embedding_VxD, tokens_BxT, axis=0).astype(dtype)
         x_BxTxD = nn.with_logical_constraint(x_BxTxD, ("batch", "length", "embed"))
         cos, sin = rope_cos_sin(positions_BxT, cfg)
-        mask_BxTxT = attention_mask(segment_ids_BxT)
+        # The dense mask (xla) or the segment ids (kernels), per `cfg.attention`.
+        attn_in = attention.layer_input(attention.platform_impl(cfg.attention), segment_ids_BxT)
 
         block = Block
         if cfg.remat != "none":
@@ -264,7 +243,7 @@ class Transformer(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )
-        x_BxTxD, _ = stack(cfg, name="layers")(x_BxTxD, cos, sin, mask_BxTxT)
+        x_BxTxD, _ = stack(cfg, name="layers")(x_BxTxD, cos, sin, attn_in)
         hidden_BxTxD = RMSNorm(cfg, name="final_norm")(x_BxTxD)
         if not return_logits:
             return hidden_BxTxD

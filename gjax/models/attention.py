@@ -1,0 +1,199 @@
+"""Self-attention over packed rows: the one place an implementation is chosen per platform.
+
+Every implementation computes the same masked GQA attention (`transformer.dot_attention`):
+query i attends key j iff j <= i, seg[i] == seg[j] and seg[j] != 0 (0 = padding). Outputs at
+padding queries are unspecified (nothing reads them). Implementations (`model.attention`):
+
+- "xla": dense masked attention, `transformer.dot_attention`; builds the [B, T, T] mask and
+  the f32 [B, H, T, T] scores. The reference, and the only one that runs on CPU.
+- "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
+  .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
+  skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
+  heads are repeated to the query heads (the kernel has no GQA); T is padded to its block.
+- "splash": Pallas TPU splash attention (`...ops.tpu.splash_attention`) with segment ids and
+  a causal `MultiHeadMask` (GQA native); skips the tiles the causal mask empties. T is padded
+  to a multiple of 128 (its lane width).
+- "cudnn": `jax.nn.dot_product_attention(implementation="cudnn")`. Its public API in jax
+  0.10 takes no segment ids, only a boolean mask, which it turns into an additive [B, 1, T, T]
+  bias (so a [T x T] array in HBM, though not the per-head f32 scores); `is_causal` lets it
+  skip the upper tiles. bf16/f16 only. The packed ragged layout (q_offsets / kv_offsets) is
+  only in jax's private cuDNN module, not used here.
+- "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
+
+The Pallas kernels run as custom calls: on a multi-device mesh XLA cannot split them and
+replicates their inputs (correct; a `shard_map` over batch and heads would be the fix).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gjax.errors import ConfigError
+from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
+
+AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
+# Platforms each implementation compiles for (xla: any).
+PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}
+# Tiles (query and key block) each kernel runs with; FLOP counts use them (gjax.flops).
+PALLAS_GPU_BLOCK, PALLAS_GPU_BWD_BLOCK, SPLASH_BLOCK, CUDNN_BLOCK = 128, 32, 128, 128
+# A large negative finite value: fully masked rows (padding queries) give a uniform softmax
+# instead of NaNs, so gradients through padded batches stay finite.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+def resolve(name: str, platform: str) -> str:
+    """The implementation `model.attention=name` runs on `platform` ("cpu", "gpu", "tpu")."""
+    if name not in IMPLEMENTATIONS:
+        raise ConfigError(
+            f"config.model.attention={name!r} is not an attention implementation: it must be "
+            f"one of {IMPLEMENTATIONS} (auto: {AUTO})."
+        )
+    if name == "auto":
+        return AUTO.get(platform, "xla")
+    if name != "xla" and platform not in PLATFORMS[name]:
+        raise ConfigError(
+            f"config.model.attention={name!r} runs only on {PLATFORMS[name]}, and this run's "
+            f"devices are {platform!r}. Set config.model.attention='auto' (here: "
+            f"{AUTO.get(platform, 'xla')!r}) or 'xla'."
+        )
+    return name
+
+
+def platform_impl(name: str) -> str:
+    """`resolve` on the default backend's platform (what a jitted forward runs on)."""
+    return resolve(name, jax.default_backend())
+
+
+def dense_mask(segment_ids_BxT):
+    """[B, T, T] bool: causal (by index) within equal, nonzero segment ids."""
+    t = segment_ids_BxT.shape[-1]
+    causal_TxT = jnp.tril(jnp.ones((t, t), dtype=bool))
+    seg_q = segment_ids_BxT[:, :, None]
+    seg_k = segment_ids_BxT[:, None, :]
+    return causal_TxT[None] & (seg_q == seg_k) & (seg_k != 0)
+
+
+def xla(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
+    """Grouped-query attention; scores and softmax in f32. Query head h uses kv head h // R."""
+    b, t, h, dh = q_BxTxHxDh.shape
+    kv = k_BxSxKxDh.shape[2]
+    q = q_BxTxHxDh.reshape(b, t, kv, h // kv, dh)
+    scores = jnp.einsum(
+        "btkrd,bskd->bkrts", q, k_BxSxKxDh, preferred_element_type=jnp.float32
+    ) / math.sqrt(dh)
+    scores = jnp.where(mask_BxTxS[:, None, None], scores, MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+    out = jnp.einsum("bkrts,bskd->btkrd", probs, v_BxSxKxDh)
+    return out.reshape(b, t, h, dh)
+
+
+def _pad_to(x, multiple: int, axis: int = 1):
+    pad = -x.shape[axis] % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def _pow2_block(t: int, cap: int) -> int:
+    """The kernel's tile: `cap`, or for short rows the next power of two >= max(t, 16)."""
+    return min(cap, max(16, 1 << (t - 1).bit_length()))
+
+
+def pallas_gpu(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, block=None, interpret=False):
+    """Pallas Triton flash attention with segment ids (see the module docstring)."""
+    from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
+    b, t, h, dh = q_BxTxHxDh.shape
+    r = h // k_BxTxKxDh.shape[2]
+    bq = block or _pow2_block(t, PALLAS_GPU_BLOCK)
+    bwd = min(PALLAS_GPU_BWD_BLOCK, bq)
+    sizes = gpu_attention.BlockSizes(
+        block_q=bq, block_k=bq, block_q_dkv=bwd, block_kv_dkv=bwd, block_q_dq=bwd, block_kv_dq=bwd
+    )
+    k = jnp.repeat(k_BxTxKxDh, r, axis=2)  # query head h reads kv head h // r
+    v = jnp.repeat(v_BxTxKxDh, r, axis=2)
+    q, k, v, seg = (_pad_to(x, bq) for x in (q_BxTxHxDh, k, v, segment_ids_BxT))
+    out = gpu_attention.mha(
+        q,
+        k,
+        v,
+        seg.astype(jnp.int32),
+        sm_scale=1.0 / math.sqrt(dh),
+        causal=True,
+        block_sizes=sizes,
+        interpret=interpret,
+    )
+    return out[:, :t]
+
+
+@functools.lru_cache(maxsize=16)
+def _splash_kernel(heads: int, t: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    mask = sa.MultiHeadMask([sa.CausalMask((t, t)) for _ in range(heads)])
+    sizes = sa.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    with jax.ensure_compile_time_eval():  # concrete mask tables: cacheable across traces
+        return sa.make_splash_mha(
+            mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
+        )
+
+
+def splash(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, interpret=False):
+    """Pallas TPU splash attention with segment ids (see the module docstring)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    b, t, h, dh = q_BxTxHxDh.shape
+    q = _pad_to(q_BxTxHxDh / math.sqrt(dh), SPLASH_BLOCK).astype(q_BxTxHxDh.dtype)
+    k, v, seg = (_pad_to(x, SPLASH_BLOCK) for x in (k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT))
+    tp = q.shape[1]
+    kernel = _splash_kernel(h, tp, SPLASH_BLOCK, interpret)
+    seg = seg.astype(jnp.int32)
+    # The kernel is per row with heads leading: [H, T, Dh].
+    out_BxHxTxDh = jax.vmap(lambda q, k, v, s: kernel(q, k, v, segment_ids=sa.SegmentIds(s, s)))(
+        q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), seg
+    )
+    return out_BxHxTxDh.swapaxes(1, 2)[:, :t]
+
+
+def cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, backend="cudnn"):
+    """`jax.nn.dot_product_attention` with the segment mask (`backend`: "xla" to check the
+    call's layout and mask where cuDNN cannot run)."""
+    mask_Bx1xTxT = dense_mask(segment_ids_BxT)[:, None]
+    return jax.nn.dot_product_attention(
+        q_BxTxHxDh,
+        k_BxTxKxDh,
+        v_BxTxKxDh,
+        mask=mask_Bx1xTxT,
+        is_causal=True,
+        implementation=backend,
+    )
+
+
+def layer_input(impl: str, segment_ids_BxT):
+    """What every layer's `attend` takes, built once per forward: the dense mask for xla,
+    the segment ids for the kernels."""
+    return dense_mask(segment_ids_BxT) if impl == "xla" else segment_ids_BxT
+
+
+def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in):
+    """Attention by a resolved implementation (`resolve`); `layer_in` from `layer_input`."""
+    if impl == "xla":
+        return xla(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
+    kernels = {"pallas_gpu": pallas_gpu, "splash": splash, "cudnn": cudnn}
+    return kernels[impl](q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)

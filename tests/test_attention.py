@@ -1,0 +1,130 @@
+"""Attention implementations (gjax.models.attention) against the dense XLA reference.
+
+The Pallas kernels run here with `interpret=True` (their GPU / TPU lowering is the same
+kernel); cuDNN cannot run on CPU, so its call (layout, mask, GQA) is checked through
+`jax.nn.dot_product_attention`'s XLA backend, and its selection is checked on its own.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gjax.errors import ConfigError
+from gjax.models import attention
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import abstract_params, forward
+
+B, T, H, K, DH = 2, 40, 4, 2, 16
+# Row 0: three packed segments then padding; row 1: left and right padding around one.
+SEG_BxT = np.array(
+    [[1] * 10 + [2] * 17 + [3] * 5 + [0] * 8, [0] * 3 + [1] * 30 + [0] * 7], np.int32
+)
+
+
+def _inputs():
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (B, T, H, DH), jnp.float32)
+    k = jax.random.normal(keys[1], (B, T, K, DH), jnp.float32)
+    v = jax.random.normal(keys[2], (B, T, K, DH), jnp.float32)
+    w = jax.random.normal(keys[3], (B, T, H, DH), jnp.float32)
+    return q, k, v, w
+
+
+def _reference(q, k, v, seg):
+    return attention.xla(q, k, v, attention.dense_mask(seg))
+
+
+IMPLS = {
+    "pallas_gpu": lambda q, k, v, s: attention.pallas_gpu(q, k, v, s, block=16, interpret=True),
+    "splash": lambda q, k, v, s: attention.splash(q, k, v, s, interpret=True),
+    "cudnn_call": lambda q, k, v, s: attention.cudnn(q, k, v, s, backend="xla"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(IMPLS))
+def test_kernel_equals_xla_reference_forward_and_grad(name):
+    """Packed segments, padding, GQA; f32; outputs and d(q, k, v) at the real positions."""
+    q, k, v, w = _inputs()
+    seg = jnp.asarray(SEG_BxT)
+    real = (seg != 0)[:, :, None, None]
+
+    def loss(fn):  # padding queries' outputs are unspecified: they carry no weight
+        return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v, seg) * w, 0.0))
+
+    want = _reference(q, k, v, seg)
+    got = jax.jit(IMPLS[name])(q, k, v, seg)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(
+        np.where(real, got, 0.0), np.where(real, want, 0.0), atol=2e-6, rtol=2e-6
+    )
+    grads_want = jax.grad(loss(_reference), argnums=(0, 1, 2))(q, k, v)
+    grads_got = jax.jit(jax.grad(loss(IMPLS[name]), argnums=(0, 1, 2)))(q, k, v)
+    for g, gw in zip(grads_got, grads_want, strict=True):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
+    assert [attention.resolve("auto", p) for p in ("cpu", "gpu", "tpu")] == [
+        "xla",
+        "pallas_gpu",
+        "splash",
+    ]
+    for name in ("xla", "cudnn", "pallas_gpu"):
+        assert attention.resolve(name, "gpu") == name
+    assert attention.resolve("splash", "tpu") == "splash"
+    assert attention.resolve("xla", "tpu") == "xla"
+    for name, platform in (("splash", "cpu"), ("splash", "gpu"), ("pallas_gpu", "tpu")):
+        with pytest.raises(ConfigError, match="runs only on"):
+            attention.resolve(name, platform)
+    with pytest.raises(ConfigError, match="not an attention implementation"):
+        attention.resolve("flash", "gpu")
+    with pytest.raises(ValueError, match="unknown attention"):
+        ModelConfig(
+            model_type="qwen2",
+            vocab_size=8,
+            hidden_size=8,
+            intermediate_size=8,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=8,
+            attention="flash",
+        )
+
+
+def test_transformer_reads_the_config():
+    """The forward resolves `cfg.attention` when traced: a GPU kernel is refused on CPU."""
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=16,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+    )
+    params = abstract_params(cfg)
+    tokens = jnp.ones((1, 6), jnp.int32)
+    seg = jnp.array([[1, 1, 1, 2, 2, 0]], jnp.int32)
+
+    def run(name):
+        c = cfg.replace(attention=name)
+        return jax.eval_shape(lambda p: forward(p, c, tokens, tokens, seg), params)
+
+    assert run("auto").shape == run("xla").shape == (1, 6, 16)
+    for name in ("pallas_gpu", "splash", "cudnn"):
+        with pytest.raises(ConfigError, match="runs only on"):
+            run(name)
+
+
+def test_config_names_the_valid_implementations():
+    from gjax import config as config_lib
+    from gjax import schema
+
+    c = schema.base()
+    config_lib.check_names(c)  # the default, auto, passes
+    c.model.attention = "flash"
+    with pytest.raises(ConfigError, match="model.attention"):
+        config_lib.check_names(c)
