@@ -116,7 +116,7 @@ from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.experience import select_groups, to_model_inputs  # noqa: E402
 from gjax.learner import init_state, make_learner, make_optimizer  # noqa: E402
-from gjax.models import hf_export, hf_import  # noqa: E402
+from gjax.models import attention, hf_export, hf_import  # noqa: E402
 from gjax.rewards.pipeline import build_rewards  # noqa: E402
 from gjax.rewards.verifier import Verifier  # noqa: E402
 from gjax.rollout import LocalSampler  # noqa: E402
@@ -251,6 +251,7 @@ class GjaxStep:
             param_dtype=config.model.param_dtype,
             dtype=config.model.dtype,
             remat=config.model.remat,
+            attention=config.model.attention,
         )
         self.tok = hf_import.load_tokenizer(path)
         self.ref_params = jax.tree.map(lambda x: x.copy(), params)
@@ -289,9 +290,13 @@ class GjaxStep:
         self.kernel_shapes = dict(
             num_iterations=t.num_iterations,
             update_pieces=t.minibatches * t.microbatches,
-            update_token_chunk=chunk or 1024,
+            update_token_chunk=chunk,  # None: the fused schedule's for the platform
             logps_token_chunk=chunk or 256,
+            head_kernel=obj_cfg.lm_head_kernel,
+            platform=jax.default_backend(),
         )
+        # What the model runs: executed attention FLOPs depend on it (flops.attention_pairs).
+        self.attention_impl = attention.platform_impl(self.cfg.attention)
         self.last_batch = None
         self.data_iter = PromptIterator(data, global_batch_size=self.P, seed=0, shuffle=True)
         self.base_key = jax.random.key(config.seed)
@@ -349,6 +354,7 @@ class GjaxStep:
             extra_forwards=self.extra_forwards,
             **self.kernel_shapes,
             **packed,
+            attention_impl=self.attention_impl,
         )
         learner = flops.learner_flops(self.cfg, **shapes)
         # The padding and layout waste alone: the same without remat's recompute.
@@ -367,6 +373,8 @@ class GjaxStep:
         return {
             "real_tokens": learner["real_tokens"],
             "padded_tokens": learner["padded_tokens"],
+            "attn_pairs_useful": learner["attn_pairs_useful"],
+            "attn_pairs_executed": learner["attn_pairs_executed"],
             "learner_useful_flops": learner["useful"],
             "learner_executed_flops": learner["executed"],
             "update_useful_flops": learner["update_useful"],
@@ -400,6 +408,8 @@ class GjaxStep:
             padded_completion_len_T=t,
             update_pieces=self.kernel_shapes["update_pieces"],
             update_token_chunk=self.kernel_shapes["update_token_chunk"],
+            head_kernel=self.kernel_shapes["head_kernel"],
+            platform=self.kernel_shapes["platform"],
         )
         return {
             "xla_update_flops": xla,
@@ -418,9 +428,12 @@ class GjaxStep:
 def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     """`--compare-packing`: the learner part (`Learner.batch`: reference log-probs; then the
     update) on the same rollout batches, padded and packed, alternating (the order flips each
-    batch), from the same state. Bins: W = the padded row length S, and J per minibatch the
-    most that any of the batches needs by first-fit decreasing (rounded up to a multiple of
-    microbatches): one static shape for all of them, no recompiles."""
+    batch), from the same state. Bins: W = the padded row length S; "packed": J per minibatch
+    the most that any of the batches needs by first-fit decreasing (rounded up to a multiple
+    of microbatches), one static shape; "auto" (`train.pack_bins=0`, the default): J per batch
+    on `packing.auto_bins`' ladder; "auto_quarter": the first auto (J rounded up to a quarter
+    of the rows). Every batch runs once untimed in every mode first, so each shape's compile
+    is outside the timings (the compiles are counted)."""
     config.train.packing = "padded"
     step = GjaxStep(config, path, verifier, data, length_dist=args.length_dist)
     t = config.train
@@ -446,14 +459,25 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
     auto_cfg = config.train.copy_and_resolve_references()  # the default: bins chosen per batch
     auto_cfg.packing, auto_cfg.pack_bins, auto_cfg.pack_length = "packed", 0, 0
+    quarter = step.make_learner(train_cfg=auto_cfg)
+    quarter = dataclasses.replace(
+        quarter, pack=dataclasses.replace(quarter.pack, rounding="quarter")
+    )
     learners = {
         "padded": step.learner,
         "packed": step.make_learner(train_cfg=packed_cfg),
+        "auto_quarter": quarter,  # shares nothing compiled with "auto": its own jit
         "auto": step.make_learner(train_cfg=auto_cfg),
     }
+    for groups in batches:  # compile every shape first (untimed)
+        for learner in learners.values():
+            state = jax.tree.map(lambda x: x.copy(), step.state)
+            batch = learner.batch(groups, state.params, step.ref_params)
+            jax.block_until_ready(learner.update(state, batch, jax.random.key(0)))
     recs = {mode: [] for mode in learners}
+    n = len(learners)
     for i, groups in enumerate(batches):
-        order = list(learners)[i % 3 :] + list(learners)[: i % 3]  # rotated: no mode always first
+        order = list(learners)[i % n :] + list(learners)[: i % n]  # rotated: none always first
         for mode in order:
             learner = learners[mode]
             state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), step.state))
@@ -465,6 +489,7 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             t2 = time.perf_counter()
             rec = {
                 **step.flops(groups, batch, learner),
+                "bins_J": int(batch["pack_bins_J"].shape[0]) if "pack_bins_J" in batch else None,
                 "logps_s": t1 - t0,
                 "update_s": t2 - t1,
                 "loss": float(metrics["loss/total"]),
@@ -492,6 +517,15 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
                 r["learner_executed_flops"] / r["learner_useful_flops"] for r in recs[mode]
             ),
             "real_tokens": real,
+            # Where executed exceeds useful: tokens run per real token (padding or empty bin
+            # slots), attention pairs computed per causal pair over real tokens.
+            "run_tokens_per_real_token": statistics.median(
+                r["padded_tokens"] / r["real_tokens"] for r in recs[mode]
+            ),
+            "attn_executed_over_useful": statistics.median(
+                r["attn_pairs_executed"] / r["attn_pairs_useful"] for r in recs[mode]
+            ),
+            "bins_J": sorted({r["bins_J"] for r in recs[mode] if r["bins_J"] is not None}),
         }
     pad, pk, auto = summary["padded"], summary["packed"], summary["auto"]
     emit(
@@ -506,9 +540,17 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
                 pad["update_us_per_real_token"] / auto["update_us_per_real_token"]
             ),
             "auto_update_compiles": learners["auto"].update._cache_size(),
+            "auto_quarter_update_speedup_per_real_token": (
+                pad["update_us_per_real_token"]
+                / summary["auto_quarter"]["update_us_per_real_token"]
+            ),
+            "auto_quarter_update_compiles": learners["auto_quarter"].update._cache_size(),
+            "attention": step.attention_impl,
+            "remat": step.cfg.remat,
+            "load_avg_1min": os.getloadavg()[0],
             "max_loss_diff": max(
                 abs(a["loss"] - b["loss"])
-                for other in ("packed", "auto")
+                for other in ("packed", "auto_quarter", "auto")
                 for a, b in zip(recs["padded"], recs[other])
             ),
             "packed_shape": f"{t.minibatches} minibatches x {bins} bins x {s} tokens",

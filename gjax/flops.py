@@ -6,7 +6,8 @@ costs 2 x `layer_matmul_params` (q, k, v, o, gate, up, down kernels); each posit
 logits are taken costs 2 x D x V (the LM head; the embedding lookup is a gather, 0 FLOPs);
 each (query, key) pair costs 4 x H x Dh per layer (q k^T, then p v). A backward pass is twice
 its forward (gradients with respect to activations and weights); `remat` adds what it
-recomputes, and the update's fused loss kernel runs the head 4 times (`FUSED_HEAD_MATMULS`).
+recomputes, and the update's fused loss kernel runs the head 3 or 4 times, as its schedule
+for the platform says (`fused_head_matmuls`).
 
 "Useful" counts real tokens only (6 x params x tokens for forward + backward, 2 x for a
 forward, where params are the matmul weights a token passes through: the layer stack for
@@ -14,15 +15,19 @@ every real prompt + completion token, the head for real completion tokens only, 
 positions whose logits the learner takes), plus causal attention (the i-th real token of a
 row attends i real keys). "Executed" counts the shapes the code runs: every row at the
 padded length S, the head at all T completion slots (rows padded to the loss kernel's token
-chunk), and the full [S x S] score matrix that `dot_attention` computes before masking;
-packed (`gjax.packing`), the bins' [J, W] shape, with the head at every packed position.
+chunk), and the (query, key) pairs the attention implementation computes
+(`attention_pairs`: XLA's dense [S x S] scores; a flash kernel's tiles on or below the
+diagonal, plus its backward's recompute of the scores); packed (`gjax.packing`), the bins'
+[J, W] shape, with the head at every packed position.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from gjax.models import attention
 from gjax.models.config import ModelConfig
+from gjax.objective.logprobs import fused_schedule
 
 # Qwen2.5 sizes (tied embeddings, q/k/v bias) for the benchmarks' `--shape` (random weights).
 QWEN2_SHAPES = {
@@ -98,9 +103,35 @@ def chunk_padded(rows: int, token_chunk: int) -> int:
     return c * -(-rows // c)
 
 
-# The update's fused loss kernel (gjax.objective.logprobs.fused_token_loss, store_logits
-# False) makes 4 head matmuls per position: logits, their recompute, dhidden, dhead.
-FUSED_HEAD_MATMULS = 4
+def fused_head_matmuls(
+    cfg: ModelConfig, token_chunk: int | None, kernel: str = "auto", platform: str = "cpu"
+) -> tuple[int, int]:
+    """(head matmuls per position, token chunk) of the update's fused loss kernel
+    (`gjax.objective.logprobs.fused_schedule`): 3 when it stores the logits (logits,
+    dhidden, dhead), else 4 (the logits again in the gradient sweep)."""
+    store, chunk, _ = fused_schedule(
+        cfg.vocab_size, kernel=kernel, token_chunk=token_chunk, platform=platform
+    )
+    return (3 if store else 4), chunk
+
+
+def attention_pairs(impl: str, rows: int, length: int) -> int:
+    """(query, key) pairs one forward of `impl` (resolved, `gjax.models.attention`) computes
+    over `rows` rows of `length`: "xla" all [L x L]; the flash kernels their [b x b] tiles
+    on or below the diagonal of the row padded to b (none skips a tile for segment ids)."""
+    if impl == "xla":
+        return rows * length * length
+    if impl == "pallas_gpu":
+        block = attention._pow2_block(length, attention.PALLAS_GPU_BLOCK)
+    else:
+        block = attention.SPLASH_BLOCK if impl == "splash" else attention.CUDNN_BLOCK
+    n = -(-length // block)
+    return rows * block * block * n * (n + 1) // 2
+
+
+def _attention_backward_extra(cfg: ModelConfig, impl: str, pairs: int) -> int:
+    """A flash kernel's backward recomputes q k^T (XLA's reads the stored probabilities)."""
+    return 0 if impl == "xla" else 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
 
 
 def learner_flops(
@@ -113,10 +144,13 @@ def learner_flops(
     extra_forwards: int,
     num_iterations: int = 1,
     update_pieces: int = 1,
-    update_token_chunk: int = 1024,
+    update_token_chunk: int | None = None,
     logps_token_chunk: int = 256,
     packed_bins: int = 0,
     pack_length: int = 0,
+    head_kernel: str = "auto",
+    platform: str = "cpu",
+    attention_impl: str = "xla",
 ) -> dict[str, int]:
     """Useful and executed FLOPs of a learner step on B rows `prompt ++ completion`.
 
@@ -125,8 +159,10 @@ def learner_flops(
     `padded_completion_len_T`. `extra_forwards`: teacher-forced passes before the update
     (reference and/or old log-probs, `token_logps` with `logps_token_chunk`); the update makes
     `num_iterations` forward+backward passes over the batch in `update_pieces` (minibatches x
-    microbatches) pieces, each through the fused loss kernel with `update_token_chunk`.
-    Useful counts the head as forward + backward (3 matmuls); executed as the kernel runs it.
+    microbatches) pieces, each through the fused loss kernel (`head_kernel`, its schedule on
+    `platform`, `update_token_chunk` None: the schedule's). `attention_impl`: what runs
+    (`gjax.models.attention.resolve`; `attention_pairs`). Useful counts the head as forward +
+    backward (3 matmuls); executed as the kernel runs it.
     Packed (`gjax.packing`, `packed_bins` > 0 bins of `pack_length` in all): the passes run
     [bins, pack_length] instead of [B, S], and the head runs at every packed position.
     """
@@ -139,18 +175,26 @@ def learner_flops(
         attn_pairs=causal_pairs(seq_lengths_B),
     )
     run_rows, run_len = (packed_bins, pack_length) if packed_bins else (rows, padded_len_S)
-    tokens_x, pairs_x = run_rows * run_len, run_rows * run_len**2
+    tokens_x = run_rows * run_len
+    pairs_x = attention_pairs(attention_impl, run_rows, run_len)
     stack_x = forward_flops(cfg, tokens=tokens_x, logit_tokens=0, attn_pairs=pairs_x)
     head_rows = tokens_x if packed_bins else rows * padded_completion_len_T
     logps_x = stack_x + forward_flops(
         cfg, tokens=0, logit_tokens=chunk_padded(head_rows, logps_token_chunk), attn_pairs=0
     )
-    piece_rows = chunk_padded(head_rows // update_pieces, update_token_chunk)
-    update_head_x = 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * update_pieces * piece_rows
-    update_stack_x = 3 * stack_x + _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x)
+    matmuls, chunk = fused_head_matmuls(cfg, update_token_chunk, head_kernel, platform)
+    piece_rows = chunk_padded(head_rows // update_pieces, chunk)
+    update_head_x = 2 * head_matmul_params(cfg) * matmuls * update_pieces * piece_rows
+    update_stack_x = (
+        3 * stack_x
+        + _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x)
+        + _attention_backward_extra(cfg, attention_impl, pairs_x)
+    )
     return {
         "real_tokens": real,
         "padded_tokens": tokens_x,
+        "attn_pairs_useful": causal_pairs(seq_lengths_B),
+        "attn_pairs_executed": pairs_x,
         "logps_useful": extra_forwards * fwd_useful,
         "logps_executed": extra_forwards * logps_x,
         "update_useful": 3 * num_iterations * fwd_useful,
@@ -169,12 +213,14 @@ def update_flops_as_xla_counts(
     padded_len_S: int,
     padded_completion_len_T: int,
     update_pieces: int = 1,
-    update_token_chunk: int = 1024,
+    update_token_chunk: int | None = None,
+    head_kernel: str = "auto",
+    platform: str = "cpu",
 ) -> int:
-    """The update's executed FLOPs as XLA's cost analysis reports them: it counts a while
-    loop's body once, so one layer (the layer scan, forward and backward), one piece (the
-    iteration / minibatch / microbatch scans) and one token chunk of the loss kernel. Its
-    vocab-tile loop is counted once too: equal only while V fits one tile (4096)."""
+    """The update's executed FLOPs as XLA's cost analysis reports them (dense attention): it
+    counts a while loop's body once, so one layer (the layer scan, forward and backward), one
+    piece (the iteration / minibatch / microbatch scans) and one token chunk of the loss
+    kernel. Its vocab-tile loop is counted once too: equal only while V fits one tile."""
     piece = rows // update_pieces
     one = learner_flops(
         cfg.replace(num_layers=1),
@@ -184,8 +230,9 @@ def update_flops_as_xla_counts(
         padded_completion_len_T=padded_completion_len_T,
         extra_forwards=0,
     )
-    chunk = max(1, min(update_token_chunk, piece * padded_completion_len_T))
-    return one["update_stack_executed"] + 2 * head_matmul_params(cfg) * FUSED_HEAD_MATMULS * chunk
+    matmuls, chunk = fused_head_matmuls(cfg, update_token_chunk, head_kernel, platform)
+    chunk = max(1, min(chunk, piece * padded_completion_len_T))
+    return one["update_stack_executed"] + 2 * head_matmul_params(cfg) * matmuls * chunk
 
 
 def sampler_flops(

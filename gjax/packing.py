@@ -4,9 +4,10 @@ Padded, every row runs at the batch's full length S; packed, each row's span (it
 token up to the position that predicts its last loss token) is copied into one of J bins of
 W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
 static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
-the default) each batch takes the fewest bins it needs rounded up to a quarter of its rows
-(`auto_bins`): at most `AUTO_SHAPES` shapes, each compiled once; the update reads the chosen
-J from the shape of the batch's `pack_bins_J` marker. Positions are the rows' own (they
+the default) each batch takes the fewest bins it needs rounded up on a ladder of
+`AUTO_STEPS` values per doubling (`auto_bins`: at most 1/8 of the bins empty; a run
+compiles once per J it meets); the update reads the chosen J from the shape of the batch's
+`pack_bins_J` marker. Positions are the rows' own (they
 restart in every row) and each row is its own segment (its padding stays segment 0; a row
 holds one sequence, as `gjax.experience.to_model_inputs` builds them), so attention never
 crosses rows.
@@ -31,16 +32,25 @@ from gjax.errors import ConfigError
 
 MODES = ("padded", "packed")
 PLAN_KEYS = ("pack_start_B", "pack_len_B", "pack_bin_B", "pack_offset_B")
-AUTO_SHAPES = 4  # auto bins: J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
+AUTO_STEPS = 8  # auto bins: J on {8..15} x 2^e (J < 16: exact), at most R rows
+AUTO_SHAPES = 4  # rounding="quarter": J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
+ROUNDINGS = ("ladder", "quarter")
 
 
 @dataclasses.dataclass(frozen=True)
 class Packing:
     """Bin shape: `bins` per minibatch (0: auto, chosen per batch by `plan`, at most one per
-    row, which always fits) of `length` tokens (0: the batch's padded row length S)."""
+    row, which always fits) of `length` tokens (0: the batch's padded row length S).
+    `rounding` of auto bins (`auto_bins`): "ladder", or "quarter" (the first auto: up to a
+    quarter of the rows; kept for benchmarks/train_step.py's comparison)."""
 
     bins: int = 0
     length: int = 0
+    rounding: str = "ladder"
+
+    def __post_init__(self):
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"unknown auto-bin rounding {self.rounding!r}; valid: {ROUNDINGS}")
 
     def shape(self, rows: int, s: int, minibatches: int, marker_J=None) -> tuple[int, int]:
         """(J bins per minibatch, W tokens per bin) for `rows` rows of length `s`; auto bins
@@ -52,10 +62,18 @@ class Packing:
         return bins, (self.length or s)
 
 
-def auto_bins(used: int, rows: int, microbatches: int) -> int:
-    """Auto J for a minibatch of `rows` rows whose fullest plan used `used` bins: rounded up
-    to a multiple of ceil(rows / AUTO_SHAPES) (itself a multiple of `microbatches`), at most
-    `rows`, so few shapes ever compile."""
+def auto_bins(used: int, rows: int, microbatches: int, rounding: str = "ladder") -> int:
+    """Auto J for a minibatch of `rows` rows whose fullest plan used `used` bins, at most
+    `rows` and a multiple of `microbatches`. "ladder": `used` rounded up to m x 2^e with m in
+    [8, 16) (`AUTO_STEPS` values per doubling; exact below 16), so at most 1/8 of the bins
+    are empty and a run whose need drifts by +-10 % meets a few shapes (one compile each).
+    "quarter": up to a multiple of ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a
+    quarter of the rows empty."""
+    if rounding == "ladder":
+        j = max(used, 1)
+        step = max(1, (1 << (j.bit_length() - 1)) // AUTO_STEPS)
+        j = -(-j // step) * step
+        return min(-(-j // microbatches) * microbatches, rows)
     quantum = -(-rows // AUTO_SHAPES)
     quantum = -(-quantum // microbatches) * microbatches
     return min(max(-(-used // quantum), 1) * quantum, rows)
@@ -141,7 +159,7 @@ def plan(
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
     if not packing.bins:  # first-fit fills bins 0.. in order: the plan fits in `most`
-        bins = auto_bins(most, b // minibatches, microbatches)
+        bins = auto_bins(most, b // minibatches, microbatches, packing.rounding)
     out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
     fill = length_B.sum() / (minibatches * bins * width)
     out["pack_metrics"] = np.array([most, fill], np.float32)

@@ -446,9 +446,9 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
-            "to a quarter of its rows: at most 4 shapes compile; N: always N, and a batch "
-            "whose rows do not fit stops with an error; metric pack/bins_used_max: what "
-            "batches needed)",
+            "to 8 values per doubling (at most 1/8 of the bins empty; one compile per J a "
+            "run meets); N: always N, and a batch whose rows do not fit stops with an error; "
+            "metric pack/bins_used_max: what batches needed)",
             _NONNEG,
         ),
         "pack_length": Field(

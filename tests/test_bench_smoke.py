@@ -123,17 +123,26 @@ def test_train_step_compare_packing_smoke():
     )
     s = records[-1]
     steps = [r for r in records if r["what"] == "packing_step"]
-    assert s["what"] == "packing_summary" and len(steps) == 6
-    # Each batch runs three ways (padded, packed in fixed bins, auto bins; the order rotates):
-    # same rows, same loss, fewer executed FLOPs.
-    for a, b, c in zip(steps[0::3], steps[1::3], steps[2::3], strict=True):
-        assert {a["mode"], b["mode"], c["mode"]} == {"padded", "packed", "auto"}
-        assert a["real_tokens"] == b["real_tokens"] == c["real_tokens"]
+    assert s["what"] == "packing_summary" and len(steps) == 8
+    # Each batch runs four ways (padded, packed in fixed bins, auto bins on the ladder and
+    # rounded to a quarter of the rows; the order rotates): same rows, same loss, fewer
+    # executed FLOPs.
+    for a, b, c, d in zip(steps[0::4], steps[1::4], steps[2::4], steps[3::4], strict=True):
+        assert {a["mode"], b["mode"], c["mode"], d["mode"]} == {
+            "padded",
+            "packed",
+            "auto",
+            "auto_quarter",
+        }
+        assert a["real_tokens"] == b["real_tokens"] == c["real_tokens"] == d["real_tokens"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
         assert a["loss"] == pytest.approx(c["loss"], abs=1e-6)
+        assert a["loss"] == pytest.approx(d["loss"], abs=1e-6)
     assert s["packed_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_update_compiles"] == 1  # one static bin shape for every batch
     assert 1 <= s["auto_update_compiles"] <= 2  # at most one per batch (and 4 shapes)
+    assert 1 <= s["auto_quarter_update_compiles"] <= 2
+    assert max(s["auto_bins_J"]) <= max(s["auto_quarter_bins_J"])  # the ladder is finer
     assert s["auto_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_shape"].endswith("x 48 tokens") and s["train"]["microbatches"] == 2
 

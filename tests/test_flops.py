@@ -46,6 +46,7 @@ def test_learner_flops_by_hand():
         padded_len_S=6,
         padded_completion_len_T=3,
         extra_forwards=1,
+        head_kernel="reference",  # 4 head matmuls in the update, 1024-row chunks
     )
     got = flops.learner_flops(cfg, **kw)
     # Useful forward: 2*2*576*8 + 2*80*3 + 64*21 = 18432 + 480 + 1344 = 20256.
@@ -78,9 +79,43 @@ def test_learner_flops_by_hand():
     # As XLA counts: one layer (stack 2*576*12 + 32*72 = 16128, x3), one piece, one chunk.
     assert (
         flops.update_flops_as_xla_counts(
-            cfg, rows=2, padded_len_S=6, padded_completion_len_T=3, update_pieces=1
+            cfg,
+            rows=2,
+            padded_len_S=6,
+            padded_completion_len_T=3,
+            update_pieces=1,
+            head_kernel="reference",
         )
         == 3 * 16128 + 4 * 960
+    )
+
+
+def test_head_matmuls_and_attention_pairs_as_they_run():
+    cfg = tiny()
+    kw = dict(
+        seq_lengths_B=[3, 5],
+        completion_lengths_B=[1, 2],
+        padded_len_S=6,
+        padded_completion_len_T=3,
+        extra_forwards=0,
+    )
+    ref = flops.learner_flops(cfg, **kw, head_kernel="reference")
+    # The auto schedule on CPU stores V = 10 logits: 3 head matmuls (2*80*6 each), not 4.
+    auto = flops.learner_flops(cfg, **kw)
+    assert ref["update_head_executed"] - auto["update_head_executed"] == 960
+    assert flops.fused_head_matmuls(cfg, None) == (3, 1024)
+    # V = 151936 on CPU: 96 stored rows are too few, so 4 matmuls in 1024-row chunks.
+    assert flops.fused_head_matmuls(cfg.replace(vocab_size=151936), None) == (4, 1024)
+    # Executed pairs: XLA all 6 x 6 per row; Pallas GPU one 16 x 16 tile per row (a row of 6
+    # padded to 16); 300 tokens in 128-tiles: 3 tiles a side, 6 on or below the diagonal.
+    assert flops.attention_pairs("xla", 2, 6) == 72
+    assert flops.attention_pairs("pallas_gpu", 2, 6) == 2 * 256
+    assert flops.attention_pairs("splash", 1, 300) == 6 * 128 * 128
+    assert flops.attention_pairs("pallas_gpu", 1, 300) == 6 * 128 * 128
+    # A flash kernel's backward also recomputes q k^T: + 2*L*H*Dh per pair.
+    flash = flops.learner_flops(cfg, **kw, attention_impl="pallas_gpu")
+    assert flash["update_stack_executed"] - auto["update_stack_executed"] == (
+        3 * 64 * (512 - 72) + 32 * 512
     )
 
 

@@ -279,15 +279,35 @@ def test_packed_learner_on_a_mesh_equals_padded_on_one_device():
 
 
 def test_auto_bins_round_up_to_a_quarter_of_the_rows():
-    # 16 rows per minibatch, 2 microbatches: quantum 4; J in {4, 8, 12, 16}.
-    assert [packing.auto_bins(u, 16, 2) for u in (0, 1, 4, 5, 9, 16)] == [4, 4, 4, 8, 12, 16]
+    # rounding="quarter" (the first auto). 16 rows, 2 microbatches: quantum 4; J in {4..16}.
+    quarter = [packing.auto_bins(u, 16, 2, "quarter") for u in (0, 1, 4, 5, 9, 16)]
+    assert quarter == [4, 4, 4, 8, 12, 16]
     # 6 rows, 4 microbatches: quantum ceil(6 / 4) = 2 -> 4 (a multiple of K), capped at 6.
-    assert [packing.auto_bins(u, 6, 4) for u in (1, 4, 5)] == [4, 4, 6]
+    assert [packing.auto_bins(u, 6, 4, "quarter") for u in (1, 4, 5)] == [4, 4, 6]
     spans = np.array([[0, 5], [0, 5], [0, 5], [0, 5], [0, 12], [0, 3], [0, 3], [0, 3]])
-    plan = packing.plan(spans, packing.Packing(bins=0, length=12), s=12, minibatches=1)
+    pack = packing.Packing(bins=0, length=12, rounding="quarter")
+    plan = packing.plan(spans, pack, s=12, minibatches=1)
     # First-fit decreasing: 12 | 5 5 | 5 3 3 | 3 -> 4 bins used of 8 rows: J = 4 (quantum 2).
     assert plan["pack_bins"] == 4 and plan["pack_metrics"][0] == 4
     assert plan["pack_bin_B"].max() < 4
+
+
+def test_auto_bins_ladder_wastes_at_most_an_eighth():
+    # The default: exact below 16, then m x 2^e with m in [8, 16), a multiple of K, <= rows.
+    used = (0, 1, 7, 15, 16, 17, 33, 44, 45, 57, 61, 65, 127, 128)
+    got = [packing.auto_bins(u, 128, 1) for u in used]
+    assert got == [1, 1, 7, 15, 16, 18, 36, 44, 48, 60, 64, 72, 128, 128]
+    assert [packing.auto_bins(u, 128, 4) for u in (1, 7, 17, 45)] == [4, 8, 20, 48]
+    assert packing.auto_bins(100, 96, 1) == 96
+    for u in range(1, 1025):  # at most 1/8 of the bins empty; 8 values per doubling
+        j = packing.auto_bins(u, 4096, 1)
+        assert u <= j <= u * 9 / 8
+    assert len({packing.auto_bins(u, 4096, 1) for u in range(65, 129)}) == 8  # 72, 80 .. 128
+    spans = np.array([[0, 5], [0, 5], [0, 5], [0, 5], [0, 12], [0, 3], [0, 3], [0, 3]])
+    plan = packing.plan(spans, packing.Packing(bins=0, length=12), s=12, minibatches=1)
+    assert plan["pack_bins"] == 4  # 4 used: exact
+    with pytest.raises(ValueError, match="rounding"):
+        packing.Packing(rounding="half")
 
 
 def test_auto_bins_learner_equals_padded_and_compiles_once_per_bin_count():
