@@ -47,7 +47,8 @@ FLOPs and MFU (gjax side; formulas in `gjax/flops.py`): each gjax step reports u
 (6 x params x real tokens for the update, 2 x per teacher-forced pass -- here the reference's --,
 plus causal attention over real tokens; real = prompt + completion tokens that are not padding)
 and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len + max_new_tokens,
-the full score matrix, remat's recompute, the fused loss's 4 head matmuls), for the learner
+the attention implementation's score pairs (`flops.attention_pairs`), remat's recompute,
+the fused loss's 3 or 4 head matmuls as its platform schedule runs them), for the learner
 part (`update_s`: reference log-probs + update) and for the whole step (the sampler's prefill
 and decode added). The summary gives their ratio (the padding waste), useful FLOP/s, and
 MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`, bf16 dense, times the
@@ -82,9 +83,16 @@ tokens, 3541 real tokens per batch (prompts ~17, completions ~11 of 48 on averag
 (3.7x; 2.3x in a run at load 13-21); reference log-probs 0.20 vs 0.09 s (2.2x). Update
 executed / useful FLOPs: padded 3.88, packed 1.47 (remat 'full' included; without its
 recompute 3.15 and 1.20: bins 89% full, and the dense [W x W] score matrix). Losses agree
-to 2e-8. The `auto` learner (`train.pack_bins=0`, the default: J per batch, rounded up to a
-quarter of the rows) in a later run (load ~3): 52 us per real token vs padded 167 and fixed
-41 (3.2x and 4.1x), executed / useful 1.95 (J = 64 of 128 rows), one compile.
+to 2e-8. The first `auto` learner (J per batch rounded up to a quarter of the rows, now
+`auto_quarter`) in a later run (load ~3): 52 us per real token vs padded 167 and fixed 41,
+executed / useful 1.95 (J = 64 of 128 rows). 2026-11-26, same command, load ~12, four ways
+side by side (every shape compiled before timing; the head counted as the CPU kernel runs
+it, 3 matmuls): us per real token padded 455, auto_quarter 245, auto (the J ladder, the
+default) 152, fixed 155 (3.0x padded); update executed / useful 3.86, 1.94, 1.46, 1.46
+(without remat's recompute 3.14, 1.58, 1.19, 1.19); J = 64 quarter vs 48 ladder, one
+compile each. What is left of auto's 1.46: remat 'full' +0.27, the dense [W x W] scores
++0.11 (5.6x the causal pairs within rows), empty bin slots +0.08 (1.084 tokens run per real
+token); `run_tokens_per_real_token` and `attn_executed_over_useful` in the summary.
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
