@@ -194,14 +194,6 @@ def validate(
         "mesh.rollout_devices=0, with rollout.max_staleness > 0 to overlap rollouts with "
         "training",
     )
-    _require(
-        processes == 1 or config.rollout.max_staleness == 0 or config.rollout.backend == "local",
-        "rollout.max_staleness",
-        f"a run of {processes} processes overlaps rollouts with training on the local sampler "
-        f"only (each process samples its own rows on its own devices), not with "
-        f"rollout.backend={config.rollout.backend!r}: set rollout.max_staleness=0 or "
-        "rollout.backend='local'",
-    )
     r, t, s = config.rollout, config.train, config.sampling
     _require(
         config.anchors.per_group < r.num_samples,
