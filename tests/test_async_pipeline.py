@@ -284,9 +284,9 @@ def test_config_errors_name_the_field(field, value, match):
 def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sampler(
     monkeypatch,
 ):
-    """Two processes (the count faked: jax's runtime is the edge): k = 1 on the train mesh is
-    valid, with the local sampler or gjax.serve replicas; rollout devices of their own are
-    refused."""
+    """Two processes (the count faked: jax's runtime is the edge): k = 1 is valid on the train
+    mesh, with the local sampler or gjax.serve replicas, and on rollout devices that split
+    evenly over the processes (each keeping mesh.tensor)."""
     from gjax import config as config_lib
     from gjax.errors import ConfigError
 
@@ -294,9 +294,12 @@ def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sam
     c = tiny_config(max_staleness=1)
     config_lib.validate(c, 8)
     c.mesh.rollout_devices = 4
-    with pytest.raises(ConfigError, match="mesh.rollout_devices.*run of 2 processes"):
-        config_lib.validate(c, 8)
-    c.mesh.rollout_devices, c.rollout.backend = 0, "jetstream_grpc"
+    config_lib.validate(c, 8)
+    for n_roll, tensor in ((3, 1), (2, 2)):
+        c.mesh.rollout_devices, c.mesh.tensor = n_roll, tensor
+        with pytest.raises(ConfigError, match="mesh.rollout_devices.*each of the 2 processes"):
+            config_lib.validate(c, 8)
+    c.mesh.rollout_devices, c.mesh.tensor, c.rollout.backend = 0, 1, "jetstream_grpc"
     config_lib.validate(c, 8)
 
 

@@ -40,14 +40,15 @@ samples with them, so every completion of the step comes from that version; the 
 records its own version number on them, once per version. (`SyncProducer` hands the
 learner's params to `generate`, which pushes new ones to such a backend itself.)
 
-Several processes (`jax.distributed`, collocated only): every process must issue the
+Several processes (`jax.distributed`): every process must issue the
 programs that span other processes' devices (collectives, jits over global arrays) in the
 same order, and two threads that both issued them would interleave differently on each
 process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
 point of the loop) copies the params onto this process's own devices (`sharding.process_mesh`:
 sharded as on the train mesh, replicated over an axis the processes split, which takes an
-all-gather there), and the thread samples, decodes and scores this process's block of rows
-there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
+all-gather there) and, with `mesh.rollout_devices`, on to this process's rollout devices (a
+`jax.device_put` within the host), and the thread samples, decodes and scores this
+process's block of rows there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
 Where the processes split only `data` (the usual layout) every device runs the program it
 runs in one process, so the run equals one process's with the same devices; where they
 split `fsdp`, log-probs agree to float rounding. Its host exchanges (metrics, `select_groups` counts, the
@@ -328,9 +329,13 @@ def make_producer(
     gather = None  # several processes, asynchronous: the producer thread's host exchanges
     if k == 0 and rollout_mesh is train_mesh:
         to_rollout = None
-    elif jax.process_count() > 1:  # collocated (gjax.config refuses rollout devices here)
-        rollout_mesh = sharding.process_mesh(train_mesh)
-        to_rollout = _process_local_copy(train_mesh, rollout_mesh)
+    elif jax.process_count() > 1:  # each process samples on devices of its own
+        local_mesh = sharding.process_mesh(train_mesh)
+        to_rollout = _process_local_copy(train_mesh, local_mesh)
+        if rollout_mesh is train_mesh:
+            rollout_mesh = local_mesh
+        else:  # this process's rollout devices (sharding.make_meshes): one more local copy
+            to_rollout = _then_put(to_rollout, sharding.param_shardings(params, rollout_mesh))
         gather = multihost.KeyValueGather()
         rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
         # The key, made replicated over the train mesh, copied from this process's shard.
@@ -377,6 +382,11 @@ def make_producer(
     if gather is not None:  # a closed producer stops waiting for peers that will not come
         gather.stopped = lambda: producer.closed
     return producer.begin(params, dict(data_iter.state()))
+
+
+def _then_put(copy: Callable[[Any], Any], shardings) -> Callable[[Any], Any]:
+    """`copy`, then `jax.device_put` to `shardings` (devices of this process only)."""
+    return lambda params: jax.device_put(copy(params), shardings)
 
 
 def _process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
