@@ -157,7 +157,9 @@ class AsyncProducer:
     produce(step, params, version) -> StepBatch runs one step's rollout (`collect_step`
     bound to the rollout and the data iterator); it owns the data iterator while the
     producer runs. `to_rollout(params)` makes the rollout copy of pushed params; `context()`
-    returns the context (mesh and sharding rules) the producer thread runs in.
+    returns the context (mesh and sharding rules) the producer thread runs in. A serving
+    `backend` is pushed each version by the thread, or with `learner_pushes` by `push` on the
+    learner's thread (several processes: the push is a collective).
     """
 
     def __init__(
