@@ -117,7 +117,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from configs import common, grpo  # noqa: E402
-from gjax import flops, packing, sharding  # noqa: E402
+from gjax import flops, multihost, packing, sharding  # noqa: E402
 from gjax.config import validate  # noqa: E402
 from gjax.data.builders import build_prompt_data  # noqa: E402
 from gjax.data.iterator import PromptIterator  # noqa: E402
@@ -231,8 +231,8 @@ class ParetoStop:
     def push(self, params) -> None:
         self.inner.push(params)
 
-    def metrics(self) -> dict[str, float]:
-        return self.inner.metrics()
+    def metrics(self, gather=multihost.allgather) -> dict[str, float]:
+        return self.inner.metrics(gather)
 
     def failure(self) -> str:
         return self.inner.failure()

@@ -192,20 +192,11 @@ def validate(
     mesh = resolve_mesh_shape(config.mesh, num_devices - n_roll)
     processes = jax.process_count()
     _require(
-        processes == 1 or n_roll == 0,
+        processes == 1 or (n_roll % processes == 0 and n_roll // processes % mesh["tensor"] == 0),
         "mesh.rollout_devices",
-        f"rollouts on devices of their own run in one process; a run of {processes} processes "
-        "samples on the train mesh (each process on its own devices): set "
-        "mesh.rollout_devices=0, with rollout.max_staleness > 0 to overlap rollouts with "
-        "training",
-    )
-    _require(
-        processes == 1 or config.rollout.max_staleness == 0 or config.rollout.backend == "local",
-        "rollout.max_staleness",
-        f"a run of {processes} processes overlaps rollouts with training on the local sampler "
-        f"only (each process samples its own rows on its own devices), not with "
-        f"rollout.backend={config.rollout.backend!r}: set rollout.max_staleness=0 or "
-        "rollout.backend='local'",
+        f"each of the {processes} processes samples on its own share of the rollout devices "
+        f"(gjax.sharding.make_meshes), which keeps mesh.tensor={mesh['tensor']}: make "
+        f"{n_roll} a multiple of {processes} * {mesh['tensor']}",
     )
     r, t, s = config.rollout, config.train, config.sampling
     _require(

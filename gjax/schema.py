@@ -129,8 +129,8 @@ SCHEMA: dict[str, Any] = {
             1, "devices on the fully sharded data-parallel axis (-1: all the rest)", _AXIS
         ),
         "tensor": Field(1, "devices on the tensor-parallel axis (-1: all the rest)", _AXIS),
-        # The train mesh (data x fsdp x tensor) then spans the other devices
-        # (gjax.sharding.make_meshes).
+        # The train mesh (data x fsdp x tensor) then spans the other devices; with H processes
+        # each gives its last rollout_devices / H (gjax.sharding.make_meshes).
         "rollout_devices": Field(
             0, "devices of their own for rollouts (0: rollouts share the train mesh)", _NONNEG
         ),

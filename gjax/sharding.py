@@ -197,25 +197,30 @@ def make_meshes(
 ) -> tuple[Mesh, Mesh]:
     """(train mesh, rollout mesh): one mesh for both (collocated) or disjoint device sets.
 
-    With `rollout_devices = n > 0` the first `len(devices) - n` devices form the train mesh of
-    `shape` and the last n the rollout mesh, whose `tensor` axis is the train mesh's (so a
-    weight push reshards only over data-parallel copies) and whose `data` axis takes the rest
-    (rollouts want whole replicas, not FSDP shards). Weight pushes are `jax.device_put`s
-    from one to the other; on one host they move device to device.
+    With `rollout_devices = n > 0` each of the H processes gives its last n / H devices to
+    rollouts and the rest to the train mesh of `shape`. The rollout mesh is this process's
+    rollout devices (one process: the last n); its `tensor` axis is the train mesh's (so a
+    weight push reshards only over data-parallel copies) and its `data` axis takes the rest
+    (rollouts want whole replicas, not FSDP shards). Weight pushes are `jax.device_put`s from
+    one to the other; within a host they move device to device.
     """
     devices = list(jax.devices() if devices is None else devices)
     if not rollout_devices:
         mesh = make_mesh(shape, None if devices == list(jax.devices()) else devices)
         return mesh, mesh
-    if not 0 < rollout_devices < len(devices):
+    hosts = sorted({d.process_index for d in devices})
+    local = {h: [d for d in devices if d.process_index == h] for h in hosts}
+    per = rollout_devices // len(hosts)
+    if per * len(hosts) != rollout_devices or not all(0 < per < len(v) for v in local.values()):
         raise ValueError(
-            f"rollout_devices={rollout_devices} must leave devices for training "
-            f"(0 < rollout_devices < {len(devices)})"
+            f"rollout_devices={rollout_devices} must leave devices for training on each of "
+            f"the {len(hosts)} processes and split evenly over them "
+            f"(0 < rollout_devices / {len(hosts)} < {min(len(v) for v in local.values())})"
         )
-    split = len(devices) - rollout_devices
-    train = make_mesh(shape, devices[:split])
+    rollout = {d for v in local.values() for d in v[-per:]}
+    train = make_mesh(shape, [d for d in devices if d not in rollout])
     rollout_shape = {"data": -1, "tensor": int(train.shape["tensor"])}
-    return train, make_mesh(rollout_shape, devices[split:])
+    return train, make_mesh(rollout_shape, local[jax.process_index()][-per:])
 
 
 def process_mesh(mesh: Mesh) -> Mesh:

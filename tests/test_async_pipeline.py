@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -116,9 +117,9 @@ def train(config, verifier, *, steps, devices, rollout_devices=0):
         return jax.device_get(state.params), rows, versions
 
 
-def fake_producer(k, *, fail_at=None, start=0, stop=7, error=None):
+def fake_producer(k, *, fail_at=None, start=0, stop=7, error=None, seen=None, **kw):
     """An AsyncProducer over a fake rollout that records which params it was handed."""
-    seen = []
+    seen = [] if seen is None else seen
 
     def produce(step, params, version):
         if step == fail_at:
@@ -128,7 +129,7 @@ def fake_producer(k, *, fail_at=None, start=0, stop=7, error=None):
         return collect.StepBatch(-1, -1, make_groups([[0.0, 1.0]]), {"time/rollout_s": 0.01})
 
     prod = producer.AsyncProducer(
-        produce, max_staleness=k, start=start, stop=stop, to_rollout=lambda p: dict(p)
+        produce, max_staleness=k, start=start, stop=stop, to_rollout=lambda p: dict(p), **kw
     )
     return prod, seen
 
@@ -147,6 +148,37 @@ def test_producer_schedule_and_bound(k):
     prod.close()
     # Each batch was sampled with exactly the params of its version, never a newer one.
     assert seen == [(j, max(j - k, 0)) for j in range(7)]
+
+
+class _ServingBackend(LocalSampler):
+    """Records each push: the version tag of the params and the thread it came from."""
+
+    def __init__(self, served):
+        super().__init__(None)
+        self.served, self.pushes = served, []
+
+    def push(self, params):
+        self.pushes.append((params["v"], threading.current_thread().name, len(self.served)))
+
+
+@pytest.mark.parametrize("learner_pushes", [False, True])
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_serving_backend_gets_each_version_once_after_the_older_versions_steps(k, learner_pushes):
+    """A backend that serves its own weights holds one version: v is pushed once, after every
+    step of an older version (steps below v + k) was sampled and before the first of v's;
+    on the producer thread, or (several processes) on the learner's."""
+    seen = []
+    backend = _ServingBackend(seen)
+    prod, _ = fake_producer(k, seen=seen, backend=backend, learner_pushes=learner_pushes)
+    prod.begin({"v": 0}, None)
+    for step in range(7):
+        assert prod.get(step).version == max(step - k, 0)
+        prod.push({"v": step + 1}, step + 1)
+    prod.close()
+    assert seen == [(j, max(j - k, 0)) for j in range(7)]
+    thread = "MainThread" if learner_pushes else "rollout-producer"
+    # Versions 0 .. 6-k (the last one sampled), v once steps 0 .. v+k-1 had been sampled.
+    assert backend.pushes == [(v, thread, 0 if v == 0 else v + k) for v in range(7 - k)]
 
 
 def test_producer_error_reaches_the_learner():
@@ -284,8 +316,9 @@ def test_config_errors_name_the_field(field, value, match):
 def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sampler(
     monkeypatch,
 ):
-    """Two processes (the count faked: jax's runtime is the edge): k = 1 on the train mesh is
-    valid; rollout devices of their own, or k > 0 with a serving backend, are refused."""
+    """Two processes (the count faked: jax's runtime is the edge): k = 1 is valid on the train
+    mesh, with the local sampler or gjax.serve replicas, and on rollout devices that split
+    evenly over the processes (each keeping mesh.tensor)."""
     from gjax import config as config_lib
     from gjax.errors import ConfigError
 
@@ -293,11 +326,13 @@ def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sam
     c = tiny_config(max_staleness=1)
     config_lib.validate(c, 8)
     c.mesh.rollout_devices = 4
-    with pytest.raises(ConfigError, match="mesh.rollout_devices.*run of 2 processes"):
-        config_lib.validate(c, 8)
-    c.mesh.rollout_devices, c.rollout.backend = 0, "jetstream_grpc"
-    with pytest.raises(ConfigError, match="rollout.max_staleness.*'jetstream_grpc'"):
-        config_lib.validate(c, 8)
+    config_lib.validate(c, 8)
+    for n_roll, tensor in ((3, 1), (2, 2)):
+        c.mesh.rollout_devices, c.mesh.tensor = n_roll, tensor
+        with pytest.raises(ConfigError, match="mesh.rollout_devices.*each of the 2 processes"):
+            config_lib.validate(c, 8)
+    c.mesh.rollout_devices, c.mesh.tensor, c.rollout.backend = 0, 1, "jetstream_grpc"
+    config_lib.validate(c, 8)
 
 
 def test_split_mesh_shapes():

@@ -172,6 +172,10 @@ def _env(devices):
 
 
 def _train(workdir, steps, *, processes, extra=()):
+    return _wait(_launch(workdir, steps, processes=processes, extra=extra))
+
+
+def _launch(workdir, steps, *, processes, extra=()) -> list[subprocess.Popen]:
     cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.train.steps={steps}")
     if processes == 1:
@@ -203,6 +207,10 @@ def _train(workdir, steps, *, processes, extra=()):
             )
             for i in range(2)
         ]
+    return procs
+
+
+def _wait(procs: list[subprocess.Popen]) -> list[str]:
     outs = []
     for p in procs:
         try:
@@ -320,6 +328,10 @@ rows = NamedSharding(jax.make_mesh((2,), ("data",)), PartitionSpec("data"))
 x = jax.make_array_from_process_local_data(rows, np.full((1, 3), pid, np.float32), (2, 3))
 h = host_params({"w": x, "b": x * 2})  # the streamed push's gather: whole on process 0 only
 print("host", None if h is None else {k: v.tolist() for k, v in sorted(h.items())}, flush=True)
+from gjax.rollout.jetstream_backend import _global_rows, _host_rows
+mine, like = _host_rows(x)  # a synchronous (k = 0) gRPC rollout's requests: this process's rows
+h = host_params(_global_rows(mine + 1, like))  # its replies, back as rows of the global batch
+print("rows", mine.tolist(), None if h is None else h.tolist(), flush=True)
 closed = threading.Event()
 gather.stopped = closed.is_set
 if pid == 0:  # the peer never makes this call: waiting ends once closed
@@ -336,7 +348,9 @@ def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
     """Two processes: the n-th calls meet however late one of them is; each call leaves only
     its own key (the previous one is deleted); a wait for a peer that never calls ends once
     `stopped()` says so. Also the streamed weight push's gather (`replicas.host_params`):
-    the whole params on process 0, nothing kept on the other."""
+    the whole params on process 0, nothing kept on the other; and a synchronous gRPC
+    rollout's row hand-over (`jetstream_backend._host_rows` / `_global_rows`), which the
+    2 x 2 replica test (at k = 1: process-local rows) does not reach."""
     port = _free_port()
     procs = [
         subprocess.Popen(
@@ -360,6 +374,8 @@ def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
     whole = "{'b': [[0.0, 0.0, 0.0], [2.0, 2.0, 2.0]], 'w': [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]]}"
     assert f"host {whole}" in outs[0], outs[0][-3000:]
     assert "host None" in outs[1], outs[1][-3000:]
+    assert "rows [[0.0, 0.0, 0.0]] [[1.0, 1.0, 1.0], [2.0, 2.0, 2.0]]" in outs[0], outs[0][-3000:]
+    assert "rows [[1.0, 1.0, 1.0]] None" in outs[1], outs[1][-3000:]
 
 
 def _data_state(workdir, step):
@@ -391,6 +407,22 @@ def test_two_processes_at_k1_train_as_one_and_resume(tmp_path):
     assert [r["async/version_lag_max"] for r in rows] == [0, 1, 0]
     _assert_same_run(ref_rows[:2], rows[:2], _state(ref, 2), _state(two, 2), updates=2)
     assert _data_state(two, 3) == _data_state(ref, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
+def test_two_processes_with_rollout_devices_train_as_one(tmp_path):
+    """mesh.rollout_devices=4: each of two processes samples its rows on its last 2 devices
+    and trains on its other 2, exactly as one process with 8 devices (4 rollout, 4 train).
+    k = 0, so step 2 samples from the params pushed after step 1 (copied to this process's
+    rollout devices on the loop's thread)."""
+    split = ["--config.mesh.rollout_devices=4"]
+    ref, two = tmp_path / "one_process", tmp_path / "two_processes"
+    runs = _launch(ref, 2, processes=1, extra=split) + _launch(two, 2, processes=2, extra=split)
+    _wait(runs)
+    ref_rows = _rows(ref)
+    assert [r["async/version_lag_max"] for r in ref_rows] == [0, 0]
+    _assert_same_run(ref_rows, _rows(two), _state(ref, 2), _state(two, 2), updates=2)
 
 
 # ------------------------------------------------------------------------------- faults

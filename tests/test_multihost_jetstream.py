@@ -1,10 +1,13 @@
-"""Multi-host x JetStream: two trainer processes (gloo) sampling from two `gjax.serve` replicas
-train exactly as one process sampling from one server, while one replica is SIGKILLed mid-run.
+"""Multi-host x JetStream x async: two trainer processes (gloo) sampling from two `gjax.serve`
+replicas at rollout.max_staleness = 1 train exactly as one process sampling from one server at
+k = 1, while one replica is SIGKILLed mid-run.
 
 Sampling is deterministic (top_k = 1), so which replica serves a request does not change its
-tokens. Each trainer process sends its own rows' requests; process 0 pushes each new version
-through the push directory both replicas watch, and every process waits until each replica
-serves it. The killed replica's requests go to the other one: nothing is dropped.
+tokens. Each trainer process's producer thread sends its own rows' requests and exchanges only
+through jax's key-value store; each new version is pushed by the loop's thread of every process
+(a collective: orbax's save into the push directory both replicas watch), once the producer has
+sampled every step of the older version, and every process waits until each replica serves it.
+The killed replica's requests go to the other one: nothing is dropped.
 """
 
 import json
@@ -38,7 +41,7 @@ pytestmark = [
 # Greedy-equivalent sampling on the server and in the trainer's config (they must agree),
 # and one anchor per group (the demonstration) so that groups differ and the update moves.
 SAMPLING = ["--config.rollout.top_k=1", "--config.anchors.per_group=1"]
-STEPS = 3
+STEPS = 4  # k = 1: versions 0, 0, 1, 2 (three pushes; the kill falls between the last two)
 
 
 def _serve(port: int, push_dir, log_path) -> subprocess.Popen:
@@ -70,6 +73,7 @@ def _train(workdir, addresses: list[str], processes: int) -> list[subprocess.Pop
         "--config.rollout.backend=jetstream_grpc",
         f"--config.rollout.server_addresses={','.join(addresses)}",
         "--config.rollout.request_timeout_s=120",
+        "--config.rollout.max_staleness=1",
     ]
     if processes == 1:
         return [
@@ -108,7 +112,9 @@ def _without_serving(rows):
     return [{k: v for k, v in r.items() if not k.startswith("rollout/") or k in keep} for r in rows]
 
 
-def test_two_processes_two_replicas_equal_one_process_one_server_with_a_replica_killed(tmp_path):
+def test_two_processes_two_replicas_at_k1_equal_one_process_one_server_with_a_replica_killed(
+    tmp_path,
+):
     ref, two = tmp_path / "one", tmp_path / "two"
     ports = [_free_port() for _ in range(3)]
     logs = [tmp_path / f"serve{i}.log" for i in range(3)]
@@ -131,8 +137,8 @@ def test_two_processes_two_replicas_equal_one_process_one_server_with_a_replica_
         ]
         for t in readers:
             t.start()
-        # SIGKILL replica 1 of the two-process run once it serves version 2 (after the first
-        # update): mid-run, with steps 2 and 3 still to sample.
+        # SIGKILL replica 1 of the two-process run once it serves version 2 (the first update's
+        # params): mid-run, with steps 3 and 4 still to sample and version 3 to push.
         while "serving policy version 2" not in logs[2].read_text():
             assert all(p.poll() is None for p in trainers[1:]), "".join(outs[1])[-4000:]
             assert time.monotonic() < deadline + 300, "".join(outs[1])[-4000:]
@@ -151,6 +157,8 @@ def test_two_processes_two_replicas_equal_one_process_one_server_with_a_replica_
                 p.wait()
     ref_rows, two_rows = _rows(ref), _rows(two)
     assert [r["step"] for r in two_rows] == list(range(1, STEPS + 1))
+    assert [r["async/version_lag_max"] for r in two_rows] == [0, 1, 1, 1]  # v(j) = max(j-1, 0)
+    assert [r["rollout/policy_version"] for r in two_rows] == [1, 1, 2, 3]  # one push each
     assert all(r["rollout/requests_dropped"] == 0 for r in two_rows + ref_rows)
     # Both replicas served the first step; the killed one nothing after its failure was seen.
     assert two_rows[0]["rollout/replica0/requests"] > 0

@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import jax
 
+from gjax import multihost
 from gjax.models.config import ModelConfig
 from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
 
@@ -43,8 +44,10 @@ class RolloutBackend(Protocol):
         version it serves them as, or None where `generate`'s params are used directly."""
         ...
 
-    def metrics(self) -> dict[str, float]:
-        """The last batch's serving figures, for the step's metrics row ({} if none)."""
+    def metrics(self, gather=multihost.allgather) -> dict[str, float]:
+        """The last batch's serving figures, for the step's metrics row ({} if none); a
+        backend whose figures are per process combines them through `gather` (the rollout's
+        host exchange: `multihost.allgather`, or a producer thread's `KeyValueGather`)."""
         ...
 
     def failure(self) -> str:
@@ -91,7 +94,8 @@ class LocalSampler:
     def push(self, params) -> None:
         del params  # `generate` samples with the params it is given
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, gather=multihost.allgather) -> dict[str, float]:
+        del gather  # one process's figures (the continuous decoder runs in one process)
         st = self.decoder.stats if self.decoder is not None else {}
         if not st.get("decode_steps"):
             return {}

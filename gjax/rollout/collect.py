@@ -109,7 +109,7 @@ class Rollout:
         metrics = {
             **self._metrics(groups, accuracy, lengths),
             "time/sample_s": t_sample,
-            **self.backend.metrics(),
+            **self.backend.metrics(self.transfer.allgather),
             # Per-batch figures only: process-lifetime counters would restart on a resume.
             **multihost.combine_metrics(
                 {k: float(v) for k, v in scored.metrics.items() if k != "rewards/batches"},

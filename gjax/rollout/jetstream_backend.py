@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import threading
@@ -92,12 +93,13 @@ class _JetStreamClient:
             }
             return self.version
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self, gather=multihost.allgather) -> dict[str, float]:
         """The last batch's serving figures and the push since the last call (for the step's
-        metrics row; a push before the first step, e.g. for an evaluation, counts in it)."""
+        metrics row; a push before the first step, e.g. for an evaluation, counts in it),
+        combined over processes through `gather`."""
         out = {**self._last, **self._pushed, **self._replica_metrics()}
         self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
-        return _combine(out)
+        return _combine(out, gather)
 
     def _replica_metrics(self) -> dict[str, float]:
         return {}
@@ -219,14 +221,14 @@ class _JetStreamClient:
         )
 
 
-def _combine(metrics: dict[str, float]) -> dict[str, float]:
+def _combine(metrics: dict[str, float], gather) -> dict[str, float]:
     """Per-process serving figures -> the run's: the slowest push, the newest version, the
     largest lag / in-flight count, the mean lag, every other count summed (every process
     calls it, in the same order)."""
     if jax.process_count() == 1:
         return metrics
     keys = sorted(metrics)
-    values = multihost.allgather(np.asarray([metrics[k] for k in keys], np.float64))
+    values = gather(np.asarray([metrics[k] for k in keys], np.float64))
     out = {}
     for i, k in enumerate(keys):
         col = values[:, i]
@@ -447,7 +449,9 @@ class JetStreamGrpcBackend(_JetStreamClient):
     def generate(
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, **kw
     ):
-        if self.server_sampling is not None and sampling != self.server_sampling:
+        # The server ignores `row_block` (a process-local rollout's block of the batch).
+        as_served = dataclasses.replace(sampling, row_block=(0, 1))
+        if self.server_sampling is not None and as_served != self.server_sampling:
             if self.local is None:
                 raise ValueError(
                     f"the JetStream server samples with {self.server_sampling}; got {sampling} "

@@ -37,24 +37,30 @@ Weight push (`AsyncProducer`): `to_rollout` makes the rollout copy of pushed par
 collocated, since the next update donates the train state's buffers). A backend that serves
 its own weights (JetStream's versioned holder) receives them through `backend.push` before it
 samples with them, so every completion of the step comes from that version; the producer
-records its own version number on them. (`SyncProducer` hands the learner's params to
-`generate`, which pushes new ones to such a backend itself.)
+records its own version number on them, once per version. (`SyncProducer` hands the
+learner's params to `generate`, which pushes new ones to such a backend itself.)
 
-Several processes (`jax.distributed`, collocated only): every process must issue the
+Several processes (`jax.distributed`): every process must issue the
 programs that span other processes' devices (collectives, jits over global arrays) in the
 same order, and two threads that both issued them would interleave differently on each
 process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
 point of the loop) copies the params onto this process's own devices (`sharding.process_mesh`:
 sharded as on the train mesh, replicated over an axis the processes split, which takes an
-all-gather there), and the thread samples, decodes and scores this process's block of rows
-there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
+all-gather there) and, with `mesh.rollout_devices`, on to this process's rollout devices (a
+`jax.device_put` within the host), and the thread samples, decodes and scores this
+process's block of rows there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
 Where the processes split only `data` (the usual layout) every device runs the program it
 runs in one process, so the run equals one process's with the same devices; where they
 split `fsdp`, log-probs agree to float rounding. Its host exchanges (metrics, `select_groups` counts, the
 give-up of a failed rollout) go through jax's coordination key-value store under names
 numbered per call (`multihost.KeyValueGather`), which the learner's collectives cannot pair
 with. Every process makes the same exchanges in the same order, so the schedule, data order
-and resume rule are the one-process ones.
+and resume rule are the one-process ones. With a serving backend (`jetstream_grpc`: the
+servers sample, the thread only sends this process's rows' requests) the push to the servers
+is a collective (`replicas.ReplicaWeights`), so `push` makes it on the learner's thread
+(`learner_pushes`): version v goes out once the thread has sampled every step of an older
+version (steps below v + k; the servers hold one version), where one process's thread would
+push it, and the thread waits for it as for any version.
 
 Teacher-forced passes (old log-probs of anchors or with `recompute_old_logps`, reference
 log-probs) are the learner's (`gjax.learner.Learner.batch`), with its params at the start of
@@ -151,7 +157,9 @@ class AsyncProducer:
     produce(step, params, version) -> StepBatch runs one step's rollout (`collect_step`
     bound to the rollout and the data iterator); it owns the data iterator while the
     producer runs. `to_rollout(params)` makes the rollout copy of pushed params; `context()`
-    returns the context (mesh and sharding rules) the producer thread runs in.
+    returns the context (mesh and sharding rules) the producer thread runs in. A serving
+    `backend` is pushed each version by the thread, or with `learner_pushes` by `push` on the
+    learner's thread (several processes: the push is a collective).
     """
 
     def __init__(
@@ -164,6 +172,7 @@ class AsyncProducer:
         to_rollout: Callable[[Any], Any],
         context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
         backend: RolloutBackend | None = None,
+        learner_pushes: bool = False,
     ):
         self.k = max_staleness
         self.start, self.stop = start, stop
@@ -171,9 +180,11 @@ class AsyncProducer:
         self._to_rollout = to_rollout
         self._context = context
         self._backend = backend
+        self._learner_pushes = learner_pushes
         self._cv = threading.Condition()
         self._params: dict[int, Any] = {}  # version -> rollout copy
         self._ready: dict[int, StepBatch] = {}  # step -> batch
+        self._produced = start  # steps before this one are produced
         self._error: BaseException | None = None
         self._closed = False
         self._consumed_data_state: dict | None = None
@@ -196,9 +207,27 @@ class AsyncProducer:
         """Hands the learner's params of `version` over (a copy; no host round trip)."""
         if version > self.version_for(self.stop - 1):
             return  # no batch will be sampled with it
+        if self._learner_pushes:
+            self._serve(params, version)
+            return
         copy = self._to_rollout(params)
         with self._cv:
             self._params[version] = copy
+            self._cv.notify_all()
+
+    def _serve(self, params, version: int) -> None:
+        """`push` with `learner_pushes`: the backend's push, on this (the learner's) thread,
+        once the producer has sampled every step of an older version (steps below
+        `version + k`: the servers hold one version); then the producer may sample with it."""
+        needed = self.start if version == self.start else min(version + self.k, self.stop)
+        with self._cv:
+            while self._produced < needed and self._error is None and not self._closed:
+                self._cv.wait()
+            if self._error is not None or self._closed:
+                return  # `get` raises the producer's error
+        self._backend.push(params)  # a collective: every process, at this point of the loop
+        with self._cv:
+            self._params[version] = params  # the servers hold the weights; this is their tag
             self._cv.notify_all()
 
     def get(self, step: int) -> StepBatch:
@@ -240,6 +269,7 @@ class AsyncProducer:
     # ------------------------------------------------------------------------ producer side
 
     def _run(self) -> None:
+        served = None  # the version the backend was last pushed from this thread
         try:
             with self._context():
                 for step in range(self.start, self.stop):
@@ -255,14 +285,19 @@ class AsyncProducer:
                         params = self._params[version]
                     self.wait_intervals.append((t0, time.perf_counter()))
                     waited = self.wait_intervals[-1][1] - t0
-                    if self._backend is not None:  # serves its own copy of the weights
+                    # A backend serving its own copy of the weights gets each version once
+                    # (with `learner_pushes` the learner's thread pushed it already).
+                    pushes = self._backend is not None and not self._learner_pushes
+                    if pushes and version != served:
                         self._backend.push(params)
+                        served = version
                     batch = self._produce(step, params, version)
                     batch.step, batch.version = step, version
                     tag_version(batch.groups, version)
                     batch.metrics["time/producer_wait_s"] = waited
                     with self._cv:
                         self._ready[step] = batch
+                        self._produced = step + 1
                         self._cv.notify_all()
         except BaseException as e:  # noqa: BLE001 - re-raised on the learner's thread
             with self._cv:
@@ -296,9 +331,13 @@ def make_producer(
     gather = None  # several processes, asynchronous: the producer thread's host exchanges
     if k == 0 and rollout_mesh is train_mesh:
         to_rollout = None
-    elif jax.process_count() > 1:  # collocated (gjax.config refuses rollout devices here)
-        rollout_mesh = sharding.process_mesh(train_mesh)
-        to_rollout = _process_local_copy(train_mesh, rollout_mesh)
+    elif jax.process_count() > 1:  # each process samples on devices of its own
+        local_mesh = sharding.process_mesh(train_mesh)
+        to_rollout = _process_local_copy(train_mesh, local_mesh)
+        if rollout_mesh is train_mesh:
+            rollout_mesh = local_mesh
+        else:  # this process's rollout devices (sharding.make_meshes): one more local copy
+            to_rollout = _then_put(to_rollout, sharding.param_shardings(params, rollout_mesh))
         gather = multihost.KeyValueGather()
         rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
         # The key, made replicated over the train mesh, copied from this process's shard.
@@ -339,10 +378,17 @@ def make_producer(
         to_rollout=to_rollout,
         context=lambda: _on_mesh(rollout_mesh),
         backend=backend,
+        # Several processes: a serving backend's push is a collective (the loop's thread).
+        learner_pushes=gather is not None and config.rollout.backend != "local",
     )
     if gather is not None:  # a closed producer stops waiting for peers that will not come
         gather.stopped = lambda: producer.closed
     return producer.begin(params, dict(data_iter.state()))
+
+
+def _then_put(copy: Callable[[Any], Any], shardings) -> Callable[[Any], Any]:
+    """`copy`, then `jax.device_put` to `shardings` (devices of this process only)."""
+    return lambda params: jax.device_put(copy(params), shardings)
 
 
 def _process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
