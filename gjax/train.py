@@ -188,8 +188,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         transfer=learner.transfer,
         config=config,
     )
+    eval_backend = rollout_factory.evaluation_backend(config, backend, model_cfg)
     evaluate = functools.partial(
-        _evaluate, config, eval_settings, backend, tok, heldout, verifier, rollout, learner
+        _evaluate, config, eval_settings, eval_backend, tok, heldout, verifier, rollout, learner
     )
 
     # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.

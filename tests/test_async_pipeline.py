@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from configs import common
-from gjax import sharding
+from gjax import schema, sharding
 from gjax.data.builders import build_prompt_data
 from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
@@ -459,3 +459,22 @@ def test_a_rollout_whose_requests_all_drop_is_tried_again_then_stops(drop, verif
             msg = str(err.value)
             assert f"failed on {tries} tries of the same rollout" in msg
             assert "INVALID_ARGUMENT; served by a test server" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_async_runs_evaluate_off_a_serving_backend(k):
+    """A mid-run held-out evaluation must not push new weights to a server whose async
+    requests are in flight: with k > 0 a serving backend's runs evaluate in-process."""
+    from gjax.rollout.backend import LocalSampler
+    from gjax.rollout.factory import evaluation_backend
+
+    c = schema.base()
+    c.rollout.max_staleness = k
+    model_cfg = object()
+    local, served = LocalSampler(model_cfg), object()  # any backend that is not in-process
+    assert evaluation_backend(c, local, model_cfg) is local
+    chosen = evaluation_backend(c, served, model_cfg)
+    if k == 0:  # sampling and evaluation take turns on the loop's thread
+        assert chosen is served
+    else:
+        assert isinstance(chosen, LocalSampler) and chosen.cfg is model_cfg

@@ -74,3 +74,15 @@ def make_backend(
     return jetstream_backend.from_config(
         config, model_cfg, params, mesh=mesh, workdir=workdir, tokenizer=tokenizer
     )
+
+
+def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) -> RolloutBackend:
+    """What held-out evaluations sample with: `backend`, except where a mid-run evaluation
+    (`log.eval_every`, on the loop's thread) would push the learner's newest params to a
+    backend that serves its own weights while the async producer's requests (rollout.
+    max_staleness > 0) are in flight on it: their completions would come from a version they
+    are not tagged with. Such runs evaluate with the in-process static sampler (greedy tokens
+    equal to the servers', tests/test_jetstream.py), before, during and after training alike."""
+    if config.rollout.max_staleness > 0 and not isinstance(backend, LocalSampler):
+        return LocalSampler(model_cfg)
+    return backend
