@@ -232,8 +232,8 @@ SCHEMA: dict[str, Any] = {
         ),
         "tokens_per_dispatch": Field(
             8,
-            "decoder=continuous: decode steps per jitted call (one host sync each; a slot "
-            "freed inside a call is refilled at its end)",
+            "decoder=continuous and jetstream*: decode steps per jitted call (one host sync "
+            "each; a slot freed inside a call is refilled at its end)",
             _COUNT,
         ),
         "server_address": Field(

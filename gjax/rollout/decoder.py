@@ -11,12 +11,13 @@ Device state (`SlotState`, a pytree; N = max_new_tokens, Sp = prompt width, R re
     prompt_k/_v      L x [R, K, Sp, Dh]  prompt regions: a group's prompt KV, stored ONCE and
                                          read by all of its G slots (`region_S`)
     prompt_mask_RxSp, prompt_len_R, prompt_logits_RxV (next-token logits after the prompt)
-    region_S, n_S (tokens emitted), limit_S, token_S / logp_S (the next token, drawn), done_S,
-    keys_S (the row's key data)
+    region_S, n_S (tokens emitted), limit_S, logits_SxV (f32 next-token logits; a step draws
+    token n_S from them), done_S, keys_S (the row's key data)
 Three jitted pieces: `_prefill` (up to A prompts per call into free regions), `_insert` (new
-rows into free slots; each draws its first token from its region's logits) and `_dispatch`
-(up to `tokens_per_dispatch` decode steps in one `lax.while_loop`, stopping each slot on its
-own; one host sync per dispatch).
+rows into free slots, starting from their region's logits) and `_dispatch` (up to
+`tokens_per_dispatch` decode steps in one `lax.while_loop`, stopping each slot on its own;
+one host sync per dispatch). `gjax.rollout.engine` (JetStream) runs on the same state and
+`_dispatch`: `write_region` + `start_slots` are its insert.
 
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
@@ -61,8 +62,7 @@ class SlotState(NamedTuple):
     region_S: jax.Array
     n_S: jax.Array
     limit_S: jax.Array
-    token_S: jax.Array
-    logp_S: jax.Array
+    logits_SxV: jax.Array
     done_S: jax.Array
     keys_S: jax.Array
 
@@ -84,8 +84,7 @@ def init_state(cfg: ModelConfig, slots: int, regions: int, prompt_len: int, max_
         region_S=jnp.zeros((slots,), jnp.int32),
         n_S=jnp.zeros((slots,), jnp.int32),
         limit_S=jnp.zeros((slots,), jnp.int32),
-        token_S=jnp.zeros((slots,), jnp.int32),
-        logp_S=jnp.zeros((slots,), jnp.float32),
+        logits_SxV=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
         done_S=jnp.ones((slots,), bool),
         keys_S=jnp.zeros((slots, *key_shape), jnp.uint32),
     )
@@ -98,6 +97,41 @@ def _draw(logits_SxV, keys_S, index_S, sp: SamplingParams):
     return tok[:, 0], logp[:, 0]
 
 
+def write_region(state: SlotState, region_A, k, v, mask_AxSq, logits_AxV) -> SlotState:
+    """Prompts' KV (`k`/`v`: L x [A, K, Sq, Dh], Sq <= Sp, zero-padded to Sp) into regions
+    `region_A` (index R: a padding entry, dropped)."""
+    sp_ = state.prompt_mask_RxSp.shape[1]
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, sp_ - x.shape[-1])])
+    mask = mask_AxSq.astype(jnp.int32)
+    put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
+    kv_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, sp_ - x.shape[2]), (0, 0)))
+    return state._replace(
+        prompt_k=[put(d, kv_pad(k[i])) for i, d in enumerate(state.prompt_k)],
+        prompt_v=[put(d, kv_pad(v[i])) for i, d in enumerate(state.prompt_v)],
+        prompt_mask_RxSp=put(state.prompt_mask_RxSp, pad(mask)),
+        prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
+        prompt_logits_RxV=put(state.prompt_logits_RxV, logits_AxV),
+    )
+
+
+def start_slots(state: SlotState, slot_M, region_M, limit_M, keys_M) -> SlotState:
+    """Starts rows in slots `slot_M` (index S: padding, dropped) from their region's logits;
+    their own cache rows are zeroed (a stale NaN in V would survive a masked softmax weight
+    of 0)."""
+    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+    zero = lambda c: c.at[slot_M].set(0, mode="drop")
+    return state._replace(
+        cache_k=[zero(c) for c in state.cache_k],
+        cache_v=[zero(c) for c in state.cache_v],
+        region_S=put(state.region_S, region_M),
+        n_S=put(state.n_S, jnp.zeros_like(region_M)),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, state.prompt_logits_RxV[region_M]),
+        done_S=put(state.done_S, jnp.zeros(region_M.shape, bool)),
+        keys_S=put(state.keys_S, keys_M),
+    )
+
+
 def _prefill(params, cfg, state: SlotState, tokens_AxSp, mask_AxSp, region_A):
     """Prefills A prompts into regions `region_A` (index R: a padding entry, dropped)."""
     mask = mask_AxSp.astype(jnp.int32)
@@ -106,35 +140,13 @@ def _prefill(params, cfg, state: SlotState, tokens_AxSp, mask_AxSp, region_A):
     last_A = tokens_AxSp.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
     hidden_AxD = jnp.take_along_axis(hidden_AxSpxD, last_A[:, None, None], axis=1)[:, 0]
     logits_AxV = logits_from_hidden(params, cfg, hidden_AxD)
-    put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
-    return state._replace(
-        prompt_k=[put(d, k[i]) for i, d in enumerate(state.prompt_k)],
-        prompt_v=[put(d, v[i]) for i, d in enumerate(state.prompt_v)],
-        prompt_mask_RxSp=put(state.prompt_mask_RxSp, mask),
-        prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
-        prompt_logits_RxV=put(state.prompt_logits_RxV, logits_AxV),
-    )
+    return write_region(state, region_A, k, v, mask, logits_AxV)
 
 
-def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M, sp: SamplingParams):
-    """Starts rows `row_M` in slots `slot_M` (index S: padding, dropped): their first token is
-    drawn from their region's logits; their own cache rows are zeroed (a stale NaN in V would
-    survive a masked softmax weight of 0)."""
+def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M):
+    """Starts rows `row_M` (key fold_in(rng, row)) in slots `slot_M` (index S: padding)."""
     keys_M = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(rng, r)))(row_M)
-    tok_M, logp_M = _draw(state.prompt_logits_RxV[region_M], keys_M, jnp.zeros_like(row_M), sp)
-    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
-    zero = lambda c: c.at[slot_M].set(0, mode="drop")
-    return state._replace(
-        cache_k=[zero(c) for c in state.cache_k],
-        cache_v=[zero(c) for c in state.cache_v],
-        region_S=put(state.region_S, region_M),
-        n_S=put(state.n_S, jnp.zeros_like(row_M)),
-        limit_S=put(state.limit_S, limit_M),
-        token_S=put(state.token_S, tok_M),
-        logp_S=put(state.logp_S, logp_M),
-        done_S=put(state.done_S, jnp.zeros(row_M.shape, bool)),
-        keys_S=put(state.keys_S, keys_M),
-    )
+    return start_slots(state, slot_M, region_M, limit_M, keys_M)
 
 
 def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
@@ -176,10 +188,14 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
 
 
-def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int):
-    """Up to `steps` decode steps (fewer once every slot is done). Returns the new state and,
-    per slot and step, the token emitted, its log-prob and whether the slot was live, plus the
-    number of steps run."""
+def _dispatch(
+    params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int, error_token=None
+):
+    """Up to `steps` decode steps (fewer once every slot is done). A step draws each live
+    slot's token n_S from its logits, emits it and decodes it. Returns the new state and, per
+    slot and step, the token emitted, its log-prob and whether the slot was live, plus the
+    number of steps run. `error_token`: a live slot whose logits are not finite emits it (log-prob
+    0) and ends (the JetStream engine's failed request); None: no check."""
     s_ = state.n_S.shape[0]
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
 
@@ -189,22 +205,28 @@ def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: 
     def body(c):
         d, st, tok_SxD, logp_SxD, live_SxD = c
         live_S = ~st.done_S
+        tok_S, logp_S = _draw(st.logits_SxV, st.keys_S, st.n_S, sp)
+        done_S = st.done_S
+        if error_token is not None:
+            failed_S = live_S & ~jnp.all(jnp.isfinite(st.logits_SxV), axis=-1)
+            tok_S = jnp.where(failed_S, error_token, tok_S)
+            logp_S = jnp.where(failed_S, 0.0, logp_S)
+            done_S = done_S | failed_S
         col = lambda a, x: jax.lax.dynamic_update_slice(a, x[:, None], (0, d))
-        tok_SxD = col(tok_SxD, jnp.where(live_S, st.token_S, sp.pad_token_id))
-        logp_SxD = col(logp_SxD, jnp.where(live_S, st.logp_S, 0.0))
+        tok_SxD = col(tok_SxD, jnp.where(live_S, tok_S, sp.pad_token_id))
+        logp_SxD = col(logp_SxD, jnp.where(live_S, logp_S, 0.0))
         live_SxD = col(live_SxD, live_S)
         n1_S = st.n_S + live_S
-        done_S = st.done_S | (n1_S >= st.limit_S)
+        done_S = done_S | (n1_S >= st.limit_S)
         if sp.stop_token_ids:
-            done_S = done_S | (live_S & jnp.isin(st.token_S, stop_ids))
-        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, st.token_S)
-        tok_S, logp_S = _draw(logits_SxV, st.keys_S, n1_S, sp)
+            done_S = done_S | (live_S & jnp.isin(tok_S, stop_ids))
+        feed_S = jnp.where(live_S & (tok_S >= 0), tok_S, sp.pad_token_id)
+        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, feed_S)
         st = st._replace(
             cache_k=cache_k,
             cache_v=cache_v,
             n_S=n1_S,
-            token_S=jnp.where(live_S, tok_S, st.token_S),
-            logp_S=jnp.where(live_S, logp_S, st.logp_S),
+            logits_SxV=jnp.where(live_S[:, None], logits_SxV.astype(jnp.float32), st.logits_SxV),
             done_S=done_S,
         )
         return d + 1, st, tok_SxD, logp_SxD, live_SxD
@@ -221,9 +243,9 @@ def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: 
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("state",))
-_insert_jit = jax.jit(_insert, static_argnames=("sp",), donate_argnames=("state",))
+_insert_jit = jax.jit(_insert, donate_argnames=("state",))
 _dispatch_jit = jax.jit(
-    _dispatch, static_argnames=("cfg", "sp", "steps"), donate_argnames=("state",)
+    _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
 )
 _layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
 
@@ -355,7 +377,7 @@ class ContinuousDecoder:
             if admits:
                 pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
                 cols = np.asarray(admits + pad, np.int32).T
-                state = _insert_jit(state, rng, *cols, sp=sp)
+                state = _insert_jit(state, rng, *cols)
             t1 = time.perf_counter()
             state, tok, logp, live, d = _dispatch_jit(
                 params, self.cfg, layers, state, sp=sp, steps=self.steps

@@ -193,7 +193,7 @@ class _JetStreamClient:
                 "version": np.full((b_,), self.version, np.int32),
             }
             for b, (ids, _) in rows.items():
-                ids = ids[:n_]
+                ids = ids[: requests[b].max_tokens]  # the engine may run past it (a dispatch)
                 out["tokens"][b, : len(ids)] = ids
                 out["mask"][b, : len(ids)] = 1
                 out["valid"][b] = True
@@ -312,6 +312,7 @@ class JetStreamBackend(_JetStreamClient):
         timeout_s: float = 600.0,
         max_retries: int = 2,
         backoff_s: float = 0.5,
+        tokens_per_dispatch: int = 1,
     ):
         max_prefill = prefill_bucket(max_prompt_len)
         super().__init__(
@@ -330,6 +331,7 @@ class JetStreamBackend(_JetStreamClient):
             max_prefill_length=max_prefill,
             mesh=mesh,
             seed=seed,
+            tokens_per_dispatch=tokens_per_dispatch,
         )
         orch = jetstream.orchestrator
         self.driver = orch.Driver(
@@ -525,6 +527,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             seed=config.seed,
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
+            tokens_per_dispatch=r.tokens_per_dispatch,
         )
     # grpc is optional (the jetstream extra): imported only for the gRPC client.
     from gjax.rollout.replicas import ReplicaPool, ReplicaWeights
