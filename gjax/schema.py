@@ -236,6 +236,13 @@ SCHEMA: dict[str, Any] = {
             "each; a slot freed inside a call is refilled at its end)",
             _COUNT,
         ),
+        "weight_change": Field(
+            "finish",
+            "jetstream*: requests decoding when new weights land (between generate calls): "
+            "finish (on the new weights: a partial rollout; in-process each token's version "
+            "and behaviour log-prob are recorded) | restart (ended, sent again on the new "
+            "weights)",
+        ),
         "server_address": Field(
             "127.0.0.1:9000", "jetstream_grpc: host:port that `python -m gjax.serve` binds"
         ),

@@ -57,6 +57,7 @@ from gjax.rollout.sampler import SamplingParams
 
 BOS_SENTINEL = -1
 ERROR_TOKEN = -2  # a slot's logits were not finite: its request ends with an error
+RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request is sent again
 # JetStream's prefill buckets (token_utils.pad_tokens); max_prefill_length must be one.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
@@ -116,11 +117,12 @@ class _Prefix:
     every inserted prefix (`delete_pytree`), and G requests share these through the cache.
     `key` (tokens, length, params version) names the prompt region it may share."""
 
-    __slots__ = ("k", "v", "logits", "length", "serial", "key", "rejected")
+    __slots__ = ("k", "v", "logits", "length", "serial", "key", "version", "rejected")
 
-    def __init__(self, k, v, logits, length, serial, key=None, rejected=False):
+    def __init__(self, k, v, logits, length, serial, key=None, version=0, rejected=False):
         self.k, self.v, self.logits = k, v, logits
         self.length, self.serial, self.key, self.rejected = length, serial, key, rejected
+        self.version = version
 
 
 class Tokenizer(jetstream.tokenizer_api.Tokenizer):
@@ -173,6 +175,10 @@ class Engine(jetstream.engine_api.Engine):
       seed: the engine's sampling key; request r samples with fold_in(key(seed), r).
       record: keep each step's ResultTokens for `drain_records` (log-probs, versions).
       tokens_per_dispatch: decode steps per `generate` call (one host sync each).
+      weight_change: what a live slot does when `generate` finds params of another version
+        than its prompt's: 'finish' (decode on with the new ones; each token's version and
+        log-prob are recorded) or 'restart' (emit RESTART_TOKEN and end; the client sends
+        the request again).
     """
 
     def __init__(
@@ -188,7 +194,10 @@ class Engine(jetstream.engine_api.Engine):
         seed: int = 0,
         record: bool = True,
         tokens_per_dispatch: int = 1,
+        weight_change: str = "finish",
     ):
+        if weight_change not in ("finish", "restart"):
+            raise ValueError(f"weight_change must be 'finish' or 'restart', got {weight_change!r}")
         if tokens_per_dispatch < 1:
             raise ValueError(f"tokens_per_dispatch must be >= 1, got {tokens_per_dispatch}")
         if max_prefill_length not in PREFILL_BUCKETS:
@@ -209,6 +218,7 @@ class Engine(jetstream.engine_api.Engine):
         self._records: collections.deque = collections.deque()
         self._next_serial = 0
         self._steps = tokens_per_dispatch
+        self._restart = weight_change == "restart"
         self._prefix_cache = None  # (key, k, v, logits): the last prompt, for its G requests
         self._layers = (None, None)  # (params, decode_layers(params)): rebuilt on a swap
         self._regions_reset()
@@ -304,7 +314,8 @@ class Engine(jetstream.engine_api.Engine):
         s = self._slots
         self._regions_reset()
         state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
-        return {**state._asdict(), "serial_S": jnp.zeros((s,), jnp.int32)}
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # two buffers: both are donated
+        return {**state._asdict(), "serial_S": zeros(), "version_S": zeros()}
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
         if existing_prefix is not None:
@@ -331,7 +342,7 @@ class Engine(jetstream.engine_api.Engine):
             k, v, logits = self._prefill_jit(params, jnp.asarray(tokens), jnp.int32(true_length))
             self._prefix_cache = (key, k, v, logits)
         _, k, v, logits = self._prefix_cache
-        return _Prefix(k, v, logits, true_length, serial, key=key)
+        return _Prefix(k, v, logits, true_length, serial, key=key, version=version)
 
     def insert(self, prefix: _Prefix, decode_state, slot: int):
         if prefix.rejected:
@@ -350,6 +361,7 @@ class Engine(jetstream.engine_api.Engine):
             jnp.int32(self.sampling.max_new_tokens),
             key_data,
             jnp.int32(prefix.serial),
+            jnp.int32(prefix.version),
         )
 
     def generate(self, params, decode_state):
@@ -422,9 +434,15 @@ class Engine(jetstream.engine_api.Engine):
         k = self._steps
         core = _core(state)
         n0_S = core.n_S
+        if self._restart:  # a slot started on other weights ends now, emitting RESTART_TOKEN
+            restart_S = ~core.done_S & (state["version_S"] != version)
+            core = core._replace(done_S=core.done_S | restart_S)
         core, tok_SxK, logp_SxK, live_SxK, _ = decoder._dispatch(
             params, self.cfg, layers, core, sampling, k, error_token=ERROR_TOKEN
         )
+        if self._restart:
+            tok_SxK = tok_SxK.at[:, 0].set(jnp.where(restart_S, RESTART_TOKEN, tok_SxK[:, 0]))
+            live_SxK = live_SxK.at[:, 0].set(live_SxK[:, 0] | restart_S)
         col = lambda x: x[:, None].astype(jnp.int32)
         data = jnp.concatenate(
             [
@@ -454,9 +472,13 @@ def _write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region):
     return {**state, **core._asdict()}
 
 
-def _start_slot(state, slot, region, limit, key_data, serial):
+def _start_slot(state, slot, region, limit, key_data, serial, version):
     core = decoder.start_slots(_core(state), slot[None], region[None], limit[None], key_data[None])
-    return {**core._asdict(), "serial_S": state["serial_S"].at[slot].set(serial)}
+    return {
+        **core._asdict(),
+        "serial_S": state["serial_S"].at[slot].set(serial),
+        "version_S": state["version_S"].at[slot].set(version),
+    }
 
 
 def _reject(state, slot):

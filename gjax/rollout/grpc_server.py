@@ -5,7 +5,9 @@ servicer, with two additions a shared server needs:
 * every request is checked before it reaches the Driver (`check_request`); a bad one is
   answered INVALID_ARGUMENT with what was wrong, and never touches a decode slot;
 * a request whose decode slot produced non-finite logits (the engine's `ERROR_TOKEN`) ends
-  with INTERNAL instead of returning garbage with status OK;
+  with INTERNAL instead of returning garbage with status OK; one ended because new weights
+  landed (`rollout.weight_change='restart'`, `RESTART_TOKEN`) ends with ABORTED, and the
+  client sends it again;
 * a request gets at most its `max_tokens` tokens (the engine emits `tokens_per_dispatch` per
   generate call and JetStream checks max_tokens once per call; see `gjax.rollout.engine`).
 The same port serves `gjax.Weights` (`gjax.rollout.weight_stream`): new params streamed by the
@@ -22,7 +24,7 @@ import threading
 
 import grpc
 
-from gjax.rollout.engine import PREFILL_BUCKETS, Engine
+from gjax.rollout.engine import PREFILL_BUCKETS, RESTART_TOKEN, Engine
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.weight_stream import SERVER_OPTIONS, WeightReceiver
 
@@ -77,6 +79,13 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         left = request.max_tokens
         async for response in super().Decode(request, context):
+            if any(RESTART_TOKEN in s.token_ids for s in response.stream_content.samples):
+                await _abort(
+                    context,
+                    grpc.StatusCode.ABORTED,
+                    "new weights landed while this request decoded "
+                    "(rollout.weight_change='restart'): send it again",
+                )
             if any(t < 0 for s in response.stream_content.samples for t in s.token_ids):
                 await _abort(
                     context,

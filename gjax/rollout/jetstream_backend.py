@@ -42,7 +42,7 @@ import numpy as np
 from gjax import multihost, schema
 from gjax.errors import UserError
 from gjax.rollout.backend import LocalSampler, rollout_sampling
-from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
+from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 from gjax.rollout.weight_push import WeightPusher
@@ -282,6 +282,8 @@ def _token_ids(responses) -> list[int]:
     for resp in responses:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
+    if RESTART_TOKEN in ids:  # weight_change='restart': retried, on the new weights
+        raise RuntimeError("new weights landed while this request decoded; it is sent again")
     if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
         raise RuntimeError("the engine produced non-finite logits for this request")
     return ids
@@ -313,6 +315,7 @@ class JetStreamBackend(_JetStreamClient):
         max_retries: int = 2,
         backoff_s: float = 0.5,
         tokens_per_dispatch: int = 1,
+        weight_change: str = "finish",
     ):
         max_prefill = prefill_bucket(max_prompt_len)
         super().__init__(
@@ -332,6 +335,7 @@ class JetStreamBackend(_JetStreamClient):
             mesh=mesh,
             seed=seed,
             tokens_per_dispatch=tokens_per_dispatch,
+            weight_change=weight_change,
         )
         orch = jetstream.orchestrator
         self.driver = orch.Driver(
@@ -528,6 +532,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
             tokens_per_dispatch=r.tokens_per_dispatch,
+            weight_change=r.weight_change,
         )
     # grpc is optional (the jetstream extra): imported only for the gRPC client.
     from gjax.rollout.replicas import ReplicaPool, ReplicaWeights
