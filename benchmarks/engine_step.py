@@ -4,8 +4,9 @@ Static: `gjax.rollout.sampler.generate` on B = P x G rows (greedy, no stop ids, 
 runs N tokens); its decode cost per token is (time(N) - time(1)) / (B x (N - 1)), prefill
 removed. Engine: `gjax.rollout.engine.Engine` with S = B slots, all live, timed over `generate`
 calls in steady state (each call `--tokens-per-dispatch` tokens per slot, one host sync, as
-JetStream's generate thread runs it); cost per token = call time / (S x k). Median of
-`--repeats`; both on this machine in one run (ratios, not absolute times, carry over).
+JetStream's generate thread runs it); cost per token = call time / (S x k). Times are process
+CPU seconds (all threads; steadier than wall time on a shared machine), in interleaved rounds;
+the median of the rounds' ratios (ratios, not absolute times, carry over).
 `--old-engine PATH` also times another engine.py (e.g. the previous commit's) the same way.
 
     python benchmarks/engine_step.py                 # the rollout benchmark's 4.2M model
@@ -33,19 +34,18 @@ from rollout_backends import model_config  # noqa: E402 - this folder, not a pac
 from gjax.models import transformer as tr
 from gjax.rollout import SamplingParams, generate
 
+CLOCK = time.process_time  # CPU seconds of every thread: steadier than wall on a shared machine
 
-def median_time(fn, repeats):
+
+def once(fn) -> float:
+    t0 = CLOCK()
     jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return CLOCK() - t0
 
 
-def engine_cost(module, cfg, params, prompts, sp, steps, calls, repeats):
-    """Seconds per token of `module.Engine`'s generate with every slot live."""
+def engine_run(module, cfg, params, prompts, sp, steps, calls):
+    """A function timing `calls` generate calls of `module.Engine` with every slot live
+    (slots filled, untimed, before each)."""
     kw = {"tokens_per_dispatch": steps} if steps > 1 else {}
     engine = module.Engine(
         cfg,
@@ -65,15 +65,16 @@ def engine_cost(module, cfg, params, prompts, sp, steps, calls, repeats):
             state = engine.insert(prefix, state, slot)
         return jax.block_until_ready(state)
 
-    times = []
-    for _ in range(repeats + 1):  # the first compiles
+    def run() -> float:
         state, out = fresh(), None
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         for _ in range(calls):
             state, out = engine.generate(params, state)
         np.asarray(out.data)  # the host sync JetStream's detokenize thread does
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) / (calls * len(prompts) * steps)
+        return CLOCK() - t0
+
+    run()  # compiles
+    return run
 
 
 def main():
@@ -118,34 +119,31 @@ def main():
         )
 
     b_ = p_ * g_
-    t_full, t_one = median_time(static(n_), args.repeats), median_time(static(1), args.repeats)
-    static_tok = (t_full - t_one) / (b_ * (n_ - 1))
+    full, one = static(n_), static(1)
+    once(full), once(one)  # compile
     prompts = [tokens_PxS[b // g_] for b in range(b_)]
     k_ = args.tokens_per_dispatch
     calls = (n_ - 1) // k_  # every call with every slot live
     from gjax.rollout import engine as new_engine
 
-    rec = {"rows": b_, "new_tokens": n_, "static_s_per_token": static_tok}
-    for k in sorted({1, args.tokens_per_dispatch}):
-        cost = engine_cost(
-            new_engine,
-            cfg,
-            params,
-            prompts,
-            sp,
-            k,
-            calls * k_ // k,
-            args.repeats,
-        )
-        rec[f"engine_k{k}_over_static"] = cost / static_tok
+    runs = {
+        f"engine_k{k}": (engine_run(new_engine, cfg, params, prompts, sp, k, calls * k_ // k), k)
+        for k in sorted({1, k_})
+    }
     if args.old_engine:
         spec = importlib.util.spec_from_file_location("old_engine", args.old_engine)
         old = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(old)
-        cost = engine_cost(
-            old, cfg, params, prompts, sp, 1, calls * args.tokens_per_dispatch, args.repeats
-        )
-        rec["old_engine_over_static"] = cost / static_tok
+        runs["old_engine"] = (engine_run(old, cfg, params, prompts, sp, 1, calls * k_), 1)
+    # Interleaved rounds (a loaded machine drifts): each round's ratios, then their median.
+    ratios = {name: [] for name in runs}
+    static_tok = []
+    for _ in range(args.repeats):
+        static_tok.append((once(full) - once(one)) / (b_ * (n_ - 1)))
+        for name, (run, _) in runs.items():
+            ratios[name].append(run() / (calls * k_ * b_) / static_tok[-1])
+    rec = {"rows": b_, "new_tokens": n_, "static_cpu_s_per_token": statistics.median(static_tok)}
+    rec.update({f"{name}_over_static": statistics.median(r) for name, r in ratios.items()})
     print(json.dumps(rec), flush=True)
 
 

@@ -226,7 +226,7 @@ def _dispatch(
             cache_k=cache_k,
             cache_v=cache_v,
             n_S=n1_S,
-            logits_SxV=jnp.where(live_S[:, None], logits_SxV.astype(jnp.float32), st.logits_SxV),
+            logits_SxV=logits_SxV.astype(jnp.float32),  # a done slot's are never read
             done_S=done_S,
         )
         return d + 1, st, tok_SxD, logp_SxD, live_SxD
