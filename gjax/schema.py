@@ -236,6 +236,12 @@ SCHEMA: dict[str, Any] = {
             "each; a slot freed inside a call is refilled at its end)",
             _COUNT,
         ),
+        "prefill_chunk": Field(
+            0,
+            "decoder=continuous: prompt columns prefilled per loop turn, between decode "
+            "dispatches, so a long prompt does not stall decoding (0: each prompt whole)",
+            _NONNEG,
+        ),
         "weight_change": Field(
             "finish",
             "jetstream*: requests decoding when new weights land (between generate calls): "

@@ -149,6 +149,64 @@ def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M):
     return start_slots(state, slot_M, region_M, limit_M, keys_M)
 
 
+def _prefill_chunk(params, cfg, layers, state: SlotState, tokens_AxC, start_A, mask_AxSp, region_A):
+    """Columns [start, start + C) of A prompts (`mask_AxSp`: the whole prompt's mask, any
+    padding side) into their regions: each column attends the region's earlier columns and
+    itself under one softmax, and its K/V are written there. A prompt's next-token logits are
+    written by the chunk holding its last real column. Chunks in order give the whole
+    prompt's `_prefill` (chunked prefill: a long prompt does not stall the decode slots)."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    a_, c_ = tokens_AxC.shape
+    sp_ = mask_AxSp.shape[1]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    mask = mask_AxSp.astype(jnp.int32)
+    cols_AxC = start_A[:, None] + jnp.arange(c_)[None, :]
+    pos_AxC = jnp.take_along_axis(jnp.maximum(jnp.cumsum(mask, -1) - 1, 0), cols_AxC, axis=1)
+    # key column j is visible from query column i iff it is a real token and j <= i
+    visible = mask.astype(bool)[:, None, :] & (
+        jnp.arange(sp_)[None, None, :] <= cols_AxC[..., None]
+    )
+    visible_Ax1x1xCxSp = visible[:, None, None]
+    rows_A1 = jnp.arange(a_)[:, None]
+    x = jnp.take(params["embed"]["embedding"], tokens_AxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_AxC.reshape(-1), cfg)
+    prompt_k, prompt_v = list(state.prompt_k), list(state.prompt_v)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [A*C, H|K, Dh]
+        put = lambda cur, new: cur.at[rows_A1, :, cols_AxC].set(
+            new.reshape(a_, c_, kv_, dh).astype(dtype)
+        )
+        k_AxKxSpxDh = put(jnp.take(prompt_k[i], region_A, axis=0, mode="clip"), k)
+        v_AxKxSpxDh = put(jnp.take(prompt_v[i], region_A, axis=0, mode="clip"), v)
+        prompt_k[i] = prompt_k[i].at[region_A].set(k_AxKxSpxDh, mode="drop")
+        prompt_v[i] = prompt_v[i].at[region_A].set(v_AxKxSpxDh, mode="drop")
+        q_AxKxRxCxDh = q.reshape(a_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        scores = jnp.einsum(
+            "akrcd,aksd->akrcs", q_AxKxRxCxDh, k_AxKxSpxDh, preferred_element_type=f32
+        )
+        scores = jnp.where(visible_Ax1x1xCxSp, scores / math.sqrt(dh), _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("akrcs,aksd->ackrd", probs, v_AxKxSpxDh).reshape(a_ * c_, h_ * dh)
+        x = decode_layer_out(lp, x, out, cfg)
+    hidden_AxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(a_, c_, -1)
+    last_A = sp_ - 1 - jnp.argmax(mask[:, ::-1], axis=-1) - start_A
+    holds_A = (last_A >= 0) & (last_A < c_)
+    hidden_AxD = jnp.take_along_axis(hidden_AxCxD, jnp.clip(last_A, 0, c_ - 1)[:, None, None], 1)
+    logits_AxV = logits_from_hidden(params, cfg, hidden_AxD[:, 0])
+    old_AxV = jnp.take(state.prompt_logits_RxV, region_A, axis=0, mode="clip")
+    put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
+    return state._replace(
+        prompt_k=prompt_k,
+        prompt_v=prompt_v,
+        prompt_mask_RxSp=put(state.prompt_mask_RxSp, mask),
+        prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
+        prompt_logits_RxV=put(
+            state.prompt_logits_RxV, jnp.where(holds_A[:, None], logits_AxV, old_AxV)
+        ),
+    )
+
+
 def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     """One decoder step for every slot: token at position prompt_len + n, written at own cache
     index n. Each slot attends its region's prompt KV and its own cache n' <= n, under one
@@ -244,6 +302,7 @@ def _dispatch(
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("state",))
 _insert_jit = jax.jit(_insert, donate_argnames=("state",))
+_chunk_jit = jax.jit(_prefill_chunk, static_argnames=("cfg",), donate_argnames=("state",))
 _dispatch_jit = jax.jit(
     _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
 )
@@ -261,6 +320,9 @@ class ContinuousDecoder:
         a group holds its region until its last row ends, so long tails need R > S / G).
       prefill_batch: prompts per prefill call (None: ceil(S / G)).
       share_prompt: False gives every row a region of its own (the G-copies layout; tests).
+      prefill_chunk: 0 prefills a prompt whole before its rows decode; C > 0 prefills C
+        columns of up to A prompts per loop turn, between dispatches, so a long prompt does
+        not stall the decoding slots (prompts left-padded to a multiple of C).
     """
 
     def __init__(
@@ -272,7 +334,10 @@ class ContinuousDecoder:
         prompt_regions: int | None = None,
         prefill_batch: int | None = None,
         share_prompt: bool = True,
+        prefill_chunk: int = 0,
     ):
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if slots <= 0 or tokens_per_dispatch <= 0:
             raise ValueError(
                 f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
@@ -282,6 +347,7 @@ class ContinuousDecoder:
         self.cfg, self.slots, self.steps = cfg, slots, tokens_per_dispatch
         self.prompt_regions, self.prefill_batch = prompt_regions, prefill_batch
         self.share_prompt = share_prompt
+        self.prefill_chunk = prefill_chunk
         self.stats: dict[str, float] = {}
 
     def regions_for(self, num_samples: int) -> int:
@@ -315,6 +381,10 @@ class ContinuousDecoder:
                 f"prompt tokens {tokens_PxS.shape} and mask {mask_PxS.shape} must be the same "
                 "[P, S] shape"
             )
+        if self.prefill_chunk and tokens_PxS.shape[1] % self.prefill_chunk:
+            extra = self.prefill_chunk - tokens_PxS.shape[1] % self.prefill_chunk
+            tokens_PxS = np.pad(tokens_PxS, ((0, 0), (extra, 0)))  # masked columns
+            mask_PxS = np.pad(mask_PxS, ((0, 0), (extra, 0)))
         p_, sp_len = tokens_PxS.shape
         b_, n_ = p_ * g_, sp.max_new_tokens
         limits = np.full((b_,), n_, np.int32) if max_tokens_B is None else np.asarray(max_tokens_B)
@@ -339,8 +409,14 @@ class ContinuousDecoder:
         stats = collections.Counter()
         t_device = 0.0
         finished = 0
-        while finished < b_:
-            # Admit: rows in order, skipping a row whose prompt needs a region while none is free.
+        chunk_ = self.prefill_chunk
+        ready: set = set()  # groups whose region is prefilled
+        pending: list = []  # chunked prefill: [prompt, region, group, next column]
+
+        def admit():
+            """Rows in order into free slots, skipping a row whose prompt needs a region while
+            none is free (or, chunked, whose region is still being prefilled)."""
+            nonlocal queue
             new_prompts, admits, waiting = [], [], []
             for b in queue:
                 if not free_slots:
@@ -353,31 +429,70 @@ class ContinuousDecoder:
                         continue
                     region_of[g] = free_regions.pop(0)
                     new_prompts.append((b // g_, region_of[g]))
+                    if not chunk_:
+                        ready.add(g)
+                    else:
+                        pending.append([b // g_, region_of[g], g, 0])
+                if g not in ready:
+                    waiting.append(b)
+                    continue
                 s = free_slots.pop(0)
                 slot_row[s] = b
                 admits.append((s, region_of[g], b, limits[b]))
             queue = waiting
-            if all(r < 0 for r in slot_row):  # cannot happen with R >= 1; never spin
+            return new_prompts, admits
+
+        while finished < b_:
+            new_prompts, admits = admit()
+            if all(r < 0 for r in slot_row) and not pending and not admits:
                 raise RuntimeError(f"continuous decoder: {len(queue)} rows and no live slot")
             t0 = time.perf_counter()
-            for i in range(0, len(new_prompts), a_):
-                chunk = new_prompts[i : i + a_]
-                idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
-                reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
-                state = _prefill_jit(
+            if not chunk_:
+                for i in range(0, len(new_prompts), a_):
+                    chunk = new_prompts[i : i + a_]
+                    idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
+                    reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
+                    state = _prefill_jit(
+                        params,
+                        self.cfg,
+                        state,
+                        tokens_PxS[idx],
+                        mask_PxS[idx],
+                        np.asarray(reg, np.int32),
+                    )
+                    stats["prefill_calls"] += 1
+                    stats["prompts_prefilled"] += len(chunk)
+            elif pending:  # one chunk of up to A prompts, then decode: prefill never stalls it
+                part = pending[:a_]
+                fill = part + [[part[0][0], r_, -1, 0]] * (a_ - len(part))
+                idx = np.asarray([e[0] for e in fill])
+                start = np.asarray([e[3] for e in fill], np.int32)
+                cols = start[:, None] + np.arange(chunk_)[None, :]
+                state = _chunk_jit(
                     params,
                     self.cfg,
+                    layers,
                     state,
-                    tokens_PxS[idx],
+                    np.take_along_axis(tokens_PxS[idx], cols, axis=1),
+                    start,
                     mask_PxS[idx],
-                    np.asarray(reg, np.int32),
+                    np.asarray([e[1] for e in fill], np.int32),
                 )
                 stats["prefill_calls"] += 1
-                stats["prompts_prefilled"] += len(chunk)
+                for e in part:
+                    e[3] += chunk_
+                    if e[3] >= sp_len:
+                        ready.add(e[2])
+                        stats["prompts_prefilled"] += 1
+                pending[:] = [e for e in pending if e[3] < sp_len]
+                admits += admit()[1]
             if admits:
                 pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
                 cols = np.asarray(admits + pad, np.int32).T
                 state = _insert_jit(state, rng, *cols)
+            if all(r < 0 for r in slot_row):  # chunked: only prefills in flight yet
+                continue
+            stats["dispatches_beside_prefill"] += bool(pending)
             t1 = time.perf_counter()
             state, tok, logp, live, d = _dispatch_jit(
                 params, self.cfg, layers, state, sp=sp, steps=self.steps
