@@ -37,7 +37,11 @@ G requests for the same prompt, arriving one after another, share one prefill co
 
 Params reach the engine through a `ParamsHolder`: JetStream's threads read `params` once,
 before their loops, so the holder is what they capture, and `swap` rebinds what it holds
-between steps. Same shapes and shardings, so nothing recompiles.
+between steps. Same shapes and shardings, so nothing recompiles. Slots live when a swap lands
+(`rollout.weight_change`): 'finish' decodes on with the new params over the old prompt and
+token KV (a partial rollout: each token's version and log-prob are in the records, so the
+in-process backend's behaviour log-probs are the ones sampled with); 'restart' ends each such
+slot with `RESTART_TOKEN` and its client sends the request again.
 """
 
 from __future__ import annotations
