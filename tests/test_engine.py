@@ -17,15 +17,18 @@ jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def serve(steps, max_tokens_B=None):
+def serve(steps, caps=()):
+    """The rows of TOKENS x G from a JetStreamBackend with `steps` tokens per generate call,
+    then with each per-request max_tokens list in `caps`; and its engine."""
     be = jetstream_backend.JetStreamBackend(
         CFG, PARAMS, sampling=GREEDY, slots=3, max_prompt_len=S, tokens_per_dispatch=steps
     )
     try:
-        out = be.generate(
-            PARAMS, TOKENS, MASK, None, num_samples=G, sampling=GREEDY, max_tokens_B=max_tokens_B
-        )
-        return jax.tree.map(np.asarray, out), be.engine
+        outs = [
+            be.generate(PARAMS, TOKENS, MASK, None, num_samples=G, sampling=GREEDY, max_tokens_B=c)
+            for c in (None, *caps)
+        ]
+        return [jax.tree.map(np.asarray, o) for o in outs], be.engine
     finally:
         be.close()
 
@@ -33,7 +36,7 @@ def serve(steps, max_tokens_B=None):
 def test_engine_equals_static_for_any_tokens_per_call_and_writes_each_prompt_once():
     static = generate(PARAMS, CFG, TOKENS, MASK, jax.random.key(0), num_samples=G, sampling=GREEDY)
     static = jax.tree.map(np.asarray, static)
-    one, engine = serve(steps=1)
+    (one,), engine = serve(steps=1)
     assert_same(one, static, atol=1e-5)  # the static sampler's tolerance
     # The G requests of a prompt (placed one after another) share one region.
     assert engine.region_writes == len(TOKENS)
@@ -41,12 +44,11 @@ def test_engine_equals_static_for_any_tokens_per_call_and_writes_each_prompt_onc
     # Prompt KV: one [K, Sp, Dh] region per group, none per slot (was G x [K, Sp + N, Dh]).
     assert state["prompt_k"][0].shape[2] == engine.max_prefill_length
     assert state["cache_k"][0].shape[2] == N
-    four, engine4 = serve(steps=4)
+    # Per-request max_tokens below what a call emits: each row is the full row's prefix.
+    caps = np.asarray([1, 2, 3, 5, 8, 6], np.int32)
+    (four, capped), engine4 = serve(steps=4, caps=(caps,))
     assert engine4.tokens_per_dispatch == 4
     assert_same(four, one, atol=1e-6)
-    # Per-request max_tokens, below what a call emits: each row is the full row's prefix.
-    caps = np.asarray([1, 2, 3, 5, 8, 6], np.int32)
-    capped, _ = serve(steps=4, max_tokens_B=caps)
     lengths = np.minimum(one.lengths_B, caps)
     np.testing.assert_array_equal(capped.lengths_B, lengths)
     keep = np.arange(N)[None] < lengths[:, None]
