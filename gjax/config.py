@@ -81,6 +81,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 # Rollout backends `gjax.rollout.factory.make_backend` builds; a new backend adds its name here.
 ROLLOUT_BACKENDS = ("local", "jetstream", "jetstream_grpc")
 ROLLOUT_DECODERS = ("static", "continuous")  # backend 'local' only
+WEIGHT_CHANGES = ("finish", "restart")  # jetstream*: in-flight requests on a weight swap
 WEIGHT_TRANSFERS = ("directory", "grpc")
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -130,6 +131,11 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         config.rollout.decoder in ROLLOUT_DECODERS,
         "rollout.decoder",
         f"must be one of {ROLLOUT_DECODERS}, got {config.rollout.decoder!r}",
+    )
+    _require(
+        config.rollout.weight_change in WEIGHT_CHANGES,
+        "rollout.weight_change",
+        f"must be one of {WEIGHT_CHANGES}, got {config.rollout.weight_change!r}",
     )
     _require(
         config.rollout.decoder == "static" or config.rollout.backend == "local",

@@ -237,9 +237,22 @@ SCHEMA: dict[str, Any] = {
         ),
         "tokens_per_dispatch": Field(
             8,
-            "decoder=continuous: decode steps per jitted call (one host sync each; a slot "
-            "freed inside a call is refilled at its end)",
+            "decoder=continuous and jetstream*: decode steps per jitted call (one host sync "
+            "each; a slot freed inside a call is refilled at its end)",
             _COUNT,
+        ),
+        "prefill_chunk": Field(
+            0,
+            "decoder=continuous: prompt columns prefilled per loop turn, between decode "
+            "dispatches, so a long prompt does not stall decoding (0: each prompt whole)",
+            _NONNEG,
+        ),
+        "weight_change": Field(
+            "finish",
+            "jetstream*: requests decoding when new weights land (between generate calls): "
+            "finish (on the new weights: a partial rollout; in-process each token's version "
+            "and behaviour log-prob are recorded) | restart (ended, sent again on the new "
+            "weights)",
         ),
         "server_address": Field(
             "127.0.0.1:9000", "jetstream_grpc: host:port that `python -m gjax.serve` binds"

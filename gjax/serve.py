@@ -97,6 +97,8 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         tokenizer=tok,
         seed=config.seed,
         record=False,  # log-probs travel only in-process; gRPC clients recompute them
+        tokens_per_dispatch=config.rollout.tokens_per_dispatch,
+        weight_change=config.rollout.weight_change,
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
     watcher = WeightWatcher(push_dir, holder).start()

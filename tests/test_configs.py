@@ -247,6 +247,7 @@ def test_harmful_values_are_rejected(path, value, match):
         ("rollout.backend", "vllm", r"rollout\.backend: must be one of \('local',"),
         ("rollout.weight_transfer", "nfs", r"rollout\.weight_transfer: must be one of \('dir"),
         ("rollout.decoder", "paged", r"rollout\.decoder: must be one of \('static',"),
+        ("rollout.weight_change", "drop", r"rollout\.weight_change: must be one of \('finish'"),
         ("model.remat", "some", r"model\.remat"),
         ("model.dtype", "fp8", r"model\.dtype"),
         ("objective.advantage", "grpoo", r"config\.objective: unknown advantage estimator 'grpoo'"),

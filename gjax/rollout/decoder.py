@@ -11,12 +11,13 @@ Device state (`SlotState`, a pytree; N = max_new_tokens, Sp = prompt width, R re
     prompt_k/_v      L x [R, K, Sp, Dh]  prompt regions: a group's prompt KV, stored ONCE and
                                          read by all of its G slots (`region_S`)
     prompt_mask_RxSp, prompt_len_R, prompt_logits_RxV (next-token logits after the prompt)
-    region_S, n_S (tokens emitted), limit_S, token_S / logp_S (the next token, drawn), done_S,
-    keys_S (the row's key data)
+    region_S, n_S (tokens emitted), limit_S, logits_SxV (f32 next-token logits; a step draws
+    token n_S from them), done_S, keys_S (the row's key data)
 Three jitted pieces: `_prefill` (up to A prompts per call into free regions), `_insert` (new
-rows into free slots; each draws its first token from its region's logits) and `_dispatch`
-(up to `tokens_per_dispatch` decode steps in one `lax.while_loop`, stopping each slot on its
-own; one host sync per dispatch).
+rows into free slots, starting from their region's logits) and `_dispatch` (up to
+`tokens_per_dispatch` decode steps in one `lax.while_loop`, stopping each slot on its own;
+one host sync per dispatch). `gjax.rollout.engine` (JetStream) runs on the same state and
+`_dispatch`: `write_region` + `start_slots` are its insert.
 
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
@@ -61,8 +62,7 @@ class SlotState(NamedTuple):
     region_S: jax.Array
     n_S: jax.Array
     limit_S: jax.Array
-    token_S: jax.Array
-    logp_S: jax.Array
+    logits_SxV: jax.Array
     done_S: jax.Array
     keys_S: jax.Array
 
@@ -84,8 +84,7 @@ def init_state(cfg: ModelConfig, slots: int, regions: int, prompt_len: int, max_
         region_S=jnp.zeros((slots,), jnp.int32),
         n_S=jnp.zeros((slots,), jnp.int32),
         limit_S=jnp.zeros((slots,), jnp.int32),
-        token_S=jnp.zeros((slots,), jnp.int32),
-        logp_S=jnp.zeros((slots,), jnp.float32),
+        logits_SxV=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
         done_S=jnp.ones((slots,), bool),
         keys_S=jnp.zeros((slots, *key_shape), jnp.uint32),
     )
@@ -98,6 +97,41 @@ def _draw(logits_SxV, keys_S, index_S, sp: SamplingParams):
     return tok[:, 0], logp[:, 0]
 
 
+def write_region(state: SlotState, region_A, k, v, mask_AxSq, logits_AxV) -> SlotState:
+    """Prompts' KV (`k`/`v`: L x [A, K, Sq, Dh], Sq <= Sp, zero-padded to Sp) into regions
+    `region_A` (index R: a padding entry, dropped)."""
+    sp_ = state.prompt_mask_RxSp.shape[1]
+    pad = lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, sp_ - x.shape[-1])])
+    mask = mask_AxSq.astype(jnp.int32)
+    put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
+    kv_pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, sp_ - x.shape[2]), (0, 0)))
+    return state._replace(
+        prompt_k=[put(d, kv_pad(k[i])) for i, d in enumerate(state.prompt_k)],
+        prompt_v=[put(d, kv_pad(v[i])) for i, d in enumerate(state.prompt_v)],
+        prompt_mask_RxSp=put(state.prompt_mask_RxSp, pad(mask)),
+        prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
+        prompt_logits_RxV=put(state.prompt_logits_RxV, logits_AxV),
+    )
+
+
+def start_slots(state: SlotState, slot_M, region_M, limit_M, keys_M) -> SlotState:
+    """Starts rows in slots `slot_M` (index S: padding, dropped) from their region's logits;
+    their own cache rows are zeroed (a stale NaN in V would survive a masked softmax weight
+    of 0)."""
+    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+    zero = lambda c: c.at[slot_M].set(0, mode="drop")
+    return state._replace(
+        cache_k=[zero(c) for c in state.cache_k],
+        cache_v=[zero(c) for c in state.cache_v],
+        region_S=put(state.region_S, region_M),
+        n_S=put(state.n_S, jnp.zeros_like(region_M)),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, state.prompt_logits_RxV[region_M]),
+        done_S=put(state.done_S, jnp.zeros(region_M.shape, bool)),
+        keys_S=put(state.keys_S, keys_M),
+    )
+
+
 def _prefill(params, cfg, state: SlotState, tokens_AxSp, mask_AxSp, region_A):
     """Prefills A prompts into regions `region_A` (index R: a padding entry, dropped)."""
     mask = mask_AxSp.astype(jnp.int32)
@@ -106,34 +140,70 @@ def _prefill(params, cfg, state: SlotState, tokens_AxSp, mask_AxSp, region_A):
     last_A = tokens_AxSp.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
     hidden_AxD = jnp.take_along_axis(hidden_AxSpxD, last_A[:, None, None], axis=1)[:, 0]
     logits_AxV = logits_from_hidden(params, cfg, hidden_AxD)
+    return write_region(state, region_A, k, v, mask, logits_AxV)
+
+
+def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M):
+    """Starts rows `row_M` (key fold_in(rng, row)) in slots `slot_M` (index S: padding)."""
+    keys_M = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(rng, r)))(row_M)
+    return start_slots(state, slot_M, region_M, limit_M, keys_M)
+
+
+def _prefill_chunk(params, cfg, layers, state: SlotState, tokens_AxC, start_A, mask_AxSp, region_A):
+    """Columns [start, start + C) of A prompts (`mask_AxSp`: the whole prompt's mask, any
+    padding side) into their regions: each column attends the region's earlier columns and
+    itself under one softmax, and its K/V are written there. A prompt's next-token logits are
+    written by the chunk holding its last real column. Chunks in order give the whole
+    prompt's `_prefill` (chunked prefill: a long prompt does not stall the decode slots)."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    a_, c_ = tokens_AxC.shape
+    sp_ = mask_AxSp.shape[1]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    mask = mask_AxSp.astype(jnp.int32)
+    cols_AxC = start_A[:, None] + jnp.arange(c_)[None, :]
+    pos_AxC = jnp.take_along_axis(jnp.maximum(jnp.cumsum(mask, -1) - 1, 0), cols_AxC, axis=1)
+    # key column j is visible from query column i iff it is a real token and j <= i
+    visible = mask.astype(bool)[:, None, :] & (
+        jnp.arange(sp_)[None, None, :] <= cols_AxC[..., None]
+    )
+    visible_Ax1x1xCxSp = visible[:, None, None]
+    rows_A1 = jnp.arange(a_)[:, None]
+    x = jnp.take(params["embed"]["embedding"], tokens_AxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_AxC.reshape(-1), cfg)
+    prompt_k, prompt_v = list(state.prompt_k), list(state.prompt_v)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [A*C, H|K, Dh]
+        put = lambda cur, new: cur.at[rows_A1, :, cols_AxC].set(
+            new.reshape(a_, c_, kv_, dh).astype(dtype)
+        )
+        k_AxKxSpxDh = put(jnp.take(prompt_k[i], region_A, axis=0, mode="clip"), k)
+        v_AxKxSpxDh = put(jnp.take(prompt_v[i], region_A, axis=0, mode="clip"), v)
+        prompt_k[i] = prompt_k[i].at[region_A].set(k_AxKxSpxDh, mode="drop")
+        prompt_v[i] = prompt_v[i].at[region_A].set(v_AxKxSpxDh, mode="drop")
+        q_AxKxRxCxDh = q.reshape(a_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        scores = jnp.einsum(
+            "akrcd,aksd->akrcs", q_AxKxRxCxDh, k_AxKxSpxDh, preferred_element_type=f32
+        )
+        scores = jnp.where(visible_Ax1x1xCxSp, scores / math.sqrt(dh), _MASK_VALUE)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        out = jnp.einsum("akrcs,aksd->ackrd", probs, v_AxKxSpxDh).reshape(a_ * c_, h_ * dh)
+        x = decode_layer_out(lp, x, out, cfg)
+    hidden_AxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(a_, c_, -1)
+    last_A = sp_ - 1 - jnp.argmax(mask[:, ::-1], axis=-1) - start_A
+    holds_A = (last_A >= 0) & (last_A < c_)
+    hidden_AxD = jnp.take_along_axis(hidden_AxCxD, jnp.clip(last_A, 0, c_ - 1)[:, None, None], 1)
+    logits_AxV = logits_from_hidden(params, cfg, hidden_AxD[:, 0])
+    old_AxV = jnp.take(state.prompt_logits_RxV, region_A, axis=0, mode="clip")
     put = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
     return state._replace(
-        prompt_k=[put(d, k[i]) for i, d in enumerate(state.prompt_k)],
-        prompt_v=[put(d, v[i]) for i, d in enumerate(state.prompt_v)],
+        prompt_k=prompt_k,
+        prompt_v=prompt_v,
         prompt_mask_RxSp=put(state.prompt_mask_RxSp, mask),
         prompt_len_R=put(state.prompt_len_R, mask.sum(-1)),
-        prompt_logits_RxV=put(state.prompt_logits_RxV, logits_AxV),
-    )
-
-
-def _insert(state: SlotState, rng, slot_M, region_M, row_M, limit_M, sp: SamplingParams):
-    """Starts rows `row_M` in slots `slot_M` (index S: padding, dropped): their first token is
-    drawn from their region's logits; their own cache rows are zeroed (a stale NaN in V would
-    survive a masked softmax weight of 0)."""
-    keys_M = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(rng, r)))(row_M)
-    tok_M, logp_M = _draw(state.prompt_logits_RxV[region_M], keys_M, jnp.zeros_like(row_M), sp)
-    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
-    zero = lambda c: c.at[slot_M].set(0, mode="drop")
-    return state._replace(
-        cache_k=[zero(c) for c in state.cache_k],
-        cache_v=[zero(c) for c in state.cache_v],
-        region_S=put(state.region_S, region_M),
-        n_S=put(state.n_S, jnp.zeros_like(row_M)),
-        limit_S=put(state.limit_S, limit_M),
-        token_S=put(state.token_S, tok_M),
-        logp_S=put(state.logp_S, logp_M),
-        done_S=put(state.done_S, jnp.zeros(row_M.shape, bool)),
-        keys_S=put(state.keys_S, keys_M),
+        prompt_logits_RxV=put(
+            state.prompt_logits_RxV, jnp.where(holds_A[:, None], logits_AxV, old_AxV)
+        ),
     )
 
 
@@ -176,10 +246,14 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
 
 
-def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int):
-    """Up to `steps` decode steps (fewer once every slot is done). Returns the new state and,
-    per slot and step, the token emitted, its log-prob and whether the slot was live, plus the
-    number of steps run."""
+def _dispatch(
+    params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int, error_token=None
+):
+    """Up to `steps` decode steps (fewer once every slot is done). A step draws each live
+    slot's token n_S from its logits, emits it and decodes it. Returns the new state and, per
+    slot and step, the token emitted, its log-prob and whether the slot was live, plus the
+    number of steps run. `error_token`: a live slot whose logits are not finite emits it (log-prob
+    0) and ends (the JetStream engine's failed request); None: no check."""
     s_ = state.n_S.shape[0]
     stop_ids = jnp.asarray(sp.stop_token_ids, jnp.int32)
 
@@ -189,22 +263,28 @@ def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: 
     def body(c):
         d, st, tok_SxD, logp_SxD, live_SxD = c
         live_S = ~st.done_S
+        tok_S, logp_S = _draw(st.logits_SxV, st.keys_S, st.n_S, sp)
+        done_S = st.done_S
+        if error_token is not None:
+            failed_S = live_S & ~jnp.all(jnp.isfinite(st.logits_SxV), axis=-1)
+            tok_S = jnp.where(failed_S, error_token, tok_S)
+            logp_S = jnp.where(failed_S, 0.0, logp_S)
+            done_S = done_S | failed_S
         col = lambda a, x: jax.lax.dynamic_update_slice(a, x[:, None], (0, d))
-        tok_SxD = col(tok_SxD, jnp.where(live_S, st.token_S, sp.pad_token_id))
-        logp_SxD = col(logp_SxD, jnp.where(live_S, st.logp_S, 0.0))
+        tok_SxD = col(tok_SxD, jnp.where(live_S, tok_S, sp.pad_token_id))
+        logp_SxD = col(logp_SxD, jnp.where(live_S, logp_S, 0.0))
         live_SxD = col(live_SxD, live_S)
         n1_S = st.n_S + live_S
-        done_S = st.done_S | (n1_S >= st.limit_S)
+        done_S = done_S | (n1_S >= st.limit_S)
         if sp.stop_token_ids:
-            done_S = done_S | (live_S & jnp.isin(st.token_S, stop_ids))
-        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, st.token_S)
-        tok_S, logp_S = _draw(logits_SxV, st.keys_S, n1_S, sp)
+            done_S = done_S | (live_S & jnp.isin(tok_S, stop_ids))
+        feed_S = jnp.where(live_S & (tok_S >= 0), tok_S, sp.pad_token_id)
+        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, feed_S)
         st = st._replace(
             cache_k=cache_k,
             cache_v=cache_v,
             n_S=n1_S,
-            token_S=jnp.where(live_S, tok_S, st.token_S),
-            logp_S=jnp.where(live_S, logp_S, st.logp_S),
+            logits_SxV=logits_SxV.astype(jnp.float32),  # a done slot's are never read
             done_S=done_S,
         )
         return d + 1, st, tok_SxD, logp_SxD, live_SxD
@@ -221,9 +301,10 @@ def _dispatch(params, cfg, layers, state: SlotState, sp: SamplingParams, steps: 
 
 
 _prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("state",))
-_insert_jit = jax.jit(_insert, static_argnames=("sp",), donate_argnames=("state",))
+_insert_jit = jax.jit(_insert, donate_argnames=("state",))
+_chunk_jit = jax.jit(_prefill_chunk, static_argnames=("cfg",), donate_argnames=("state",))
 _dispatch_jit = jax.jit(
-    _dispatch, static_argnames=("cfg", "sp", "steps"), donate_argnames=("state",)
+    _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
 )
 _layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
 
@@ -239,6 +320,9 @@ class ContinuousDecoder:
         a group holds its region until its last row ends, so long tails need R > S / G).
       prefill_batch: prompts per prefill call (None: ceil(S / G)).
       share_prompt: False gives every row a region of its own (the G-copies layout; tests).
+      prefill_chunk: 0 prefills a prompt whole before its rows decode; C > 0 prefills C
+        columns of up to A prompts per loop turn, between dispatches, so a long prompt does
+        not stall the decoding slots (prompts left-padded to a multiple of C).
     """
 
     def __init__(
@@ -250,7 +334,10 @@ class ContinuousDecoder:
         prompt_regions: int | None = None,
         prefill_batch: int | None = None,
         share_prompt: bool = True,
+        prefill_chunk: int = 0,
     ):
+        if prefill_chunk < 0:
+            raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
         if slots <= 0 or tokens_per_dispatch <= 0:
             raise ValueError(
                 f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
@@ -260,6 +347,7 @@ class ContinuousDecoder:
         self.cfg, self.slots, self.steps = cfg, slots, tokens_per_dispatch
         self.prompt_regions, self.prefill_batch = prompt_regions, prefill_batch
         self.share_prompt = share_prompt
+        self.prefill_chunk = prefill_chunk
         self.stats: dict[str, float] = {}
 
     def regions_for(self, num_samples: int) -> int:
@@ -293,6 +381,10 @@ class ContinuousDecoder:
                 f"prompt tokens {tokens_PxS.shape} and mask {mask_PxS.shape} must be the same "
                 "[P, S] shape"
             )
+        if self.prefill_chunk and tokens_PxS.shape[1] % self.prefill_chunk:
+            extra = self.prefill_chunk - tokens_PxS.shape[1] % self.prefill_chunk
+            tokens_PxS = np.pad(tokens_PxS, ((0, 0), (extra, 0)))  # masked columns
+            mask_PxS = np.pad(mask_PxS, ((0, 0), (extra, 0)))
         p_, sp_len = tokens_PxS.shape
         b_, n_ = p_ * g_, sp.max_new_tokens
         limits = np.full((b_,), n_, np.int32) if max_tokens_B is None else np.asarray(max_tokens_B)
@@ -317,8 +409,14 @@ class ContinuousDecoder:
         stats = collections.Counter()
         t_device = 0.0
         finished = 0
-        while finished < b_:
-            # Admit: rows in order, skipping a row whose prompt needs a region while none is free.
+        chunk_ = self.prefill_chunk
+        ready: set = set()  # groups whose region is prefilled
+        pending: list = []  # chunked prefill: [prompt, region, group, next column]
+
+        def admit():
+            """Rows in order into free slots, skipping a row whose prompt needs a region while
+            none is free (or, chunked, whose region is still being prefilled)."""
+            nonlocal queue
             new_prompts, admits, waiting = [], [], []
             for b in queue:
                 if not free_slots:
@@ -331,31 +429,70 @@ class ContinuousDecoder:
                         continue
                     region_of[g] = free_regions.pop(0)
                     new_prompts.append((b // g_, region_of[g]))
+                    if not chunk_:
+                        ready.add(g)
+                    else:
+                        pending.append([b // g_, region_of[g], g, 0])
+                if g not in ready:
+                    waiting.append(b)
+                    continue
                 s = free_slots.pop(0)
                 slot_row[s] = b
                 admits.append((s, region_of[g], b, limits[b]))
             queue = waiting
-            if all(r < 0 for r in slot_row):  # cannot happen with R >= 1; never spin
+            return new_prompts, admits
+
+        while finished < b_:
+            new_prompts, admits = admit()
+            if all(r < 0 for r in slot_row) and not pending and not admits:
                 raise RuntimeError(f"continuous decoder: {len(queue)} rows and no live slot")
             t0 = time.perf_counter()
-            for i in range(0, len(new_prompts), a_):
-                chunk = new_prompts[i : i + a_]
-                idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
-                reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
-                state = _prefill_jit(
+            if not chunk_:
+                for i in range(0, len(new_prompts), a_):
+                    chunk = new_prompts[i : i + a_]
+                    idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
+                    reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
+                    state = _prefill_jit(
+                        params,
+                        self.cfg,
+                        state,
+                        tokens_PxS[idx],
+                        mask_PxS[idx],
+                        np.asarray(reg, np.int32),
+                    )
+                    stats["prefill_calls"] += 1
+                    stats["prompts_prefilled"] += len(chunk)
+            elif pending:  # one chunk of up to A prompts, then decode: prefill never stalls it
+                part = pending[:a_]
+                fill = part + [[part[0][0], r_, -1, 0]] * (a_ - len(part))
+                idx = np.asarray([e[0] for e in fill])
+                start = np.asarray([e[3] for e in fill], np.int32)
+                cols = start[:, None] + np.arange(chunk_)[None, :]
+                state = _chunk_jit(
                     params,
                     self.cfg,
+                    layers,
                     state,
-                    tokens_PxS[idx],
+                    np.take_along_axis(tokens_PxS[idx], cols, axis=1),
+                    start,
                     mask_PxS[idx],
-                    np.asarray(reg, np.int32),
+                    np.asarray([e[1] for e in fill], np.int32),
                 )
                 stats["prefill_calls"] += 1
-                stats["prompts_prefilled"] += len(chunk)
+                for e in part:
+                    e[3] += chunk_
+                    if e[3] >= sp_len:
+                        ready.add(e[2])
+                        stats["prompts_prefilled"] += 1
+                pending[:] = [e for e in pending if e[3] < sp_len]
+                admits += admit()[1]
             if admits:
                 pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
                 cols = np.asarray(admits + pad, np.int32).T
-                state = _insert_jit(state, rng, *cols, sp=sp)
+                state = _insert_jit(state, rng, *cols)
+            if all(r < 0 for r in slot_row):  # chunked: only prefills in flight yet
+                continue
+            stats["dispatches_beside_prefill"] += bool(pending)
             t1 = time.perf_counter()
             state, tok, logp, live, d = _dispatch_jit(
                 params, self.cfg, layers, state, sp=sp, steps=self.steps

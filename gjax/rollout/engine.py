@@ -1,31 +1,34 @@
 """gjax's Flax decoder as a JetStream `Engine`: slot-based decode state, continuous batching.
 
 JetStream's orchestrator drives three pure pieces over a fixed number of decode slots:
-`prefill` (one request's prompt -> its KV cache and next-token logits, at a bucketed
-length), `insert` (that prefix into a free slot) and `generate` (one token for every live
-slot). A slot is freed as soon as its request ends, so with long-tailed response lengths the
-decode batch stays full, where a static batch runs until its longest row ends.
+`prefill` (one request's prompt -> its KV and next-token logits, at a bucketed length),
+`insert` (that prefix into a free slot) and `generate` (up to `tokens_per_dispatch` tokens for
+every live slot). A slot is freed as soon as its request ends, so with long-tailed response
+lengths the decode batch stays full, where a static batch runs until its longest row ends.
 
-Decode state (a pytree; `S` slots, `C` = max_prefill_length + max_new_tokens cache length):
-    cache_k/cache_v L x [S, K, C, Dh]  keys (after RoPE) and values, prompt then generated
-                                       (one buffer per layer: each is updated in place)
-    lengths_S        tokens in the slot's cache (the next token's position)
-    logits_SxV       f32 next-token logits (from prefill, then from each decode step)
-    generated_S      tokens emitted so far;  done_S / active_S  finished / occupied
-    keys_S           per-slot PRNG key data (fold_in(seed key, request serial))
-    serial_S         the request's serial (prefill order), for log-prob bookkeeping
+The decode state and step are `gjax.rollout.decoder`'s (one implementation): each slot holds
+only its generated KV ([S, K, N, Dh] per layer, N = max_new_tokens); a prompt's KV lives in a
+prompt region ([R, K, Sp, Dh], Sp = max_prefill_length, R = S so an insert always finds one),
+written ONCE and read by every slot whose request has that prompt (same tokens, same params
+version): the G requests of a group store their prompt once, not G times. Regions are counted
+on the generate thread (the only one that inserts): a slot's region is released when the slot
+is inserted again (JetStream reuses only finished slots). The state is a dict: the decoder's
+`SlotState` fields plus `serial_S`.
 
-`generate` first samples each live slot's token from its stored logits, with the run's
-`SamplingParams` and the log-prob definition of `gjax.rollout.sampler` (log_softmax(logits /
-T) over the full vocabulary, T = 1 for greedy), then runs the decoder on the sampled tokens.
-A slot finishes after emitting a stop id (which is returned, as in the local sampler) or
-`max_new_tokens` tokens; JetStream sees it as `valid = 0` on the next step and frees it.
-A slot whose logits are not finite emits `ERROR_TOKEN` (-2, valid) and finishes: the server
-ends that request with an error status (`gjax.rollout.grpc_server`); no other slot reads it.
-
-`insert` writes the whole cache row of its slot (the prompt's K/V, zeros after it), so what a
-slot held before (a previous request's tokens, NaN from a failed one) never reaches the next:
-attention gives masked positions probability 0, but 0 x NaN in a stale V would still be NaN.
+`generate` is the decoder's `_dispatch`: each step draws each live slot's token from its stored
+logits (`SamplingParams`, the log-prob definition of `gjax.rollout.sampler`: log_softmax(logits
+/ T) over the full vocabulary, T = 1 for greedy), emits it and decodes it. JetStream 0.2.2 reads
+a generate call's tokens per slot as "speculations" ([S, k] tokens and valid flags; a request
+ends at its first invalid column), so k = `tokens_per_dispatch` tokens per call are served as
+they are; its per-request `max_tokens` is checked only against the length column (the length
+after the call's first token), so a request may get up to k - 1 tokens past its max_tokens:
+clients cut them (`gjax.rollout.grpc_server`, `gjax.rollout.jetstream_backend`). A slot
+finishes after emitting a stop id (which is returned, as in the local sampler) or
+`max_new_tokens` tokens. A slot whose logits are not finite emits `ERROR_TOKEN` (-2, valid) and
+finishes: the server ends that request with an error status (`gjax.rollout.grpc_server`); no
+other slot reads it. `insert` zeroes its slot's own cache, so what a slot held before (a
+previous request's tokens, NaN from a failed one) never reaches the next: attention gives
+masked positions probability 0, but 0 x NaN in a stale V would still be NaN.
 
 Requests arrive with JetStream's BOS in front (its token path without a BOS is broken in
 0.2.2: `pad_tokens` reads `.shape` of a list), so the tokenizer's `bos_id` is the sentinel
@@ -34,13 +37,16 @@ G requests for the same prompt, arriving one after another, share one prefill co
 
 Params reach the engine through a `ParamsHolder`: JetStream's threads read `params` once,
 before their loops, so the holder is what they capture, and `swap` rebinds what it holds
-between steps. Same shapes and shardings, so nothing recompiles.
+between steps. Same shapes and shardings, so nothing recompiles. Slots live when a swap lands
+(`rollout.weight_change`): 'finish' decodes on with the new params over the old prompt and
+token KV (a partial rollout: each token's version and log-prob are in the records, so the
+in-process backend's behaviour log-probs are the ones sampled with); 'restart' ends each such
+slot with `RESTART_TOKEN` and its client sends the request again.
 """
 
 from __future__ import annotations
 
 import collections
-import math
 import threading
 
 import jax
@@ -48,26 +54,19 @@ import jax.numpy as jnp
 import numpy as np
 
 from gjax.models.config import ModelConfig
-from gjax.models.transformer import (
-    _MASK_VALUE,
-    _mlp,
-    _qkv,
-    apply_rope,
-    logits_from_hidden,
-    prefill,
-    rms_norm,
-    rope_cos_sin,
-)
+from gjax.models.transformer import decode_layers, logits_from_hidden, prefill
+from gjax.rollout import decoder
 from gjax.rollout.jetstream_compat import jetstream
-from gjax.rollout.sampler import SamplingParams, _sample
+from gjax.rollout.sampler import SamplingParams
 
 BOS_SENTINEL = -1
 ERROR_TOKEN = -2  # a slot's logits were not finite: its request ends with an error
+RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request is sent again
 # JetStream's prefill buckets (token_utils.pad_tokens); max_prefill_length must be one.
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
-# ResultTokens columns: JetStream reads [tokens | valid | lengths]; gjax's backend also reads
-# the request serial, the token's index, its log-prob (f32 bits) and the params version.
-_COLS = ("token", "valid", "length", "serial", "index", "logp_bits", "version")
+# ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
+# length 1]; gjax's backend also reads [serial 1 | first token's index 1 | log-probs k (f32
+# bits) | params version 1].
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -118,14 +117,16 @@ def _unwrap(params):
 
 
 class _Prefix:
-    """One request's prompt cache. Deliberately not a pytree: JetStream deletes the arrays of
-    every inserted prefix (`delete_pytree`), and G requests share these through the cache."""
+    """One request's prompt KV. Deliberately not a pytree: JetStream deletes the arrays of
+    every inserted prefix (`delete_pytree`), and G requests share these through the cache.
+    `key` (tokens, length, params version) names the prompt region it may share."""
 
-    __slots__ = ("k", "v", "logits", "length", "serial", "rejected")
+    __slots__ = ("k", "v", "logits", "length", "serial", "key", "version", "rejected")
 
-    def __init__(self, k, v, logits, length, serial, rejected=False):
+    def __init__(self, k, v, logits, length, serial, key=None, version=0, rejected=False):
         self.k, self.v, self.logits = k, v, logits
-        self.length, self.serial, self.rejected = length, serial, rejected
+        self.length, self.serial, self.key, self.rejected = length, serial, key, rejected
+        self.version = version
 
 
 class Tokenizer(jetstream.tokenizer_api.Tokenizer):
@@ -177,6 +178,11 @@ class Engine(jetstream.engine_api.Engine):
       max_concurrent_decodes: decode slots. max_prefill_length: a JetStream bucket.
       seed: the engine's sampling key; request r samples with fold_in(key(seed), r).
       record: keep each step's ResultTokens for `drain_records` (log-probs, versions).
+      tokens_per_dispatch: decode steps per `generate` call (one host sync each).
+      weight_change: what a live slot does when `generate` finds params of another version
+        than its prompt's: 'finish' (decode on with the new ones; each token's version and
+        log-prob are recorded) or 'restart' (emit RESTART_TOKEN and end; the client sends
+        the request again).
     """
 
     def __init__(
@@ -191,7 +197,13 @@ class Engine(jetstream.engine_api.Engine):
         tokenizer=None,
         seed: int = 0,
         record: bool = True,
+        tokens_per_dispatch: int = 1,
+        weight_change: str = "finish",
     ):
+        if weight_change not in ("finish", "restart"):
+            raise ValueError(f"weight_change must be 'finish' or 'restart', got {weight_change!r}")
+        if tokens_per_dispatch < 1:
+            raise ValueError(f"tokens_per_dispatch must be >= 1, got {tokens_per_dispatch}")
         if max_prefill_length not in PREFILL_BUCKETS:
             raise ValueError(
                 f"max_prefill_length={max_prefill_length} must be one of JetStream's prefill "
@@ -209,11 +221,16 @@ class Engine(jetstream.engine_api.Engine):
         self._record = record
         self._records: collections.deque = collections.deque()
         self._next_serial = 0
+        self._steps = tokens_per_dispatch
+        self._restart = weight_change == "restart"
         self._prefix_cache = None  # (key, k, v, logits): the last prompt, for its G requests
+        self._layers = (None, None)  # (params, decode_layers(params)): rebuilt on a swap
+        self._regions_reset()
         self._prefill_jit = jax.jit(self._prefill_fn)
-        self._insert_jit = jax.jit(self._insert_fn, donate_argnums=(0,))
+        self._region_jit = jax.jit(_write_region, donate_argnums=(0,))
+        self._insert_jit = jax.jit(_start_slot, donate_argnums=(0,))
         self._generate_jit = jax.jit(
-            self._generate_fn, static_argnames=("sampling",), donate_argnums=(1,)
+            self._generate_fn, static_argnames=("sampling",), donate_argnums=(2,)
         )
 
     # --- sampling settings and bookkeeping ---------------------------------------------
@@ -235,18 +252,59 @@ class Engine(jetstream.engine_api.Engine):
     def drain_records(self) -> np.ndarray:
         """Rows [serial, index, token, logp_bits, version] of every valid token generated
         since the last drain (int32; logp_bits is the f32 log-prob's bit pattern)."""
-        out = []
+        k, out = self._steps, []
         while self._records:
             data = np.asarray(self._records.popleft())
-            data = data[data[:, 1] == 1]
-            out.append(data[:, [3, 4, 0, 5, 6]])
-        return np.concatenate(out) if out else np.zeros((0, 5), np.int32)
+            valid = data[:, k : 2 * k] == 1
+            s_, j = np.nonzero(valid)
+            cols = [
+                data[s_, 2 * k + 1],
+                data[s_, 2 * k + 2] + j,
+                data[s_, j],
+                data[s_, 2 * k + 3 + j],
+                data[s_, 3 * k + 3],
+            ]
+            out.append(np.stack(cols, axis=1))
+        return np.concatenate(out).astype(np.int32) if out else np.zeros((0, 5), np.int32)
 
     def compile_count(self) -> int:
         """Compiled variants of prefill + insert + generate (a weight swap adds none)."""
-        return sum(
-            f._cache_size() for f in (self._prefill_jit, self._insert_jit, self._generate_jit)
-        )
+        fns = (self._prefill_jit, self._region_jit, self._insert_jit, self._generate_jit)
+        return sum(f._cache_size() for f in fns)
+
+    # --- prompt regions (generate thread only) ------------------------------------------
+
+    def _regions_reset(self):
+        s = self._slots
+        self._region_key: list = [None] * s  # the prompt each region holds
+        self._region_of: dict = {}  # prompt key -> region holding it
+        self._refs = [0] * s  # slots reading each region
+        self._slot_region = [-1] * s
+        self._last_use = [0] * s
+        self.region_writes = 0  # prompts written into a region (the rest shared one)
+
+    def _region_for(self, prefix: _Prefix, slot: int) -> tuple[int, bool]:
+        """(the region `slot` reads `prefix`'s prompt from, whether it must be written)."""
+        self._release(slot)
+        r = self._region_of.get(prefix.key)
+        write = r is None
+        if write:  # R = S and this slot released its region: one is free
+            free = [i for i in range(self._slots) if self._refs[i] == 0]
+            r = min(free, key=lambda i: (self._region_key[i] is not None, self._last_use[i]))
+            self._region_of.pop(self._region_key[r], None)
+            self._region_key[r] = prefix.key
+            self._region_of[prefix.key] = r
+            self.region_writes += 1
+        self._refs[r] += 1
+        self._slot_region[slot] = r
+        self._last_use[r] = self._next_serial
+        return r, write
+
+    def _release(self, slot: int):
+        r = self._slot_region[slot]
+        if r >= 0:
+            self._refs[r] -= 1
+            self._slot_region[slot] = -1
 
     # --- the Engine API ----------------------------------------------------------------
 
@@ -255,20 +313,13 @@ class Engine(jetstream.engine_api.Engine):
         return self.holder
 
     def init_decode_state(self, *args, **kwargs):
+        """The decoder's `SlotState` (as a dict) + serial_S; every slot free, no region held."""
         del args, kwargs
-        c, s = self.cfg, self._slots
-        cache = (s, c.num_kv_heads, self._max_prefill + self.max_new_tokens, c.head_dim)
-        return {
-            "cache_k": [jnp.zeros(cache, c.jnp_dtype) for _ in range(c.num_layers)],
-            "cache_v": [jnp.zeros(cache, c.jnp_dtype) for _ in range(c.num_layers)],
-            "lengths_S": jnp.zeros((s,), jnp.int32),
-            "logits_SxV": jnp.zeros((s, c.vocab_size), jnp.float32),
-            "generated_S": jnp.zeros((s,), jnp.int32),
-            "done_S": jnp.ones((s,), bool),
-            "active_S": jnp.zeros((s,), bool),
-            "keys_S": jnp.zeros((s, *jax.random.key_data(self._key).shape), jnp.uint32),
-            "serial_S": jnp.zeros((s,), jnp.int32),
-        }
+        s = self._slots
+        self._regions_reset()
+        state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # two buffers: both are donated
+        return {**state._asdict(), "serial_S": zeros(), "version_S": zeros()}
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
         if existing_prefix is not None:
@@ -295,32 +346,44 @@ class Engine(jetstream.engine_api.Engine):
             k, v, logits = self._prefill_jit(params, jnp.asarray(tokens), jnp.int32(true_length))
             self._prefix_cache = (key, k, v, logits)
         _, k, v, logits = self._prefix_cache
-        return _Prefix(k, v, logits, true_length, serial)
+        return _Prefix(k, v, logits, true_length, serial, key=key, version=version)
 
     def insert(self, prefix: _Prefix, decode_state, slot: int):
         if prefix.rejected:
-            return self._reject(decode_state, slot)
+            self._release(slot)
+            return _reject(decode_state, jnp.int32(slot))
+        region, write = self._region_for(prefix, slot)
+        if write:
+            decode_state = self._region_jit(
+                decode_state, prefix.k, prefix.v, prefix.logits, jnp.int32(prefix.length), region
+            )
         key_data = jax.random.key_data(jax.random.fold_in(self._key, prefix.serial))
         return self._insert_jit(
             decode_state,
-            prefix.k,
-            prefix.v,
-            prefix.logits,
-            jnp.int32(prefix.length),
             jnp.int32(slot),
+            jnp.int32(region),
+            jnp.int32(self.sampling.max_new_tokens),
             key_data,
             jnp.int32(prefix.serial),
+            jnp.int32(prefix.version),
         )
 
     def generate(self, params, decode_state):
         params, version = _unwrap(params)
+        if self._layers[0] is not params:  # per params version, not per call
+            self._layers = (params, _layers_jit(params, cfg=self.cfg))
         decode_state, data = self._generate_jit(
-            params, decode_state, jnp.int32(version), sampling=self.sampling
+            params, self._layers[1], decode_state, jnp.int32(version), sampling=self.sampling
         )
         if self._record:
             self._records.append(data)
+        k = self._steps
         result = jetstream.engine_api.ResultTokens(
-            data=data, tokens_idx=(0, 1), valid_idx=(1, 2), length_idx=(2, 3), samples_per_slot=1
+            data=data,
+            tokens_idx=(0, k),
+            valid_idx=(k, 2 * k),
+            length_idx=(2 * k, 2 * k + 1),
+            samples_per_slot=1,
         )
         return decode_state, result
 
@@ -338,6 +401,10 @@ class Engine(jetstream.engine_api.Engine):
     @property
     def max_concurrent_decodes(self) -> int:
         return self._slots
+
+    @property
+    def tokens_per_dispatch(self) -> int:
+        return self._steps
 
     @property
     def samples_per_slot(self) -> int:
@@ -367,110 +434,60 @@ class Engine(jetstream.engine_api.Engine):
         logits_V = logits_from_hidden(params, self.cfg, hidden_1xSxD[0, true_length - 1])
         return k[:, 0], v[:, 0], logits_V.astype(jnp.float32)  # k, v: [L, K, S, Dh]
 
-    def _insert_fn(self, state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, slot, key_data, serial):
-        at = (slot, 0, 0, 0)
-        # The slot's whole row: the prompt, then zeros over whatever the slot held before.
-        tail = ((0, 0), (0, state["cache_k"][0].shape[2] - k_LxKxSxDh.shape[2]), (0, 0))
-        row = lambda x, c: jnp.pad(x.astype(c.dtype), tail)[None]
-        state = dict(state)
-        state["cache_k"] = [
-            jax.lax.dynamic_update_slice(c, row(k_LxKxSxDh[i], c), at)
-            for i, c in enumerate(state["cache_k"])
-        ]
-        state["cache_v"] = [
-            jax.lax.dynamic_update_slice(c, row(v_LxKxSxDh[i], c), at)
-            for i, c in enumerate(state["cache_v"])
-        ]
-        state["lengths_S"] = state["lengths_S"].at[slot].set(length)
-        state["logits_SxV"] = state["logits_SxV"].at[slot].set(logits_V)
-        state["generated_S"] = state["generated_S"].at[slot].set(0)
-        state["done_S"] = state["done_S"].at[slot].set(False)
-        state["active_S"] = state["active_S"].at[slot].set(True)
-        state["keys_S"] = state["keys_S"].at[slot].set(key_data)
-        state["serial_S"] = state["serial_S"].at[slot].set(serial)
-        return state
-
-    def _reject(self, state, slot):
-        state = dict(state)
-        state["active_S"] = state["active_S"].at[slot].set(True)
-        state["done_S"] = state["done_S"].at[slot].set(True)
-        return state
-
-    def _decode(self, params, state, tokens_S):
-        """One decoder step for every slot: token at position lengths_S, cache written there."""
-        cfg, dtype = self.cfg, self.cfg.jnp_dtype
-        s_, c_ = tokens_S.shape[0], state["cache_k"][0].shape[2]
-        kv_, r_, dh = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
-        pos_S = jnp.minimum(state["lengths_S"], c_ - 1)
-        slots = jnp.arange(s_)
-        x = jnp.take(params["embed"]["embedding"], tokens_S[:, None], axis=0).astype(dtype)
-        cos, sin = rope_cos_sin(pos_S[:, None], cfg)
-        visible_SxC = jnp.arange(c_)[None, :] <= pos_S[:, None]
-        cache_k, cache_v = list(state["cache_k"]), list(state["cache_v"])
-        for i in range(cfg.num_layers):
-            lp = jax.tree.map(lambda a, i=i: a[i], params["layers"])
-            h = rms_norm(x, lp["input_norm"]["scale"], cfg.rms_norm_eps)
-            q, k, v = _qkv(lp["attn"], h, cfg, dtype)  # [S, 1, H|K, Dh]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            cache_k[i] = cache_k[i].at[slots, :, pos_S].set(k[:, 0].astype(cache_k[i].dtype))
-            cache_v[i] = cache_v[i].at[slots, :, pos_S].set(v[:, 0].astype(cache_v[i].dtype))
-            q_SxKxRxDh = q[:, 0].reshape(s_, kv_, r_, dh)
-            scores = jnp.einsum(
-                "skrd,skcd->skrc", q_SxKxRxDh, cache_k[i], preferred_element_type=jnp.float32
-            ) / math.sqrt(dh)
-            scores = jnp.where(visible_SxC[:, None, None], scores, _MASK_VALUE)
-            probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-            att = jnp.einsum("skrc,skcd->skrd", probs, cache_v[i]).reshape(s_, 1, -1)
-            x = x + jnp.dot(att, lp["attn"]["o"]["kernel"].astype(dtype))
-            h = rms_norm(x, lp["post_attn_norm"]["scale"], cfg.rms_norm_eps)
-            x = x + _mlp(lp["mlp"], h, dtype)
-        hidden = rms_norm(x[:, 0], params["final_norm"]["scale"], cfg.rms_norm_eps)
-        return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
-
-    def _generate_fn(self, params, state, version, *, sampling: SamplingParams):
-        sp = sampling
-        alive_S = state["active_S"] & ~state["done_S"]
-        keys = jax.vmap(jax.random.fold_in)(
-            jax.random.wrap_key_data(state["keys_S"]), state["generated_S"]
+    def _generate_fn(self, params, layers, state, version, *, sampling: SamplingParams):
+        k = self._steps
+        core = _core(state)
+        n0_S = core.n_S
+        if self._restart:  # a slot started on other weights ends now, emitting RESTART_TOKEN
+            restart_S = ~core.done_S & (state["version_S"] != version)
+            core = core._replace(done_S=core.done_S | restart_S)
+        core, tok_SxK, logp_SxK, live_SxK, _ = decoder._dispatch(
+            params, self.cfg, layers, core, sampling, k, error_token=ERROR_TOKEN
         )
-        token_S, logp_S = jax.vmap(lambda lg, k: _sample(lg[None], k, sp))(
-            state["logits_SxV"], keys
-        )
-        token_S, logp_S = token_S[:, 0], logp_S[:, 0]
-        token_S = jnp.where(alive_S, token_S, sp.pad_token_id)
-        logp_S = jnp.where(alive_S, logp_S, 0.0)
-        index_S = state["generated_S"]
-        generated_S = index_S + alive_S
-        done_S = state["done_S"] | (alive_S & (generated_S >= sp.max_new_tokens))
-        if sp.stop_token_ids:
-            stop = jnp.asarray(sp.stop_token_ids, jnp.int32)
-            done_S = done_S | (alive_S & jnp.isin(token_S, stop))
-        failed_S = alive_S & ~jnp.all(jnp.isfinite(state["logits_SxV"]), axis=-1)
-        done_S = done_S | failed_S
-        logits, cache_k, cache_v = self._decode(
-            params, state, jnp.where(failed_S, sp.pad_token_id, token_S)
-        )
-        token_S = jnp.where(failed_S, ERROR_TOKEN, token_S)
-        logp_S = jnp.where(failed_S, 0.0, logp_S)
-        state = dict(state)
-        state.update(
-            cache_k=cache_k,
-            cache_v=cache_v,
-            lengths_S=state["lengths_S"] + alive_S,
-            logits_SxV=jnp.where(alive_S[:, None], logits, state["logits_SxV"]),
-            generated_S=generated_S,
-            done_S=done_S,
-        )
-        data = jnp.stack(
+        if self._restart:
+            tok_SxK = tok_SxK.at[:, 0].set(jnp.where(restart_S, RESTART_TOKEN, tok_SxK[:, 0]))
+            live_SxK = live_SxK.at[:, 0].set(live_SxK[:, 0] | restart_S)
+        col = lambda x: x[:, None].astype(jnp.int32)
+        data = jnp.concatenate(
             [
-                token_S,
-                alive_S.astype(jnp.int32),
-                generated_S,
-                state["serial_S"],
-                index_S,
-                jax.lax.bitcast_convert_type(logp_S.astype(jnp.float32), jnp.int32),
-                jnp.broadcast_to(version, token_S.shape),
+                tok_SxK,
+                live_SxK.astype(jnp.int32),
+                col(n0_S + 1),  # JetStream's length check: the count after the first token
+                col(state["serial_S"]),
+                col(n0_S),
+                jax.lax.bitcast_convert_type(logp_SxK.astype(jnp.float32), jnp.int32),
+                col(jnp.broadcast_to(version, n0_S.shape)),
             ],
             axis=1,
-        ).astype(jnp.int32)
-        return state, data
+        )
+        return {**state, **core._asdict()}, data
+
+
+def _core(state) -> decoder.SlotState:
+    return decoder.SlotState(**{f: state[f] for f in decoder.SlotState._fields})
+
+
+def _write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region):
+    """One prompt's KV (a bucket of Sq <= Sp positions, right-padded) into `region`."""
+    mask = (jnp.arange(k_LxKxSxDh.shape[2]) < length)[None]
+    core = decoder.write_region(
+        _core(state), region[None], k_LxKxSxDh[:, None], v_LxKxSxDh[:, None], mask, logits_V[None]
+    )
+    return {**state, **core._asdict()}
+
+
+def _start_slot(state, slot, region, limit, key_data, serial, version):
+    core = decoder.start_slots(_core(state), slot[None], region[None], limit[None], key_data[None])
+    return {
+        **core._asdict(),
+        "serial_S": state["serial_S"].at[slot].set(serial),
+        "version_S": state["version_S"].at[slot].set(version),
+    }
+
+
+def _reject(state, slot):
+    """A rejected request's slot: done at once (JetStream sees valid = 0 and frees it)."""
+    return {**state, "done_S": state["done_S"].at[slot].set(True)}
+
+
+_layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))

@@ -57,7 +57,10 @@ def make_backend(
                 "multi-process run decodes with 'static' (each host its own rows)"
             )
         decoder = ContinuousDecoder(
-            model_cfg, slots=r.decode_slots, tokens_per_dispatch=r.tokens_per_dispatch
+            model_cfg,
+            slots=r.decode_slots,
+            tokens_per_dispatch=r.tokens_per_dispatch,
+            prefill_chunk=r.prefill_chunk,
         )
         return LocalSampler(model_cfg, decoder=decoder)
     if r.backend == "local":

@@ -5,7 +5,11 @@ servicer, with two additions a shared server needs:
 * every request is checked before it reaches the Driver (`check_request`); a bad one is
   answered INVALID_ARGUMENT with what was wrong, and never touches a decode slot;
 * a request whose decode slot produced non-finite logits (the engine's `ERROR_TOKEN`) ends
-  with INTERNAL instead of returning garbage with status OK.
+  with INTERNAL instead of returning garbage with status OK; one ended because new weights
+  landed (`rollout.weight_change='restart'`, `RESTART_TOKEN`) ends with ABORTED, and the
+  client sends it again;
+* a request gets at most its `max_tokens` tokens (the engine emits `tokens_per_dispatch` per
+  generate call and JetStream checks max_tokens once per call; see `gjax.rollout.engine`).
 The same port serves `gjax.Weights` (`gjax.rollout.weight_stream`): new params streamed by the
 trainer, swapped into the engine's ParamsHolder between decode steps.
 The port is bound without SO_REUSEPORT, so a second server on a taken port fails to start
@@ -20,7 +24,7 @@ import threading
 
 import grpc
 
-from gjax.rollout.engine import PREFILL_BUCKETS, Engine
+from gjax.rollout.engine import PREFILL_BUCKETS, RESTART_TOKEN, Engine
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.weight_stream import SERVER_OPTIONS, WeightReceiver
 
@@ -67,12 +71,21 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
             max_tokens=engine.max_new_tokens,
             hf=engine._hf_tokenizer,
         )
+        self._tokenizer = engine.build_tokenizer(None)
 
     async def Decode(self, request, context=None):  # noqa: N802 - the gRPC method's name
         problem = check_request(request, **self._check)
         if problem is not None:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        left = request.max_tokens
         async for response in super().Decode(request, context):
+            if any(RESTART_TOKEN in s.token_ids for s in response.stream_content.samples):
+                await _abort(
+                    context,
+                    grpc.StatusCode.ABORTED,
+                    "new weights landed while this request decoded "
+                    "(rollout.weight_change='restart'): send it again",
+                )
             if any(t < 0 for s in response.stream_content.samples for t in s.token_ids):
                 await _abort(
                     context,
@@ -80,7 +93,27 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
                     "the model produced non-finite logits for this request; it was ended "
                     "(other requests are unaffected). Check the served weights.",
                 )
-            yield response
+            response, left = _cut(response, left, self._tokenizer)
+            if response is not None:
+                yield response
+
+
+def _cut(response, left: int, tokenizer):
+    """`response` with at most `left` tokens per sample (None when none is left), and what
+    is left after it."""
+    samples = response.stream_content.samples
+    if all(len(s.token_ids) <= left for s in samples):
+        return response, left - max((len(s.token_ids) for s in samples), default=0)
+    if left <= 0:
+        return None, 0
+    cut = []
+    for s in samples:
+        ids = list(s.token_ids)[:left]
+        text = jetstream.token_utils.text_tokens_to_str([tokenizer.decode([t]) for t in ids])
+        cut.append(
+            pb.DecodeResponse.StreamContent.Sample(text=text if s.text else "", token_ids=ids)
+        )
+    return pb.DecodeResponse(stream_content=pb.DecodeResponse.StreamContent(samples=cut)), 0
 
 
 async def _abort(context, code, details: str):

@@ -43,7 +43,7 @@ import numpy as np
 from gjax import multihost, schema
 from gjax.errors import UserError
 from gjax.rollout.backend import LocalSampler, rollout_sampling
-from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
+from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 from gjax.rollout.weight_push import WeightPusher
@@ -195,7 +195,7 @@ class _JetStreamClient:
                 "version": np.full((b_,), self.version, np.int32),
             }
             for b, (ids, _) in rows.items():
-                ids = ids[:n_]
+                ids = ids[: requests[b].max_tokens]  # the engine may run past it (a dispatch)
                 out["tokens"][b, : len(ids)] = ids
                 out["mask"][b, : len(ids)] = 1
                 out["valid"][b] = True
@@ -284,6 +284,8 @@ def _token_ids(responses) -> list[int]:
     for resp in responses:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
+    if RESTART_TOKEN in ids:  # weight_change='restart': retried, on the new weights
+        raise RuntimeError("new weights landed while this request decoded; it is sent again")
     if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
         raise RuntimeError("the engine produced non-finite logits for this request")
     return ids
@@ -314,6 +316,8 @@ class JetStreamBackend(_JetStreamClient):
         timeout_s: float = 600.0,
         max_retries: int = 2,
         backoff_s: float = 0.5,
+        tokens_per_dispatch: int = 1,
+        weight_change: str = "finish",
     ):
         max_prefill = prefill_bucket(max_prompt_len)
         super().__init__(
@@ -332,6 +336,8 @@ class JetStreamBackend(_JetStreamClient):
             max_prefill_length=max_prefill,
             mesh=mesh,
             seed=seed,
+            tokens_per_dispatch=tokens_per_dispatch,
+            weight_change=weight_change,
         )
         orch = jetstream.orchestrator
         self.driver = orch.Driver(
@@ -529,6 +535,8 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             seed=config.seed,
             timeout_s=r.request_timeout_s,
             max_retries=r.max_retries,
+            tokens_per_dispatch=r.tokens_per_dispatch,
+            weight_change=r.weight_change,
         )
     # grpc is optional (the jetstream extra): imported only for the gRPC client.
     from gjax.rollout.replicas import ReplicaPool, ReplicaWeights

@@ -1,0 +1,114 @@
+"""The JetStream engine on the decoder's core (tiny model, JetStream's own Driver): equal to the
+static sampler for any tokens per generate call, a group's prompt KV written once, per-request
+max_tokens kept when a call emits several tokens."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from gjax.rollout import generate
+from tests.test_decoder import GREEDY, MASK, TOKENS, G, N, assert_same
+from tests.test_sampler import CFG, PARAMS, S
+
+jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def serve(steps, caps=()):
+    """The rows of TOKENS x G from a JetStreamBackend with `steps` tokens per generate call,
+    then with each per-request max_tokens list in `caps`; and its engine."""
+    be = jetstream_backend.JetStreamBackend(
+        CFG, PARAMS, sampling=GREEDY, slots=3, max_prompt_len=S, tokens_per_dispatch=steps
+    )
+    try:
+        outs = [
+            be.generate(PARAMS, TOKENS, MASK, None, num_samples=G, sampling=GREEDY, max_tokens_B=c)
+            for c in (None, *caps)
+        ]
+        return [jax.tree.map(np.asarray, o) for o in outs], be.engine
+    finally:
+        be.close()
+
+
+def test_engine_equals_static_for_any_tokens_per_call_and_writes_each_prompt_once():
+    static = generate(PARAMS, CFG, TOKENS, MASK, jax.random.key(0), num_samples=G, sampling=GREEDY)
+    static = jax.tree.map(np.asarray, static)
+    (one,), engine = serve(steps=1)
+    assert_same(one, static, atol=1e-5)  # the static sampler's tolerance
+    # The G requests of a prompt (placed one after another) share one region.
+    assert engine.region_writes == len(TOKENS)
+    state = engine.init_decode_state()
+    # Prompt KV: one [K, Sp, Dh] region per group, none per slot (was G x [K, Sp + N, Dh]).
+    assert state["prompt_k"][0].shape[2] == engine.max_prefill_length
+    assert state["cache_k"][0].shape[2] == N
+    # Per-request max_tokens below what a call emits: each row is the full row's prefix.
+    caps = np.asarray([1, 2, 3, 5, 8, 6], np.int32)
+    (four, capped), engine4 = serve(steps=4, caps=(caps,))
+    assert engine4.tokens_per_dispatch == 4
+    assert_same(four, one, atol=1e-6)
+    lengths = np.minimum(one.lengths_B, caps)
+    np.testing.assert_array_equal(capped.lengths_B, lengths)
+    keep = np.arange(N)[None] < lengths[:, None]
+    np.testing.assert_array_equal(capped.tokens_BxN[keep], one.tokens_BxN[keep])
+    np.testing.assert_allclose(capped.logps_BxN[keep], one.logps_BxN[keep], atol=1e-6)
+
+
+def _decode_with_a_push(weight_change, push_after=2, calls=8):
+    """Two prompts' requests in slots 0, 1 (engine API, no threads); new weights swapped in
+    after `push_after` generate calls; then a third request. Returns (tokens [calls, S],
+    valid [calls, S], the engine's records)."""
+    from gjax.rollout import engine as eng
+
+    engine = eng.Engine(
+        CFG,
+        PARAMS,
+        sampling=dataclasses.replace(GREEDY, stop_token_ids=()),  # every request runs N
+        max_concurrent_decodes=3,
+        max_prefill_length=eng.prefill_bucket(S),
+        weight_change=weight_change,
+    )
+    new = jax.tree.map(lambda x: x * 1.5, PARAMS)
+
+    def place(state, p, slot):
+        ids = np.asarray(TOKENS[p])[np.asarray(MASK[p], bool)]
+        padded = np.zeros((engine.max_prefill_length,), np.int32)
+        padded[: len(ids)] = ids
+        prefix = engine.prefill(params=engine.holder, padded_tokens=padded, true_length=len(ids))
+        return engine.insert(prefix, state, slot)
+
+    state = place(place(engine.init_decode_state(), 0, 0), 1, 1)
+    out = []
+    for c in range(calls):
+        if c == push_after:
+            engine.holder.swap(new)
+            state = place(state, 2, 2)
+        state, result = engine.generate(engine.holder, state)
+        out.append(np.asarray(result.data)[:, :2])
+    out = np.stack(out)
+    return out[..., 0], out[..., 1], engine.drain_records()
+
+
+@pytest.mark.parametrize("weight_change", ["finish", "restart"])
+def test_weights_changing_between_generate_calls(weight_change):
+    """finish: in-flight requests decode on with the new weights (their first tokens equal
+    the run without a push, the rest differ), each token recorded with its version; restart:
+    they end at once with RESTART_TOKEN; a request started after the push decodes either way."""
+    from gjax.rollout import engine as eng
+
+    base_tok, base_valid, _ = _decode_with_a_push("finish", push_after=99)
+    tok, valid, records = _decode_with_a_push(weight_change)
+    np.testing.assert_array_equal(tok[:2, :2], base_tok[:2, :2])  # before the push
+    assert valid[2:, 2].all() and (tok[2:, 2] >= 0).all()  # the new request, new weights
+    if weight_change == "finish":
+        assert valid[:, :2].sum() == base_valid[:, :2].sum()  # nothing cut short
+        assert not np.array_equal(tok[2:, :2], base_tok[2:, :2])
+        for serial in (0, 1):
+            rows = records[records[:, 0] == serial]
+            np.testing.assert_array_equal(rows[:, 1], np.arange(len(rows)))  # token index
+            np.testing.assert_array_equal(rows[:, 4], np.arange(len(rows)) >= 2)  # version
+    else:
+        assert tok[2, :2].tolist() == [eng.RESTART_TOKEN] * 2 and valid[2, :2].all()
+        assert not valid[3:, :2].any()
