@@ -168,3 +168,19 @@ def test_rollout_backends_benchmark_smoke():
     )
     assert 0 < s["continuous_slot_occupancy"] <= 1 and 0 <= s["continuous_host_fraction"] < 1
     assert s["roofline"] == "not measured: no accelerator"
+
+
+@pytest.mark.slow
+def test_engine_step_benchmark_smoke():
+    """The engine's cost per token over the static sampler's: one record, finite ratios for
+    one and several tokens per generate call."""
+    (rec,) = _benchmark_records(
+        "engine_step.py",
+        *("--vocab", "64", "--hidden", "32", "--mlp", "48", "--layers", "1", "--heads", "2"),
+        *("--kv-heads", "1", "--prompts", "2", "--samples", "2", "--prompt-len", "5"),
+        *("--new-tokens", "9", "--tokens-per-dispatch", "4", "--repeats", "1"),
+    )
+    assert (rec["rows"], rec["new_tokens"]) == (4, 9)
+    assert rec["static_cpu_s_per_token"] > 0
+    for name in ("engine_k1_over_static", "engine_k4_over_static"):
+        assert 0 < rec[name] < float("inf"), rec
