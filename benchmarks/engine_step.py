@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout_backends import model_config  # noqa: E402 - this folder, not a package
+from rollout_backends import add_model_args, model_config  # noqa: E402 - this folder, not a package
 
 from gjax.models import transformer as tr
 from gjax.rollout import SamplingParams, generate
@@ -79,14 +79,7 @@ def engine_run(module, cfg, params, prompts, sp, steps, calls):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default=None)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--mlp", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=15)

@@ -61,6 +61,19 @@ def draw_lengths(n: int, max_new: int, rng) -> np.ndarray:
     return lengths
 
 
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """The benchmark model's flags (`model_config` reads them): a Qwen2.5 `--shape`, or the
+    4.2M-parameter default's dimensions."""
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--mlp", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+
+
 def model_config(args) -> ModelConfig:
     if args.shape:
         dims = SHAPES[args.shape]
@@ -97,14 +110,7 @@ def timed(run, repeats):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--mlp", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=2)
-    ap.add_argument("--dtype", default="float32")
+    add_model_args(ap)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--max-prompt", type=int, default=15)
