@@ -5,6 +5,8 @@ kernel); cuDNN cannot run on CPU, so its call (layout, mask, GQA) is checked thr
 `jax.nn.dot_product_attention`'s XLA backend, and its selection is checked on its own.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -223,3 +225,53 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_repeated_to_the_query_head
 
     for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
         np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_model_forward_runs_the_kernel_alone_and_per_shard(monkeypatch):
+    """The whole forward (a scanned layer) with splash (interpret mode: the platform is faked,
+    CPU has no TPU), on one device and on a data=2, fsdp=2, tensor=2 mesh, equals the XLA
+    forward, hidden states and every parameter gradient, on packed rows; on the mesh no
+    rank-4 array (q / k / v, scores) is all-gathered. One device: the kernel's mask tables are
+    built outside the trace (they leaked out of flax's scan before)."""
+    from gjax import sharding
+
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=H,
+        num_kv_heads=K,
+        head_dim=DH,
+    )
+    params = jax.tree.map(
+        lambda x: 0.2 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), abstract_params(cfg)
+    )
+    seg = jnp.asarray(np.concatenate([SEG_BxT, SEG_BxT[::-1]]))
+    tokens = jax.random.randint(jax.random.key(2), seg.shape, 0, 32)
+    positions = jnp.tile(jnp.arange(T), (4, 1))
+    w = jax.random.normal(jax.random.key(3), (*seg.shape, 32))
+    real = (seg != 0)[:, :, None]
+
+    def loss(p, c):
+        hidden = forward(p, c, tokens, positions, seg)
+        return jnp.sum(jnp.where(real, hidden * w, 0.0)), hidden
+
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, want), grads_want = run(params, cfg)
+    attend = attention.attend
+    monkeypatch.setattr(attention, "platform_impl", lambda name: "splash")
+    monkeypatch.setattr(attention, "attend", lambda *a: attend(*a, interpret=True))
+    kernel_cfg = cfg.replace(attention="splash")
+    outs = [run(params, kernel_cfg)]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with jax.set_mesh(mesh), sharding.use_rules():
+        compiled = run.lower(sharding.shard_params(params, mesh), kernel_cfg).compile()
+        outs.append(compiled(sharding.shard_params(params, mesh)))
+    gathered = re.findall(r"= (\S+) all-gather", compiled.as_text())
+    assert gathered and not [x for x in gathered if x.split("{")[0].count(",") >= 3], gathered
+    for (_, got), grads in outs:
+        np.testing.assert_allclose(np.where(real, got, 0.0), np.where(real, want, 0.0), atol=1e-5)
+        for g, gw in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want), strict=True):
+            np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)

@@ -152,7 +152,9 @@ def _splash_kernel(heads: int, t: int, block: int, interpret: bool):
         block_q_dq=block,
         block_kv_dq=block,
     )
-    with jax.ensure_compile_time_eval():  # concrete mask tables: cacheable across traces
+    # Built outside any trace (ensure_compile_time_eval is not enough inside flax's scan: the
+    # tables leaked as tracers into the next trace): concrete, cacheable across traces.
+    with jax.core.eval_context():
         return sa.make_splash_mha(
             mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
         )
