@@ -351,6 +351,8 @@ class GjaxStep:
                 batch.get("pack_bins_J"),  # auto bins: this batch's J
             )
             packed = dict(packed_bins=bins * learner.minibatches, pack_length=width)
+            if "pack_reads_C" in batch:  # the head at the read positions only
+                packed["pack_reads"] = int(batch["pack_reads_C"].shape[0])
         p, g, n = groups.completion_mask_PxGxN.shape
         prompt_P = groups.prompt_mask_PxS.sum(-1)
         completion_B = groups.completion_mask_PxGxN.reshape(p * g, n).sum(-1)

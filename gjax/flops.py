@@ -18,7 +18,8 @@ padded length S, the head at all T completion slots (rows padded to the loss ker
 chunk), and the (query, key) pairs the attention implementation computes
 (`attention_pairs`: XLA's dense [S x S] scores; a flash kernel's tiles on or below the
 diagonal, plus its backward's recompute of the scores); packed (`gjax.packing`), the bins'
-[J, W] shape, with the head at every packed position.
+[J, W] shape, with the head at every packed position, or with `pack_reads` C at the C
+positions per bin the loss reads (`gjax.packing.read_positions`).
 """
 
 from __future__ import annotations
@@ -148,6 +149,7 @@ def learner_flops(
     logps_token_chunk: int = 256,
     packed_bins: int = 0,
     pack_length: int = 0,
+    pack_reads: int = 0,
     head_kernel: str = "auto",
     platform: str = "cpu",
     attention_impl: str = "xla",
@@ -164,7 +166,8 @@ def learner_flops(
     (`gjax.models.attention.resolve`; `attention_pairs`). Useful counts the head as forward +
     backward (3 matmuls); executed as the kernel runs it.
     Packed (`gjax.packing`, `packed_bins` > 0 bins of `pack_length` in all): the passes run
-    [bins, pack_length] instead of [B, S], and the head runs at every packed position.
+    [bins, pack_length] instead of [B, S], and the head runs at every packed position, or
+    with `pack_reads` > 0 at that many per bin (the positions the loss reads).
     """
     rows = len(np.asarray(seq_lengths_B))
     real = int(np.sum(seq_lengths_B))
@@ -178,7 +181,9 @@ def learner_flops(
     tokens_x = run_rows * run_len
     pairs_x = attention_pairs(attention_impl, run_rows, run_len)
     stack_x = forward_flops(cfg, tokens=tokens_x, logit_tokens=0, attn_pairs=pairs_x)
-    head_rows = tokens_x if packed_bins else rows * padded_completion_len_T
+    head_rows = rows * padded_completion_len_T
+    if packed_bins:
+        head_rows = packed_bins * (pack_reads or pack_length)
     logps_x = stack_x + forward_flops(
         cfg, tokens=0, logit_tokens=chunk_padded(head_rows, logps_token_chunk), attn_pairs=0
     )

@@ -23,7 +23,6 @@ from typing import Any
 import flax
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -156,13 +155,23 @@ def policy_logps(
         inputs["segment_ids"].reshape(total, width),
     )
     dest_BxT = packing.completion_destinations(dest_BxS, t)
+    targets_JxW = packing.scatter(batch["targets_BxT"], dest_BxT, n).reshape(total, width)
+    if "pack_reads_C" in batch:  # the head at the read positions only
+        read_JxC = packing.read_positions(dest_BxT, total, width, batch["pack_reads_C"].shape[0])
+        hidden_JxWxD = packing.take_reads(hidden_JxWxD, read_JxC)
+        targets_JxW = packing.take_reads(targets_JxW, read_JxC)
     logps_N, _ = token_logps(
-        hidden_JxWxD.reshape(n, -1),
+        hidden_JxWxD.reshape(-1, hidden_JxWxD.shape[-1]),
         lm_head_kernel(params, cfg),
-        packing.scatter(batch["targets_BxT"], dest_BxT, n),
+        targets_JxW.reshape(-1),
         temperature=temperature,
         with_entropy=False,
     )
+    if "pack_reads_C" in batch:  # back to the bins' [J, W] places
+        rows_JxC = jnp.broadcast_to(jnp.arange(total)[:, None], read_JxC.shape)
+        logps_JxW = jnp.zeros((total, width), logps_N.dtype)
+        logps_N = logps_JxW.at[rows_JxC, read_JxC].set(logps_N.reshape(read_JxC.shape), mode="drop")
+        logps_N = logps_N.reshape(n)
     return jnp.where(batch["loss_mask_BxT"], packing.gather(logps_N, dest_BxT), 0.0)
 
 
@@ -195,11 +204,13 @@ _BATCH_KEYS_FOR_LOSS = ("targets_BxT", "old_logps_BxT", "ref_logps_BxT")
 _MODEL_KEYS = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS")
 
 
-def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int):
+def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int, reads=None):
     """One minibatch's rows and `prepare` arrays -> its microbatches of `bins` packed bins of
     `width` tokens: three dicts of [K, J/K, W] arrays (model inputs, loss inputs, prep), the
     loss ones under the objective's names (a bin is a row of the objective's [B, T] grid; its
-    segment ids say which minibatch row each token belongs to)."""
+    segment ids say which minibatch row each token belongs to). With `reads` (C, `plan`'s
+    `pack_reads`) the loss inputs are [K, J/K, C], only the positions the loss reads
+    (`packing.read_positions`, in `inputs["read_JxC"]`): the head runs there alone."""
     s = rows["input_ids_BxS"].shape[1]
     t = rows["targets_BxT"].shape[1]
     n = bins * width
@@ -209,9 +220,14 @@ def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int):
     mb = {k: packing.scatter(rows[k], dest_RxT, n) for k in _BATCH_KEYS_FOR_LOSS if k in rows}
     mb["segment_ids"] = inputs["segment_ids"]
     mprep = {k: packing.scatter(v, dest_RxT, n) for k, v in prep.items()}
+    inputs, mb, mprep = jax.tree.map(lambda x: x.reshape(bins, width), (inputs, mb, mprep))
+    if reads is not None:
+        read_JxC = packing.read_positions(dest_RxT, bins, width, reads)
+        mb, mprep = jax.tree.map(lambda x: packing.take_reads(x, read_JxC), (mb, mprep))
+        inputs["read_JxC"] = read_JxC
 
-    def micro(x):  # [J * W] -> [K, J / K, W]: microbatches are contiguous bins
-        return x.reshape(microbatches, bins // microbatches, width)
+    def micro(x):  # [J, ...] -> [K, J / K, ...]: microbatches are contiguous bins
+        return x.reshape(microbatches, bins // microbatches, *x.shape[1:])
 
     return jax.tree.map(micro, (inputs, mb, mprep))
 
@@ -262,6 +278,8 @@ def update(
         hidden_JxWxD = forward(
             params, cfg, inputs["input_ids"], inputs["positions"], inputs["segment_ids"]
         )
+        if "read_JxC" in inputs:  # the head at the read positions only
+            hidden_JxWxD = packing.take_reads(hidden_JxWxD, inputs["read_JxC"])
         return obj.micro_batch_loss(
             hidden_JxWxD,
             lm_head_kernel(params, cfg),
@@ -278,8 +296,11 @@ def update(
     else:  # packed once per minibatch: every pass and iteration reuses the bins
         b, s = rows["input_ids_BxS"].shape
         bins, width = pack.shape(b, s, minibatches, batch.get("pack_bins_J"))
+        reads = batch["pack_reads_C"].shape[0] if "pack_reads_C" in batch else None
         pieces_M = jax.vmap(
-            functools.partial(pack_minibatch, bins=bins, width=width, microbatches=microbatches)
+            functools.partial(
+                pack_minibatch, bins=bins, width=width, microbatches=microbatches, reads=reads
+            )
         )(rows_M, prep_M)
         grad_fn = jax.value_and_grad(packed_loss_fn, has_aux=True)
 
@@ -366,10 +387,13 @@ class Learner:
                     s=host["input_ids_BxS"].shape[1],
                     minibatches=self.minibatches,
                     microbatches=self.microbatches,
+                    # auto bins: the head at the read positions (C joins J as a shape);
+                    # fixed bins keep one compiled shape (the head at every position)
+                    t=None if self.pack.bins else host["targets_BxT"].shape[1],
                 )
             )
-            # J as a shape (auto bins: one compile per distinct J, never per step)
-            host["pack_bins_J"] = np.zeros(host.pop("pack_bins"), np.int8)
+            # J (and C) as shapes (auto: one compile per distinct shape, never per step)
+            host.update(packing.markers(host))
         batch = self.transfer.put_batch(host)
         if ref_params is not None:
             batch["ref_logps_BxT"] = self.logps(ref_params, batch)

@@ -7,7 +7,9 @@ static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). Wit
 the default) each batch takes the fewest bins it needs rounded up on a ladder of
 `AUTO_STEPS` values per doubling (`auto_bins`: at most 1/8 of the bins empty; a run
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
-`pack_bins_J` marker. Positions are the rows' own (they
+`pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin
+whose log-probs the loss reads (`read_positions`; C from the plan, `pack_reads_C` marker),
+not at the prompts'. Positions are the rows' own (they
 restart in every row) and each row is its own segment (its padding stays segment 0; a row
 holds one sequence, as `gjax.experience.to_model_inputs` builds them), so attention never
 crosses rows.
@@ -130,11 +132,20 @@ def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
 
 
 def plan(
-    spans_Bx2: np.ndarray, packing: Packing, *, s: int, minibatches: int, microbatches: int = 1
+    spans_Bx2: np.ndarray,
+    packing: Packing,
+    *,
+    s: int,
+    minibatches: int,
+    microbatches: int = 1,
+    t: int | None = None,
 ) -> dict:
     """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), `pack_metrics`: the
     most bins a minibatch used and the fraction of bin tokens filled (f32 [2], to tune
     `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0).
+    With `t` (completion length T), `pack_reads`: C, the most positions of one bin whose
+    log-probs the loss reads (`read_counts`), rounded up to a multiple of W / `AUTO_STEPS`
+    (<= W; at most 8 values, so few compiles).
     Every process computes the same plan from the all-gathered spans. Raises ConfigError when
     rows do not fit."""
     b = len(spans_Bx2)
@@ -164,6 +175,27 @@ def plan(
     fill = length_B.sum() / (minibatches * bins * width)
     out["pack_metrics"] = np.array([most, fill], np.float32)
     out["pack_bins"] = bins
+    if t is not None:
+        reads_B = read_counts(spans_Bx2, s=s, t=t)
+        per_bin = np.bincount((np.arange(b) % minibatches) * bins + bin_B, reads_B)
+        step = -(-width // AUTO_STEPS)  # C on AUTO_STEPS values per W: <= W / 8 unread
+        out["pack_reads"] = min(max(-(-int(per_bin.max(initial=0)) // step), 1) * step, width)
+    return out
+
+
+def read_counts(spans_Bx2: np.ndarray, *, s: int, t: int) -> np.ndarray:
+    """[B] how many of each row's packed positions predict a completion target (those
+    whose log-probs the loss reads): its span's part from position S - T - 1 on."""
+    start_B, length_B = spans_Bx2[:, 0], spans_Bx2[:, 1]
+    return np.maximum(start_B + length_B - np.maximum(start_B, s - t - 1), 0) * (length_B > 0)
+
+
+def markers(plan_: dict) -> dict:
+    """The plan's static sizes as the shapes of int8 marker arrays (what a jitted update
+    reads; one compile per distinct size): `pack_bins_J` and, if planned, `pack_reads_C`."""
+    out = {"pack_bins_J": np.zeros(plan_.pop("pack_bins"), np.int8)}
+    if "pack_reads" in plan_:
+        out["pack_reads_C"] = np.zeros(plan_.pop("pack_reads"), np.int8)
     return out
 
 
@@ -203,6 +235,21 @@ def pack_model_inputs(rows: dict, dest_RxS: jax.Array, n: int) -> dict:
         "positions": scatter(rows["positions_BxS"], dest_RxS, n),
         "segment_ids": scatter(seg_RxS, dest_RxS, n),
     }
+
+
+def read_positions(dest_RxT: jax.Array, bins: int, width: int, reads: int) -> jax.Array:
+    """[J, C] the positions in each bin (ascending) whose log-probs the loss reads (each
+    row's completion places, `completion_destinations`), padded with W (out of range) to
+    C = `reads` (>= every bin's count: `plan`'s `pack_reads`)."""
+    n = bins * width
+    read_JxW = scatter(jnp.ones(dest_RxT.shape, bool), dest_RxT, n).reshape(bins, width)
+    return jax.vmap(lambda r: jnp.nonzero(r, size=reads, fill_value=width)[0])(read_JxW)
+
+
+def take_reads(x_JxW: jax.Array, read_JxC: jax.Array) -> jax.Array:
+    """[J, W, ...] -> [J, C, ...] at the read positions; 0 at the padding ones."""
+    idx = read_JxC.reshape(read_JxC.shape + (1,) * (x_JxW.ndim - 2))
+    return jnp.take_along_axis(x_JxW, idx, axis=1, mode="fill", fill_value=0)
 
 
 def completion_destinations(dest_RxS: jax.Array, t: int) -> jax.Array:

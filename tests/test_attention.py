@@ -5,6 +5,8 @@ kernel); cuDNN cannot run on CPU, so its call (layout, mask, GQA) is checked thr
 `jax.nn.dot_product_attention`'s XLA backend, and its selection is checked on its own.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -128,3 +130,148 @@ def test_config_names_the_valid_implementations():
     c.model.attention = "flash"
     with pytest.raises(ConfigError, match="model.attention"):
         config_lib.check_names(c)
+
+
+def _mesh_run(mesh, impl, q, k, v, w, seg):
+    """(out, grads, compiled HLO texts) of the kernel under `mesh` and the default rules, its
+    inputs placed as the forward's activations are."""
+    from gjax import sharding
+
+    real = (seg != 0)[:, :, None, None]
+
+    def fn(q, k, v, seg):
+        return attention.attend(impl, q, k, v, seg, interpret=True)
+
+    def loss(q, k, v, seg):
+        return jnp.sum(jnp.where(real, fn(q, k, v, seg) * w, 0.0))
+
+    with jax.set_mesh(mesh), sharding.use_rules():
+        axes = (("batch", "length", "q_heads", None),) + (
+            ("batch", "length", "kv_heads", None),
+        ) * 2
+        args = [
+            jax.device_put(x, sharding.activation_sharding(mesh, a, shape=x.shape))
+            for x, a in zip((q, k, v, seg), (*axes, ("batch", "length")), strict=True)
+        ]
+        fwd, bwd = (
+            jax.jit(f).lower(*args).compile() for f in (fn, jax.grad(loss, argnums=(0, 1, 2)))
+        )
+        return fwd(*args), bwd(*args), [fwd.as_text(), bwd.as_text()]
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "splash"])
+def test_kernels_run_per_shard_on_the_mesh(impl):
+    """data=2, fsdp=2, tensor=2 (batch over data x fsdp, heads over tensor, GQA 4:2): packed
+    rows equal the unsharded reference, forward and gradient, and the compiled forward and
+    backward gather no q / k / v (without the shard_map XLA all-gathers the kernel's inputs)."""
+    from gjax import sharding
+
+    q, k, v, w = (jnp.concatenate([x, x[::-1] * 0.5]) for x in _inputs())  # B = 4 rows
+    seg = jnp.asarray(np.concatenate([SEG_BxT, SEG_BxT[::-1]]))
+    real = (seg != 0)[:, :, None, None]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    got, grads, texts = _mesh_run(mesh, impl, q, k, v, w, seg)
+    for text in texts:
+        assert "all-gather" not in text
+    assert got.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
+    np.testing.assert_allclose(
+        np.where(real, got, 0.0),
+        np.where(real, _reference(q, k, v, seg), 0.0),
+        atol=2e-6,
+        rtol=2e-6,
+    )
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.where(real, _reference(q, k, v, seg) * w, 0.0))
+
+    for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_kv_heads_the_tensor_axis_does_not_divide_are_repeated_to_the_query_heads():
+    """tensor=4 over 4 query heads but 2 KV heads: k / v are repeated before the split (the
+    fallback), still equal to the reference; the spec choice follows the rules."""
+    from gjax import sharding
+
+    abstract = jax.sharding.AbstractMesh((2, 1, 4), sharding.MESH_AXES)
+    spec, seg_spec, repeat = attention.shard_specs(abstract, (B, T, H, DH), K)
+    assert (spec, seg_spec, repeat) == (
+        jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None),
+        jax.sharding.PartitionSpec(("data", "fsdp"), None),
+        True,
+    )
+    abstract2 = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    assert not attention.shard_specs(abstract2, (4, T, H, DH), K)[2]
+    with sharding.use_rules({**sharding.DEFAULT_RULES, "kv_heads": None}):
+        assert attention.shard_specs(abstract2, (4, T, H, DH), K)[2]  # kv replicated: repeat
+    with sharding.use_rules({**sharding.DEFAULT_RULES, "q_heads": None, "kv_heads": None}):
+        spec, _, repeat = attention.shard_specs(abstract2, (3, T, H, DH), K)
+        assert spec == jax.sharding.PartitionSpec(None, None, None, None) and not repeat
+
+    q, k, v, w = _inputs()
+    seg = jnp.asarray(SEG_BxT)
+    real = (seg != 0)[:, :, None, None]
+    mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+    got, grads, _ = _mesh_run(mesh, "pallas_gpu", q, k, v, w, seg)
+    np.testing.assert_allclose(
+        np.where(real, got, 0.0),
+        np.where(real, _reference(q, k, v, seg), 0.0),
+        atol=2e-6,
+        rtol=2e-6,
+    )
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.where(real, _reference(q, k, v, seg) * w, 0.0))
+
+    for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_model_forward_runs_the_kernel_alone_and_per_shard(monkeypatch):
+    """The whole forward (a scanned layer) with splash (interpret mode: the platform is faked,
+    CPU has no TPU), on one device and on a data=2, fsdp=2, tensor=2 mesh, equals the XLA
+    forward, hidden states and every parameter gradient, on packed rows; on the mesh no
+    rank-4 array (q / k / v, scores) is all-gathered. One device: the kernel's mask tables are
+    built outside the trace (they leaked out of flax's scan before)."""
+    from gjax import sharding
+
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=32,
+        num_layers=1,
+        num_heads=H,
+        num_kv_heads=K,
+        head_dim=DH,
+    )
+    params = jax.tree.map(
+        lambda x: 0.2 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), abstract_params(cfg)
+    )
+    seg = jnp.asarray(np.concatenate([SEG_BxT, SEG_BxT[::-1]]))
+    tokens = jax.random.randint(jax.random.key(2), seg.shape, 0, 32)
+    positions = jnp.tile(jnp.arange(T), (4, 1))
+    w = jax.random.normal(jax.random.key(3), (*seg.shape, 32))
+    real = (seg != 0)[:, :, None]
+
+    def loss(p, c):
+        hidden = forward(p, c, tokens, positions, seg)
+        return jnp.sum(jnp.where(real, hidden * w, 0.0)), hidden
+
+    run = jax.jit(jax.value_and_grad(loss, has_aux=True), static_argnums=1)
+    (_, want), grads_want = run(params, cfg)
+    attend = attention.attend
+    monkeypatch.setattr(attention, "platform_impl", lambda name: "splash")
+    monkeypatch.setattr(attention, "attend", lambda *a: attend(*a, interpret=True))
+    kernel_cfg = cfg.replace(attention="splash")
+    outs = [run(params, kernel_cfg)]
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    with jax.set_mesh(mesh), sharding.use_rules():
+        compiled = run.lower(sharding.shard_params(params, mesh), kernel_cfg).compile()
+        outs.append(compiled(sharding.shard_params(params, mesh)))
+    gathered = re.findall(r"= (\S+) all-gather", compiled.as_text())
+    assert gathered and not [x for x in gathered if x.split("{")[0].count(",") >= 3], gathered
+    for (_, got), grads in outs:
+        np.testing.assert_allclose(np.where(real, got, 0.0), np.where(real, want, 0.0), atol=1e-5)
+        for g, gw in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_want), strict=True):
+            np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)

@@ -76,6 +76,10 @@ def test_learner_flops_by_hand():
     assert packed["padded_tokens"] == 8 and packed["useful"] == got["useful"]
     assert packed["logps_executed"] == 22528 + 1280
     assert packed["update_executed"] == 3 * 22528 + 4 * 1280
+    # With the head at the 3 positions per bin the loss reads (2*80*3 = 480 per matmul).
+    reads = flops.learner_flops(cfg, **kw, packed_bins=1, pack_length=8, pack_reads=3)
+    assert reads["logps_executed"] == 22528 + 480
+    assert reads["update_executed"] == 3 * 22528 + 4 * 480
     # As XLA counts: one layer (stack 2*576*12 + 32*72 = 16128, x3), one piece, one chunk.
     assert (
         flops.update_flops_as_xla_counts(

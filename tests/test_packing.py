@@ -64,8 +64,10 @@ def host_batch(params, seed=0, pack=PACK, minibatches=M, prompts=P):
             pack,
             s=x["input_ids_BxS"].shape[1],
             minibatches=minibatches,
+            t=x["targets_BxT"].shape[1],
         )
     )
+    x.update(packing.markers(x))
     rng = np.random.default_rng(seed + 1)
     logps = np.asarray(policy_logps(params, x, cfg=CFG, temperature=1.0))
     mask = x["loss_mask_BxT"]
@@ -192,11 +194,14 @@ def _losses(hidden_BxSxD, head_DxV, batch, cases):
             return _micro_sum(w, h_K, mb_K, prep_K, oc)
 
         def packed(h_BxSxD, w, oc=oc, prep=prep):
-            _, mb_K, prep_K = pack_minibatch(
-                rows, prep, bins=pack.bins, width=pack.length, microbatches=K
+            c = batch["pack_reads_C"].shape[0]  # the head at the read positions only
+            inputs, mb_K, prep_K = pack_minibatch(
+                rows, prep, bins=pack.bins, width=pack.length, microbatches=K, reads=c
             )
             h_N = packing.scatter(h_BxSxD, dest_BxS, pack.bins * pack.length)
-            h_K = h_N.reshape(K, pack.bins // K, pack.length, -1)
+            read_JxC = inputs["read_JxC"].reshape(pack.bins, c)
+            h_JxCxD = packing.take_reads(h_N.reshape(pack.bins, pack.length, -1), read_JxC)
+            h_K = h_JxCxD.reshape(K, pack.bins // K, c, -1)
             return _micro_sum(w, h_K, mb_K, prep_K, oc, num_segments=b + 1)
 
         for key, f in (("padded", padded), ("packed", packed)):
@@ -214,6 +219,7 @@ def test_packed_objective_equals_padded_for_every_preset():
     host = host_batch(params, pack=packing.Packing(PACK.bins * M, PACK.length), minibatches=1)
     assert np.bincount(host["pack_bin_B"][host["pack_len_B"] > 0]).max() >= 3  # really packs
     assert (host["pack_len_B"] == 0).any()  # and leaves out rows without loss tokens
+    assert host["pack_reads_C"].shape[0] < PACK.length  # the head skips prompt positions
     batch = {k: jnp.asarray(v) for k, v in host.items()}
     k1, k2 = jax.random.split(jax.random.key(3))
     hidden_BxSxD = jax.random.normal(k1, (P * G, S + N, 8))
@@ -352,7 +358,31 @@ def test_auto_bins_learner_equals_padded_and_compiles_once_per_bin_count():
             out[mode] = jax.device_get(learner.update(state, batch, jax.random.key(0)))
         rows = P * G // M
         assert batch["pack_bins_J"].shape[0] < rows  # auto: fewer bins than rows
-        shapes.add((batch["pack_bins_J"].shape, batch["input_ids_BxS"].shape))
+        assert batch["pack_reads_C"].shape[0] < 26  # and the head skips prompt positions
+        shapes.add(
+            (batch["pack_bins_J"].shape, batch["pack_reads_C"].shape, batch["input_ids_BxS"].shape)
+        )
         assert out["packed"][1]["pack/bins_used_max"] <= batch["pack_bins_J"].shape[0]
         _assert_same(out["padded"], out["packed"], f"auto bins, seed {seed}")
     assert packed.update._cache_size() == len(shapes) < 3
+
+
+def test_plan_counts_the_positions_the_loss_reads_per_bin():
+    """S = 12, T = 5: positions 6.. predict completion targets. Rows 0 and 2 share bin 0
+    (5 + 5 read positions), row 1 (all prompt) is alone in bin 1: C = 10, a multiple of
+    W / 8 = 2; the markers carry J and C as shapes."""
+    spans = np.array([[2, 9], [0, 4], [5, 6], [0, 0]], np.int32)
+    np.testing.assert_array_equal(packing.read_counts(spans, s=12, t=5), [5, 0, 5, 0])
+    plan = packing.plan(spans, packing.Packing(bins=2, length=16), s=12, minibatches=1, t=5)
+    np.testing.assert_array_equal(plan["pack_bin_B"][:3], [0, 1, 0])
+    assert plan["pack_reads"] == 10
+    marks = packing.markers(plan)
+    assert marks["pack_bins_J"].shape == (2,) and marks["pack_reads_C"].shape == (10,)
+    assert "pack_bins" not in plan and "pack_reads" not in plan
+    spans[1] = [0, 11]  # row 1 reads 5 too: the fullest bin still reads 10
+    assert (
+        packing.plan(spans, packing.Packing(bins=2, length=16), s=12, minibatches=1, t=5)[
+            "pack_reads"
+        ]
+        == 10
+    )

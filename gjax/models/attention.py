@@ -20,8 +20,10 @@ padding queries are unspecified (nothing reads them). Implementations (`model.at
   only in jax's private cuDNN module, not used here.
 - "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
 
-The Pallas kernels run as custom calls: on a multi-device mesh XLA cannot split them and
-replicates their inputs (correct; a `shard_map` over batch and heads would be the fix).
+The Pallas kernels are custom calls XLA cannot split: on a multi-device context mesh
+(`jax.set_mesh`) `attend` runs them in a `jax.shard_map`, batch and heads split as
+`gjax.sharding`'s rules place the activations (`sharded_specs`), so each device attends its
+own rows and heads and no q / k / v is gathered.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from gjax import sharding
 from gjax.errors import ConfigError
 from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
@@ -148,7 +152,9 @@ def _splash_kernel(heads: int, t: int, block: int, interpret: bool):
         block_q_dq=block,
         block_kv_dq=block,
     )
-    with jax.ensure_compile_time_eval():  # concrete mask tables: cacheable across traces
+    # Built outside any trace (ensure_compile_time_eval is not enough inside flax's scan: the
+    # tables leaked as tracers into the next trace): concrete, cacheable across traces.
+    with jax.core.eval_context():
         return sa.make_splash_mha(
             mask, head_shards=1, q_seq_shards=1, block_sizes=sizes, interpret=interpret
         )
@@ -191,9 +197,47 @@ def layer_input(impl: str, segment_ids_BxT):
     return dense_mask(segment_ids_BxT) if impl == "xla" else segment_ids_BxT
 
 
-def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in):
-    """Attention by a resolved implementation (`resolve`); `layer_in` from `layer_input`."""
+def shard_specs(mesh, q_shape, kv_heads: int):
+    """(q / k / v spec, segment-ids spec, repeat_kv): how a kernel runs per shard of `mesh`.
+    Batch over the rules' `batch` axes and query heads over their `q_heads` axes, as
+    `sharding.constrain` places the activations (each dropped where it does not divide);
+    length and head dim whole (a kernel needs whole rows). GQA: KV heads split over the same
+    axes as the query heads they serve when those divide them (shard i's query heads h read
+    kv heads h // R, all in shard i); otherwise (or when the rules place `kv_heads`
+    elsewhere) `repeat_kv`: k / v are repeated to the query heads first (correct, at the
+    repeat's cost)."""
+    batch, _, heads, _ = sharding.logical_to_spec(
+        ("batch", "length", "q_heads", None), mesh=mesh, shape=q_shape, drop_indivisible=True
+    )
+    kv_axes = sharding.logical_to_spec(("batch", "length", "kv_heads", None))[2]
+    n = sharding.mesh_axis_size(mesh, heads)
+    repeat_kv = n > 1 and (kv_heads % n != 0 or kv_axes != heads)
+    return P(batch, None, heads, None), P(batch, None), repeat_kv
+
+
+def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in, *, interpret=False):
+    """Attention by a resolved implementation (`resolve`); `layer_in` from `layer_input`.
+    The Pallas kernels run per shard of the context mesh, if any (module docstring);
+    `interpret` runs them in Pallas' interpreter (tests on CPU)."""
     if impl == "xla":
         return xla(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
-    kernels = {"pallas_gpu": pallas_gpu, "splash": splash, "cudnn": cudnn}
-    return kernels[impl](q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
+    if impl == "cudnn":  # jax partitions its cuDNN call itself (custom partitioning)
+        return cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
+    kernel = functools.partial(
+        {"pallas_gpu": pallas_gpu, "splash": splash}[impl], interpret=interpret
+    )
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return kernel(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
+    h, kv = q_BxTxHxDh.shape[2], k_BxTxKxDh.shape[2]
+    spec, seg_spec, repeat_kv = shard_specs(mesh, q_BxTxHxDh.shape, kv)
+    if repeat_kv:
+        k_BxTxKxDh, v_BxTxKxDh = (jnp.repeat(x, h // kv, axis=2) for x in (k_BxTxKxDh, v_BxTxKxDh))
+    per_shard = jax.shard_map(
+        kernel,
+        mesh=mesh,
+        in_specs=(spec, spec, spec, seg_spec),
+        out_specs=spec,
+        check_vma=False,  # pallas_call carries no varying-axes types
+    )
+    return per_shard(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
