@@ -99,8 +99,9 @@ def headroom(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.rollout.max_new_tokens = 40  # demonstrations are <= 36 tokens with EOS
     # 1e-5 (tiny: 3e-5) spreads the switch to worked answers over ~100 steps.
     c.optim.lr = 1e-5
-    c.train.steps = 240
-    c.checkpoint.every = 80
+    # The pilot (docs/embedded_policy.md) gains until ~175 steps and holds from there to 240.
+    c.train.steps = 200
+    c.checkpoint.every = 100
     return c
 
 
