@@ -23,6 +23,6 @@ def get_config(arg=None):
     c.algo = "a_grae"
     c.objective = common.objective("a_grae")
     c = common.agrae_math_setup(c)
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

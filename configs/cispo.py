@@ -31,6 +31,6 @@ def get_config(arg=None):
     c.train.steps = 400
     c.optim.lr = 1e-6
     c.optim.warmup_steps = 10
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

@@ -1,5 +1,7 @@
 """Shared config helpers. Each `configs/<algo>.py` starts from `base()` and states only what
-its paper changes; `tiny(config)` shrinks any config to the embedded CPU default.
+its paper changes; `tiny(config)` shrinks any config to the embedded CPU default and
+`headroom(config)` to the embedded task with room to learn (the studies'; `embedded(c, arg)`
+picks one by the config argument, `configs/<algo>.py:tiny` or `:headroom`).
 
 The schema (every field's default, meaning and range) is `gjax.schema`; `gjax.config.validate`
 checks a config against it at start. This module composes it: the tiny mode, the papers'
@@ -15,12 +17,15 @@ from gjax.schema import FIELDS, base, objective, to_objective_config
 __all__ = [
     "EMBEDDED_POLICY",
     "EMBEDDED_TASK",
+    "HEADROOM_TASK",
     "FIELDS",
     "OPENR1_DEMONSTRATION_FIELD",
     "agrae_math_setup",
     "base",
     "dapo_math_dataset",
+    "embedded",
     "get_arg",
+    "headroom",
     "math_dataset",
     "objective",
     "openr1_dataset",
@@ -32,6 +37,9 @@ __all__ = [
 # difficulty (gjax.data.synthetic.SyntheticConfig fields), shared by the warm-up script.
 EMBEDDED_POLICY = "embedded:tiny_qwen2"
 EMBEDDED_TASK = {"max_ops": 3, "max_value": 99}
+# The task with headroom (issue 21): chains of 2-4 operations for the same policy, warmed up on
+# chains of 1-3 (docs/embedded_policy.md, "The task with headroom").
+HEADROOM_TASK = {"min_ops": 2, "max_ops": 4, "max_value": 99}
 
 
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -78,6 +86,31 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.eval.top_p = 1.0
     c.eval.pass_k = "1,8"
     return c
+
+
+def headroom(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The embedded task with headroom (issue 21; docs/embedded_policy.md): `tiny`'s policy on
+    HEADROOM_TASK, chains of 2-4 operations where it was warmed up on 1-3. Its base pass@1 is
+    about 0.2 (4-operation chains ~0.02) and answers are ~26 tokens, so algorithms can
+    separate over a few hundred steps. Sized for the studies (experiments/README.md, "Cost")."""
+    c = tiny(c)
+    c.data.synthetic.update(HEADROOM_TASK)
+    c.data.max_prompt_len = 32  # the task's prompts are <= 25 tokens
+    c.rollout.max_new_tokens = 40  # demonstrations are <= 36 tokens with EOS
+    # 1e-5 (tiny: 3e-5) spreads the switch to worked answers over ~100 steps.
+    c.optim.lr = 1e-5
+    # The pilot (docs/embedded_policy.md) gains until ~175 steps and holds from there to 240.
+    c.train.steps = 200
+    c.checkpoint.every = 100
+    return c
+
+
+EMBEDDED = {"tiny": tiny, "headroom": headroom}
+
+
+def embedded(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:
+    """A config's embedded variant by name (`configs/<algo>.py:tiny`, `...:headroom`)."""
+    return EMBEDDED[arg](c)
 
 
 # Training sets the papers use, with their real column names (field specs: gjax.data.fields),
@@ -151,7 +184,7 @@ def dapo_math_dataset(
 
 
 def get_arg(arg: str | None) -> str:
-    valid = ("", "tiny")
+    valid = ("", *EMBEDDED)
     arg = arg or ""
     if arg not in valid:
         raise ValueError(f"unknown config argument {arg!r}; valid: {valid}")

@@ -32,7 +32,7 @@ def get_config(arg=None):
     c.train.minibatches = 2
     c.train.steps = 500
     c.optim.lr = 1e-6
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
         c.reward.judge.name = "rule"
     return c

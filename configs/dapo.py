@@ -33,7 +33,7 @@ def get_config(arg=None):
     c.train.steps = 400
     c.optim.lr = 1e-6
     c.optim.warmup_steps = 10
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
         c.sampling.overlong_buffer = 8
     return c

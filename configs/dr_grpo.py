@@ -26,6 +26,6 @@ def get_config(arg=None):
     c.train.minibatches = 2
     c.train.steps = 500
     c.optim.lr = 1e-6
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

@@ -30,6 +30,6 @@ def get_config(arg=None):
     c.train.steps = 1100
     c.optim.lr = 1e-6
     c.optim.weight_decay = 0.1
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

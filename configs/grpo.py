@@ -23,6 +23,6 @@ def get_config(arg=None):
     c.algo = "grpo"
     c.objective = common.objective("grpo")
     c = common.agrae_math_setup(c)
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

@@ -21,6 +21,6 @@ def get_config(arg=None):
     c.algo = "pass_at_k"
     c.objective = common.objective("pass_at_k")
     c = common.agrae_math_setup(c)
-    if arg == "tiny":
-        c = common.tiny(c)
+    if arg:
+        c = common.embedded(c, arg)
     return c

@@ -7,7 +7,7 @@ Reads each run's metrics.jsonl, summary.json and passk.json (OUT of `experiments
 writes RESULTS/STUDY/: results.md (the table), runs.json (every run's final figures),
 curves.png (held-out pass@1, entropy, response length, grad norm over steps), passk.png
 (pass@k against k, final and base policy) and pass1_vs_tokens.png (held-out pass@1 against
-the sampled completion tokens, an estimate: see `sampled_tokens`).
+the sampled completion tokens: see `sampled_tokens`).
 """
 
 from __future__ import annotations
@@ -136,13 +136,15 @@ def _json(path: str) -> dict | None:
 
 
 def sampled_tokens(run: dict) -> np.ndarray:
-    """Cumulative completion tokens sampled by the end of each step (steps 1..N), estimated
-    as rollout rounds x P x G x that step's mean response length (the length is the last
-    round's; anchors are counted as sampled)."""
+    """Cumulative completion tokens sampled by the end of each step (steps 1..N): the logged
+    `response/sampled_tokens` (every round's), else estimated as rollout rounds x P x G x that
+    step's mean response length (the length is the last round's; anchors counted as sampled)."""
     r = run["config"].get("rollout", {})
     per_round = r.get("prompts_per_step", 1) * r.get("num_samples", 1)
     tok = [
-        row.get("sampling/rollouts", 1) * per_round * (row.get("response/length_mean") or 0.0)
+        row["response/sampled_tokens"]
+        if row.get("response/sampled_tokens") is not None
+        else row.get("sampling/rollouts", 1) * per_round * (row.get("response/length_mean") or 0.0)
         for row in run["rows"]
     ]
     return np.cumsum(tok)
@@ -306,7 +308,7 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
         b = band([(grid, np.interp(grid, x, y)) for x, y in series])
         if b is not None:
             _plot_band(ax, *b, f"C{i}", name)
-    ax.set_xlabel("sampled completion tokens (estimate)")
+    ax.set_xlabel("sampled completion tokens")
     ax.set_title("held-out pass@1 at equal sampled tokens")
     ax.grid(alpha=0.3)
     _legend(ax)
@@ -345,8 +347,9 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
         "held-out problem at the end of training (the base policy: the same samples' seeds "
         "with the initial params); greedy acc: one greedy completion per problem; entropy, "
         f"length: mean over the last {TAIL:.0%} of steps; gnorm spikes: steps with a grad norm "
-        f"above {SPIKE_FACTOR:g} x the run's median; sampled tokens: an estimate "
-        "(rollout rounds x P x G x mean length).\n\n" + table(study, figs)
+        f"above {SPIKE_FACTOR:g} x the run's median; sampled tokens: "
+        "`response/sampled_tokens` summed (runs before it: rounds x P x G x mean length).\n\n"
+        + table(study, figs)
     )
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md)

@@ -1,6 +1,7 @@
 """The studies: each a list of variants, each variant a config preset plus overrides.
 
-A variant names a `configs/<module>.py` and its argument (`tiny`: the embedded task), an
+A variant names a `configs/<module>.py` and its argument (`headroom`: the embedded task with
+room to learn, `configs.common.headroom`; `tiny`: the fast embedded task), an
 optional objective preset that replaces `config.objective` whole (`gjax.schema.objective`),
 and dotted-path overrides applied after it. `build_config` makes the run config of one
 (variant, seed); an override of a field the config lacks is an error, never a new field.
@@ -30,7 +31,7 @@ class Variant:
     doc: str
     objective: str | None = None  # an objective preset replacing config.objective
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-    arg: str = "tiny"
+    arg: str = "headroom"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +169,8 @@ _STUDIES = (
         "smoke",
         "none: the runner's and the aggregation's smoke test",
         (
-            Variant("grpo", "grpo", "GRPO"),
-            Variant("dr_grpo", "dr_grpo", "Dr.GRPO"),
+            Variant("grpo", "grpo", "GRPO", arg="tiny"),
+            Variant("dr_grpo", "dr_grpo", "Dr.GRPO", arg="tiny"),
         ),
     ),
 )

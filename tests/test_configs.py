@@ -26,7 +26,7 @@ def validate(config, num_devices):
 ALGOS = ("grpo", "dr_grpo", "dapo", "gpg", "a_grae", "dagrpo", "cw_grpo", "cispo", "pass_at_k")
 
 
-@pytest.mark.parametrize("arg", [None, "tiny"])
+@pytest.mark.parametrize("arg", [None, "tiny", "headroom"])
 @pytest.mark.parametrize("algo", ALGOS)
 def test_every_config_builds_and_validates(algo, arg):
     module = importlib.import_module(f"configs.{algo}")
@@ -40,6 +40,9 @@ def test_every_config_builds_and_validates(algo, arg):
         # The embedded task's difficulty is set; every other task field stays overridable.
         assert {k: c.data.synthetic[k] for k in common.EMBEDDED_TASK} == common.EMBEDDED_TASK
         assert set(c.data.synthetic) == set(common.base().data.synthetic)
+    if arg == "headroom":
+        assert c.model.path == common.EMBEDDED_POLICY and c.data.source == "synthetic"
+        assert {k: c.data.synthetic[k] for k in common.HEADROOM_TASK} == common.HEADROOM_TASK
 
 
 def test_paper_settings_are_the_defaults():

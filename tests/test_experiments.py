@@ -78,6 +78,14 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
+def test_sampled_tokens_are_the_logged_ones_else_estimated():
+    cfg = {"rollout": {"prompts_per_step": 2, "num_samples": 4}}
+    old = {"response/length_mean": 10.0, "sampling/rollouts": 2.0}  # 2 rounds x 8 x 10
+    new = {**old, "response/sampled_tokens": 123.0}  # logged: every round's, summed
+    got = aggregate.sampled_tokens({"config": cfg, "rows": [old, new, old]})
+    assert got.tolist() == [160.0, 283.0, 443.0]
+
+
 def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4):
     """A run's files as the trainer and the worker write them."""
     wd = worker.workdir_of(out, "smoke", variant, seed)

@@ -163,3 +163,50 @@ def test_extract_boxed():
     assert syn.extract_boxed("a \\boxed{1} b \\boxed{\\frac{1}{2}}") == "\\frac{1}{2}"
     assert syn.extract_boxed("no box") is None
     assert syn.extract_boxed("\\boxed{3} then \\boxed{unclosed") == "3"
+
+
+# The task with headroom (configs.common.HEADROOM_TASK): chains of 2-4 operations, for a policy
+# warmed up on chains of 1-3 (EMBEDDED_TASK).
+
+
+@pytest.fixture(scope="module")
+def headroom():
+    from configs.common import HEADROOM_TASK
+
+    return syn.SyntheticConfig(**HEADROOM_TASK)
+
+
+def test_headroom_task_is_deterministic_and_split_by_text(headroom, train):
+    a = syn.generate(300, "train", seed=3, config=headroom)
+    assert a == syn.generate(300, "train", seed=3, config=headroom)
+    assert [p.problem for p in a] != [
+        p.problem for p in syn.generate(300, "train", seed=4, config=headroom)
+    ]
+    test = syn.generate(60, "test", seed=0, config=headroom)
+    # The split is the text's: the same rule as the default task's, whatever config drew it.
+    assert all(syn.split_of(p.expression) == "train" for p in a)
+    assert all(syn.split_of(p.expression) == "test" for p in test)
+    assert not {p.expression for p in test} & (
+        {p.expression for p in a} | {p.expression for p in train}
+    )
+
+
+def test_headroom_task_is_harder_and_fits_its_config(headroom):
+    from configs import common
+
+    probs = syn.generate(800, "train", seed=0, config=headroom)
+    counts = {k: sum(p.num_ops == k for p in probs) for k in range(1, 6)}
+    # A third of the chains are longer than any the embedded policy was warmed up on.
+    assert common.EMBEDDED_TASK["max_ops"] == 3
+    assert counts[1] == counts[5] == 0 and all(counts[k] > 200 for k in range(2, 5)), counts
+    for p in probs:  # every value stays in [0, max_value = 99]: long chains, small numbers
+        assert all(0 <= syn.parse_step(s)[3] <= 99 for s in p.steps)
+    tiny = syn.generate(800, "train", seed=0, config=syn.SyntheticConfig(**common.EMBEDDED_TASK))
+    mean = lambda ps: sum(len(p.demonstration) for p in ps) / len(ps)  # noqa: E731
+    assert mean(probs) > 1.25 * mean(tiny), (mean(probs), mean(tiny))  # ~31 vs ~23 chars
+    # Its config holds every prompt and demonstration (+ eos), so no worked answer is cut.
+    c = common.headroom(common.base())
+    tok = build_tokenizer()
+    prompt_len = max(len(tok(apply_template("plain", p.problem))["input_ids"]) for p in probs)
+    demo_len = max(len(tok(p.demonstration)["input_ids"]) for p in probs)
+    assert prompt_len <= c.data.max_prompt_len and demo_len + 1 <= c.rollout.max_new_tokens

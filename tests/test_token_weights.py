@@ -286,3 +286,52 @@ def test_jit_matches_eager():
         out = jitted(lp, adv, mask, KEY)
         np.testing.assert_allclose(out.w_BxT, eager.w_BxT, rtol=1e-6)
         np.testing.assert_allclose(out.kl_coef_BxT, eager.kl_coef_BxT)
+
+
+# ----------------------------------------------------------- covariance percentiles (Table 1)
+
+
+def test_covariance_percentiles_match_numpy_per_group():
+    """CW-GRPO Table 1's view: |c_t| quantiles with each group's own means (Sec. 2.3)."""
+    from gjax.objective.token_weights import COV_QUANTILES
+    from gjax.objective.token_weights import covariance_percentiles as cp
+
+    covariance_percentiles = jax.jit(cp, static_argnames="group_size")
+    lp, adv, mask = _random_batch(seed=3, b=8, t=12)
+    adv = adv * jnp.asarray(np.random.default_rng(4).normal(size=(8, 1)), jnp.float32)
+    got = covariance_percentiles(lp, adv, mask, group_size=4)
+    lp_, adv_, m_ = (np.asarray(x, np.float64) for x in (lp, adv, mask))
+    cs = []
+    for k in range(2):  # two groups of four rows, each centred on its own valid tokens
+        rows = slice(4 * k, 4 * k + 4)
+        v = m_[rows] > 0
+        l, a = lp_[rows][v], adv_[rows][v]
+        cs.append((l - l.mean()) * (a - a.mean()))
+    c = np.concatenate(cs)
+    for q in COV_QUANTILES:
+        np.testing.assert_allclose(got[f"abs_p{100 * q:g}"], np.quantile(np.abs(c), q), rtol=1e-5)
+    np.testing.assert_allclose([got["max"], got["min"]], [c.max(), c.min()], rtol=1e-5)
+    np.testing.assert_allclose(got["pos_fraction"], np.mean(c > 0), rtol=1e-6)
+    # One group's means differ from the batch's: the statistics would change without grouping.
+    whole = covariance_percentiles(lp, adv, mask)
+    assert not np.isclose(whole["max"], got["max"])
+    empty = covariance_percentiles(lp, adv, jnp.zeros_like(mask))
+    assert all(float(v) == 0.0 for v in empty.values())
+
+
+def test_prepare_logs_covariance_percentiles_for_plain_grpo():
+    from gjax.objective.loss import ObjectiveConfig, prepare
+
+    lp, adv, mask = _random_batch(seed=5, b=8, t=6)
+    rewards = jnp.asarray([[1.0, 0.0, 0.0, 1.0], [0.0, 1.0, 1.0, 1.0]])
+    batch = {
+        "targets_BxT": jnp.zeros((8, 6), jnp.int32),
+        "loss_mask_BxT": mask,
+        "old_logps_BxT": lp,
+        "ref_logps_BxT": lp,
+        "rewards_PxG": rewards,
+        "valid_PxG": jnp.ones((2, 4), bool),
+    }
+    _, metrics = jax.jit(prepare, static_argnums=1)(batch, ObjectiveConfig.preset("grpo"))
+    assert 0.0 < metrics["cov/abs_p50"] <= metrics["cov/abs_p99.9"]
+    assert metrics["cov/min"] < 0.0 < metrics["cov/max"]

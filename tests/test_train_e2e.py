@@ -100,9 +100,9 @@ def stable(row):
     return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
-def small_config(algo):
-    """`configs/<algo>.py:tiny` with SMALL's overrides, for a run in this process."""
-    c = importlib.import_module(f"configs.{algo}").get_config("tiny")
+def small_config(algo, arg="tiny"):
+    """`configs/<algo>.py:ARG` with SMALL's overrides, for a run in this process."""
+    c = importlib.import_module(f"configs.{algo}").get_config(arg)
     c.rollout.prompts_per_step = 4
     c.rollout.num_samples = 4
     c.data.heldout_size = 16
@@ -150,6 +150,26 @@ def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
         assert got[0]["adv/alpha"] >= 1.0
     if algo == "pass_at_k":
         assert 0.0 <= got[0]["adv/pass_at_k"] <= 1.0
+
+
+def test_headroom_task_runs_two_steps(tmp_path, capsys):
+    """`:headroom` (the studies' task: longer prompts and answers, so new shapes) validates and
+    trains; greedy held-out only, so the new compiles are the sampler's and the update's."""
+    from gjax.train import train
+
+    c = small_config("grpo", "headroom")
+    c.train.steps = 2
+    c.eval.num_samples = 0
+    assert train(c, str(tmp_path / "headroom")) is None
+    out = [ln for ln in capsys.readouterr().out.splitlines() if ln]
+    assert out[1].startswith("held-out accuracy after 2 steps: ")
+    got = rows(tmp_path / "headroom")
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(math.isfinite(r["loss/total"]) for r in got)
+    for r in got:  # one round of 4 x 4 completions: the sampled tokens are their lengths' sum
+        assert r["response/sampled_tokens"] == pytest.approx(16 * r["response/length_mean"])
+    held = json.loads((tmp_path / "headroom" / "summary.json").read_text())["heldout"]
+    assert (held["source"], held["split"], len(held["rows"])) == ("synthetic", "test", 16)
 
 
 @pytest.mark.parametrize("algo", ["a_grae"])

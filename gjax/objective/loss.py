@@ -83,7 +83,11 @@ from gjax.objective import logprobs, off_policy, policy_losses
 from gjax.objective.advantages import ADVANTAGES
 from gjax.objective.aggregation import AGGREGATIONS, aggregation_weights
 from gjax.objective.policy_losses import KL_ESTIMATORS, POLICY_LOSSES
-from gjax.objective.token_weights import TOKEN_WEIGHTS
+from gjax.objective.token_weights import (
+    COV_METRICS_MAX_TOKENS,
+    TOKEN_WEIGHTS,
+    covariance_percentiles,
+)
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -341,7 +345,7 @@ def prepare(
       ``kl_coef_BxT`` per-token KL-Cov coefficient (only with token_weights='kl_cov')
       ``pg_coef_BxT`` behaviour correction c of the policy-gradient term (only with one)
       ``anchor_BxT``  off-policy anchor flag (only with anchor_treatment='luffy' and anchors)
-    and ``metrics`` are full-batch scalars (``adv/*``, ``tw/*``, ``count/*``).
+    and ``metrics`` are full-batch scalars (``adv/*``, ``tw/*``, ``cov/*``, ``count/*``).
     """
     p, g, t = _check_batch(batch, cfg)
     b = p * g
@@ -389,6 +393,12 @@ def prepare(
 
     metrics = {f"adv/{k}": jnp.asarray(v, jnp.float32) for k, v in adv_out.metrics.items()}
     metrics.update(off_metrics)
+    if b * t <= COV_METRICS_MAX_TOKENS:  # CW-GRPO Table 1: |c_t| percentiles, every objective
+        cov_valid_BxT = (mask_BxT > 0) & keep_B[:, None]
+        cov = covariance_percentiles(
+            jnp.where(cov_valid_BxT, batch["old_logps_BxT"], 0.0), adv_BxT, cov_valid_BxT, g
+        )
+        metrics.update({f"cov/{k}": v for k, v in cov.items()})
     if cfg.token_weights is not None:
         old_BxT = jnp.where(mask_BxT > 0, batch["old_logps_BxT"], 0.0).astype(jnp.float32)
         tw_mask_BxT = mask_BxT * keep_B[:, None].astype(jnp.float32)

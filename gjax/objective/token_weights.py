@@ -95,6 +95,42 @@ def token_covariance(logps_BxT, adv_BxT, valid_BxT):
     return jnp.where(valid_BxT, dl * da, 0.0)
 
 
+# CW-GRPO Table 1 reads the spread of |c_t| at a few percentiles; `prepare` logs these for every
+# objective (GRPO included) while the batch has at most COV_METRICS_MAX_TOKENS positions (the
+# quantiles sort the batch's B*T values).
+COV_QUANTILES = (0.5, 0.9, 0.99, 0.999)
+COV_METRICS_MAX_TOKENS = 1 << 20
+
+
+def covariance_percentiles(logps_BxT, adv_BxT, valid_BxT, group_size=None) -> dict:
+    """Percentiles of |c_t| over valid tokens (CW-GRPO Table 1's form), ``c_t`` with the means
+    of each group of ``group_size`` rows (CW-GRPO Sec. 2.3; None: the whole batch):
+    ``abs_p50`` ... ``abs_p99.9``, ``max``, ``min`` (signed extremes) and ``pos_fraction``
+    (share of valid tokens with c > 0). All 0 without valid tokens."""
+    valid_BxT = jnp.asarray(valid_BxT).astype(bool)
+    b = valid_BxT.shape[0]
+    rows = b // group_size if group_size else 1
+    lp = _rows_of(jnp.asarray(logps_BxT, jnp.float32), rows)  # [K, N]: K groups
+    a = _rows_of(jnp.asarray(adv_BxT, jnp.float32), rows)
+    v = _rows_of(valid_BxT, rows)
+    n_K1 = jnp.maximum(jnp.sum(v, 1, keepdims=True), 1)
+
+    def centred(x):
+        return x - jnp.sum(jnp.where(v, x, 0.0), 1, keepdims=True) / n_K1
+
+    c = jnp.where(v, centred(lp) * centred(a), 0.0)
+    has = jnp.any(v)
+    qs = jnp.nanquantile(jnp.where(v, jnp.abs(c), jnp.nan).reshape(-1), jnp.array(COV_QUANTILES))
+    m = {f"abs_p{100 * q:g}": qs[i] for i, q in enumerate(COV_QUANTILES)}
+    m["max"] = jnp.max(jnp.where(v, c, -jnp.inf))
+    m["min"] = jnp.min(jnp.where(v, c, jnp.inf))
+    m["pos_fraction"] = jnp.sum(v & (c > 0)) / jnp.maximum(jnp.sum(v), 1)
+    return {
+        k: jax.lax.stop_gradient(jnp.where(has, jnp.asarray(x, jnp.float32), 0.0))
+        for k, x in m.items()
+    }
+
+
 def _weight_metrics(w, valid, nonfinite, prefix="w", **extra):
     n = jnp.sum(valid)
     m = {

@@ -261,8 +261,15 @@ class Rollout:
             "reward/all_unsolved_frac": float(np.all(acc_all <= 0, axis=1).mean()),
             "response/length_mean": float(len_all[on].mean()),
             "response/length_max": float(len_all[on].max()),
+            # Completion tokens the sampler produced this round (anchors are not sampled);
+            # collect_step sums them over rounds: GPG's "equal sampled tokens" axis.
+            "response/sampled_tokens": float(len_all[on].sum()),
             "response/clipped_frac": float(trunc_all[on].mean()),
         }
+
+
+# Per-round metrics that collect_step adds up over a step's rounds (the rest: the last round's).
+SUMMED_OVER_ROUNDS = ("response/sampled_tokens",)
 
 
 def collect_step(
@@ -293,7 +300,7 @@ def collect_step(
             **{
                 k: v + host_metrics.get(k, 0.0)
                 for k, v in res.metrics.items()
-                if k.startswith("time/")
+                if k.startswith("time/") or k in SUMMED_OVER_ROUNDS
             },
         }
         candidates = res.groups if carried is None else Groups.concat([carried, res.groups])
