@@ -102,6 +102,7 @@ def headroom(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     # The pilot (docs/embedded_policy.md) gains until ~175 steps and holds from there to 240.
     c.train.steps = 200
     c.checkpoint.every = 100
+    c.objective.covariance_metrics = True  # the studies read cov/* (CW-GRPO Table 1)
     return c
 
 

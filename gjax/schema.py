@@ -381,6 +381,11 @@ SCHEMA: dict[str, Any] = {
             "schedule of the fused LM-head loss: auto (per platform, gjax.objective.logprobs."
             "FUSED_TILES) | reference (4 matmuls, 1024-token chunks)",
         ),
+        "covariance_metrics": Field(
+            False,
+            "log cov/*: percentiles of |cov(log-prob, advantage)| per token, CW-GRPO Table 1's "
+            "form, for any objective (sorts the batch's tokens each step; on in the studies)",
+        ),
     },
     "anchors": {
         "per_group": Field(0, "DaGRPO: demonstrations mixed into each group of G", _NONNEG),

@@ -1,5 +1,6 @@
 """Token weights (CW-GRPO Sec. 2.3, Clip-Cov, KL-Cov) against hand-computed values."""
 
+import dataclasses
 import math
 
 import jax
@@ -332,6 +333,10 @@ def test_prepare_logs_covariance_percentiles_for_plain_grpo():
         "rewards_PxG": rewards,
         "valid_PxG": jnp.ones((2, 4), bool),
     }
-    _, metrics = jax.jit(prepare, static_argnums=1)(batch, ObjectiveConfig.preset("grpo"))
+    grpo = ObjectiveConfig.preset("grpo")
+    _, metrics = jax.jit(prepare, static_argnums=1)(batch, grpo)
+    assert not any(k.startswith("cov/") for k in metrics)  # off unless asked for
+    on = dataclasses.replace(grpo, covariance_metrics=True)
+    _, metrics = jax.jit(prepare, static_argnums=1)(batch, on)
     assert 0.0 < metrics["cov/abs_p50"] <= metrics["cov/abs_p99.9"]
     assert metrics["cov/min"] < 0.0 < metrics["cov/max"]

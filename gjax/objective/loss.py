@@ -83,11 +83,7 @@ from gjax.objective import logprobs, off_policy, policy_losses
 from gjax.objective.advantages import ADVANTAGES
 from gjax.objective.aggregation import AGGREGATIONS, aggregation_weights
 from gjax.objective.policy_losses import KL_ESTIMATORS, POLICY_LOSSES
-from gjax.objective.token_weights import (
-    COV_METRICS_MAX_TOKENS,
-    TOKEN_WEIGHTS,
-    covariance_percentiles,
-)
+from gjax.objective.token_weights import TOKEN_WEIGHTS, covariance_percentiles
 
 Array = jax.Array
 Batch = Mapping[str, Array]
@@ -130,6 +126,7 @@ class ObjectiveConfig:
       behaviour_correction, behaviour_level, behaviour_cap: correction for the sampler's
         policy when ``behaviour_logps_BxT`` is in the batch ('none' | 'tis' | 'mask', at
         'token' or 'sequence' level, cap C; ``gjax.objective.off_policy``).
+      covariance_metrics: log ``cov/*`` (``token_weights.covariance_percentiles``).
     """
 
     advantage: str = "grpo"
@@ -154,6 +151,7 @@ class ObjectiveConfig:
     behaviour_correction: str = "none"
     behaviour_level: str = "token"
     behaviour_cap: float = 2.0
+    covariance_metrics: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "advantage_kwargs", _freeze(self.advantage_kwargs))
@@ -393,7 +391,7 @@ def prepare(
 
     metrics = {f"adv/{k}": jnp.asarray(v, jnp.float32) for k, v in adv_out.metrics.items()}
     metrics.update(off_metrics)
-    if b * t <= COV_METRICS_MAX_TOKENS:  # CW-GRPO Table 1: |c_t| percentiles, every objective
+    if cfg.covariance_metrics:  # CW-GRPO Table 1: |c_t| percentiles, for any objective
         cov_valid_BxT = (mask_BxT > 0) & keep_B[:, None]
         cov = covariance_percentiles(
             jnp.where(cov_valid_BxT, batch["old_logps_BxT"], 0.0), adv_BxT, cov_valid_BxT, g

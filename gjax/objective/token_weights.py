@@ -95,11 +95,9 @@ def token_covariance(logps_BxT, adv_BxT, valid_BxT):
     return jnp.where(valid_BxT, dl * da, 0.0)
 
 
-# CW-GRPO Table 1 reads the spread of |c_t| at a few percentiles; `prepare` logs these for every
-# objective (GRPO included) while the batch has at most COV_METRICS_MAX_TOKENS positions (the
-# quantiles sort the batch's B*T values).
+# CW-GRPO Table 1 reads the spread of |c_t| at a few percentiles; `prepare` logs these for any
+# objective (GRPO included) with `covariance_metrics` (the quantiles sort the batch's B*T values).
 COV_QUANTILES = (0.5, 0.9, 0.99, 0.999)
-COV_METRICS_MAX_TOKENS = 1 << 20
 
 
 def covariance_percentiles(logps_BxT, adv_BxT, valid_BxT, group_size=None) -> dict:
