@@ -200,8 +200,10 @@ def build_config(
     model's randomness and of the data order; the held-out set stays fixed), and the study's
     logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
     c = importlib.import_module(f"configs.{variant.config}").get_config(variant.arg)
-    if variant.objective is not None:
+    if variant.objective is not None:  # the preset's objective; the task's logging stays
+        covariance_metrics = c.objective.covariance_metrics
         c.objective = schema.objective(variant.objective)
+        c.objective.covariance_metrics = covariance_metrics
     c.lock()  # an override of a missing field raises instead of adding one
     for path, value in variant.overrides.items():
         _set(c, path, value, variant.name)

@@ -42,6 +42,8 @@ def test_every_variant_builds_a_valid_config():
         for v in study.variants:
             c = studies.build_config(v, seed=3, steps=7)
             assert (c.seed, c.data.shuffle_seed, c.train.steps) == (3, 3, 7)
+            # every arm logs cov/* (on :headroom), a variant's own objective preset included
+            assert c.objective.covariance_metrics == (study.name != "smoke"), (study.name, v)
             validate(c, 1, checks=train_lib.CONFIG_CHECKS)
             obj = schema.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
             # the estimator accepts its hyperparameters (checked when it is traced)
