@@ -76,6 +76,9 @@ def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
         assert attention.resolve(name, "gpu") == name
     assert attention.resolve("splash", "tpu") == "splash"
     assert attention.resolve("xla", "tpu") == "xla"
+    assert attention.resolve("cudnn", "gpu", "bfloat16") == "cudnn"
+    with pytest.raises(ConfigError, match="model.dtype='bfloat16'"):  # was: a traceback
+        attention.resolve("cudnn", "gpu", "float32")  # at the first forward
     for name, platform in (("splash", "cpu"), ("splash", "gpu"), ("pallas_gpu", "tpu")):
         with pytest.raises(ConfigError, match="runs only on"):
             attention.resolve(name, platform)

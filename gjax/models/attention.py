@@ -43,6 +43,7 @@ from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
 # Platforms each implementation compiles for (xla: any).
 PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}
+CUDNN_DTYPES = ("bfloat16", "float16")  # jax.nn.dot_product_attention(implementation="cudnn")
 # Tiles (query and key block) each kernel runs with; FLOP counts use them (gjax.flops).
 PALLAS_GPU_BLOCK, PALLAS_GPU_BWD_BLOCK, SPLASH_BLOCK, CUDNN_BLOCK = 128, 32, 128, 128
 # A large negative finite value: fully masked rows (padding queries) give a uniform softmax
@@ -50,8 +51,9 @@ PALLAS_GPU_BLOCK, PALLAS_GPU_BWD_BLOCK, SPLASH_BLOCK, CUDNN_BLOCK = 128, 32, 128
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
-def resolve(name: str, platform: str) -> str:
-    """The implementation `model.attention=name` runs on `platform` ("cpu", "gpu", "tpu")."""
+def resolve(name: str, platform: str, dtype: str | None = None) -> str:
+    """The implementation `model.attention=name` runs on `platform` ("cpu", "gpu", "tpu"), for
+    a model computing in `dtype` (checked when given: cuDNN's takes bf16/f16 only)."""
     if name not in IMPLEMENTATIONS:
         raise ConfigError(
             f"config.model.attention={name!r} is not an attention implementation: it must be "
@@ -64,6 +66,12 @@ def resolve(name: str, platform: str) -> str:
             f"config.model.attention={name!r} runs only on {PLATFORMS[name]}, and this run's "
             f"devices are {platform!r}. Set config.model.attention='auto' (here: "
             f"{AUTO.get(platform, 'xla')!r}) or 'xla'."
+        )
+    if name == "cudnn" and dtype is not None and dtype not in CUDNN_DTYPES:
+        raise ConfigError(
+            f"config.model.attention='cudnn' computes in {CUDNN_DTYPES} only, and "
+            f"config.model.dtype={dtype!r}. Set config.model.dtype='bfloat16', or "
+            f"config.model.attention='auto' (here: {AUTO.get(platform, 'xla')!r})."
         )
     return name
 

@@ -199,8 +199,11 @@ def load_config(path: str | os.PathLike, **overrides) -> ModelConfig:
 def load_policy(path: str, model_cfg, mesh: jax.sharding.Mesh):
     """`(cfg, params, tokenizer)` of a run's policy: `path` loaded as `config.model` asks
     (param dtype, compute dtype, remat, attention), sharded on `mesh`. What train and serve
-    both load. An attention implementation the mesh's platform cannot run is a ConfigError."""
-    attention.resolve(model_cfg.get("attention", "auto"), mesh.devices.flat[0].platform)
+    both load. An attention implementation the mesh's platform (or the compute dtype) cannot
+    run is a ConfigError."""
+    attention.resolve(
+        model_cfg.get("attention", "auto"), mesh.devices.flat[0].platform, model_cfg.dtype
+    )
     cfg, params = load_pretrained(
         path,
         mesh=mesh,
