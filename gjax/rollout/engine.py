@@ -66,7 +66,9 @@ RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request i
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
 # length 1]; gjax's backend also reads [serial 1 | first token's index 1 | log-probs k (f32
-# bits) | params version 1].
+# bits) | first token's version 1 | the other tokens' version 1]. A token's version is that of
+# the params whose logits it was drawn from (its log-prob's): a call's first token comes from
+# logits computed before it (the previous call's, or the prompt's at insert).
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -251,7 +253,8 @@ class Engine(jetstream.engine_api.Engine):
 
     def drain_records(self) -> np.ndarray:
         """Rows [serial, index, token, logp_bits, version] of every valid token generated
-        since the last drain (int32; logp_bits is the f32 log-prob's bit pattern)."""
+        since the last drain (int32; logp_bits is the f32 log-prob's bit pattern; version: the
+        params version of the logits the token was drawn from, as its log-prob is)."""
         k, out = self._steps, []
         while self._records:
             data = np.asarray(self._records.popleft())
@@ -262,7 +265,7 @@ class Engine(jetstream.engine_api.Engine):
                 data[s_, 2 * k + 2] + j,
                 data[s_, j],
                 data[s_, 2 * k + 3 + j],
-                data[s_, 3 * k + 3],
+                np.where(j == 0, data[s_, 3 * k + 3], data[s_, 3 * k + 4]),
             ]
             out.append(np.stack(cols, axis=1))
         return np.concatenate(out).astype(np.int32) if out else np.zeros((0, 5), np.int32)
@@ -313,13 +316,19 @@ class Engine(jetstream.engine_api.Engine):
         return self.holder
 
     def init_decode_state(self, *args, **kwargs):
-        """The decoder's `SlotState` (as a dict) + serial_S; every slot free, no region held."""
+        """The decoder's `SlotState` (as a dict) + serial_S, version_S (the prompt's params
+        version) and logits_version_S (that of the slot's stored logits); every slot free."""
         del args, kwargs
         s = self._slots
         self._regions_reset()
         state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
-        zeros = lambda: jnp.zeros((s,), jnp.int32)  # two buffers: both are donated
-        return {**state._asdict(), "serial_S": zeros(), "version_S": zeros()}
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # separate buffers: all are donated
+        return {
+            **state._asdict(),
+            "serial_S": zeros(),
+            "version_S": zeros(),
+            "logits_version_S": zeros(),
+        }
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
         if existing_prefix is not None:
@@ -456,11 +465,14 @@ class Engine(jetstream.engine_api.Engine):
                 col(state["serial_S"]),
                 col(n0_S),
                 jax.lax.bitcast_convert_type(logp_SxK.astype(jnp.float32), jnp.int32),
+                col(state["logits_version_S"]),  # the first token's logits: computed before
                 col(jnp.broadcast_to(version, n0_S.shape)),
             ],
             axis=1,
         )
-        return {**state, **core._asdict()}, data
+        stepped_S = live_SxK[:, 0]  # decoded at least once: its logits are `version`'s now
+        logits_version_S = jnp.where(stepped_S, version, state["logits_version_S"])
+        return {**state, **core._asdict(), "logits_version_S": logits_version_S}, data
 
 
 def _core(state) -> decoder.SlotState:
@@ -482,6 +494,7 @@ def _start_slot(state, slot, region, limit, key_data, serial, version):
         **core._asdict(),
         "serial_S": state["serial_S"].at[slot].set(serial),
         "version_S": state["version_S"].at[slot].set(version),
+        "logits_version_S": state["logits_version_S"].at[slot].set(version),
     }
 
 
