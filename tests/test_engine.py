@@ -126,3 +126,62 @@ def test_weights_changing_between_generate_calls(weight_change):
     else:
         assert tok[2, :2].tolist() == [eng.RESTART_TOKEN] * 2 and valid[2, :2].all()
         assert not valid[3:, :2].any()
+
+
+def test_a_failure_past_max_tokens_does_not_fail_the_request():
+    """A generate call emits k tokens and JetStream checks max_tokens once per call: an
+    ERROR_TOKEN / RESTART_TOKEN among the columns past a request's max_tokens (discarded) does
+    not fail it, in the gRPC servicer and in the backends' client; within them it does. The
+    servicer runs over a fake JetStream orchestrator (JetStream's side of the edge)."""
+    import asyncio
+
+    from gjax.rollout import engine as eng
+    from gjax.rollout import grpc_server
+    from gjax.rollout.jetstream_compat import jetstream
+
+    pb = jetstream.jetstream_pb2
+    sample = lambda ids: pb.DecodeResponse.StreamContent.Sample(token_ids=ids)
+    reply = lambda ids: pb.DecodeResponse(
+        stream_content=pb.DecodeResponse.StreamContent(samples=[sample(ids)])
+    )
+    calls = [[5, 6], [7, eng.ERROR_TOKEN], [eng.RESTART_TOKEN, 9]]  # k = 2 per call
+
+    class Upstream(jetstream.orchestrator.LLMOrchestrator):
+        def __init__(self, driver):
+            del driver
+
+        async def Decode(self, request, context=None):  # noqa: N802
+            for ids in calls:
+                yield reply(ids)
+
+    class Servicer(grpc_server.Servicer, Upstream):  # super().Decode in the servicer: Upstream
+        pass
+
+    engine = eng.Engine(
+        CFG, PARAMS, sampling=GREEDY, max_concurrent_decodes=1, max_prefill_length=16
+    )
+    servicer = Servicer(None, engine)
+
+    def decode(max_tokens):
+        req = pb.DecodeRequest(
+            token_content=pb.DecodeRequest.TokenContent(token_ids=[1, 2]), max_tokens=max_tokens
+        )
+
+        async def run():
+            return [
+                list(s.token_ids)
+                async for r in servicer.Decode(req)
+                for s in r.stream_content.samples
+            ]
+
+        return asyncio.run(run())
+
+    assert decode(3) == [[5, 6], [7]]
+    with pytest.raises(ValueError, match="INTERNAL"):
+        decode(4)
+    responses = [reply(ids) for ids in calls]
+    assert jetstream_backend._token_ids(responses, 3) == [5, 6, 7]
+    with pytest.raises(RuntimeError, match="non-finite"):
+        jetstream_backend._token_ids(responses, 4)
+    with pytest.raises(RuntimeError, match="new weights"):
+        jetstream_backend._token_ids(responses[:1] + responses[2:], 3)
