@@ -185,3 +185,31 @@ def test_a_failure_past_max_tokens_does_not_fail_the_request():
         jetstream_backend._token_ids(responses, 4)
     with pytest.raises(RuntimeError, match="new weights"):
         jetstream_backend._token_ids(responses[:1] + responses[2:], 3)
+
+
+def test_a_swap_holds_one_decode_layout_copy(monkeypatch):
+    """The decode-layout copy of the layers (`decode_layers`) is built once per params
+    version, and the old version's copy is gone before the new one is built (was: both live
+    at a swap, with the old params). Counted by its fused q|k|v kernels among jax's live
+    arrays, when the engine builds a copy."""
+    from gjax.rollout import engine as eng
+
+    qkv = (CFG.hidden_size, (CFG.num_heads + 2 * CFG.num_kv_heads) * CFG.head_dim)
+
+    def count(*params):  # fused q|k|v kernels: live arrays of that shape not in `params`
+        ids = {id(x) for p in (PARAMS, *params) for x in jax.tree.leaves(p)}
+        return sum(a.shape == qkv and id(a) not in ids for a in jax.live_arrays())
+
+    seen, build = [], eng._layers_jit
+    spy = lambda p, cfg: seen.append(count(p)) or build(p, cfg=cfg)
+    monkeypatch.setattr(eng, "_layers_jit", spy)
+    engine = eng.Engine(
+        CFG, PARAMS, sampling=GREEDY, max_concurrent_decodes=1, max_prefill_length=16
+    )
+    state = engine.init_decode_state()
+    for c in range(3):
+        if c == 2:
+            engine.holder.swap(jax.tree.map(lambda x: x * 1.5, PARAMS))
+        state, _ = engine.generate(engine.holder, state)
+    assert seen == [0, 0]  # built twice (once per version), never beside an old copy
+    assert count(engine.holder.params) == CFG.num_layers

@@ -42,6 +42,13 @@ between steps. Same shapes and shardings, so nothing recompiles. Slots live when
 token KV (a partial rollout: each token's version and log-prob are in the records, so the
 in-process backend's behaviour log-probs are the ones sampled with); 'restart' ends each such
 slot with `RESTART_TOKEN` and its client sends the request again.
+
+Memory: `generate` reads each params version's layers in the decode layout (`decode_layers`:
+per layer, q|k|v and gate|up concatenated, in the compute dtype), built once per version and
+kept: one more copy of the layer weights (0.5x the params for f32 params computing in bf16,
+1x when they share a dtype). The previous version's copy is dropped before the new one is
+built, so a swap holds at most the new params, the new copy and whatever still holds the old
+params (the caller).
 """
 
 from __future__ import annotations
@@ -380,6 +387,7 @@ class Engine(jetstream.engine_api.Engine):
     def generate(self, params, decode_state):
         params, version = _unwrap(params)
         if self._layers[0] is not params:  # per params version, not per call
+            self._layers = (None, None)  # the old copy (and params) go before the new is built
             self._layers = (params, _layers_jit(params, cfg=self.cfg))
         decode_state, data = self._generate_jit(
             params, self._layers[1], decode_state, jnp.int32(version), sampling=self.sampling
