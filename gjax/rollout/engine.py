@@ -42,6 +42,15 @@ between steps. Same shapes and shardings, so nothing recompiles. Slots live when
 token KV (a partial rollout: each token's version and log-prob are in the records, so the
 in-process backend's behaviour log-probs are the ones sampled with); 'restart' ends each such
 slot with `RESTART_TOKEN` and its client sends the request again.
+
+Memory: `generate` reads each params version's layers in the decode layout (`decode_layers`:
+per layer, q|k|v and gate|up concatenated, in the compute dtype), built once per version and
+kept: one more copy of the layer weights (0.5x the params for f32 params computing in bf16,
+1x when they share a dtype). The previous version's copy is dropped before the new one is
+built, so a swap holds at most the new params, the new copy and whatever still holds the old
+params (the caller). Building it inside each `generate` call instead saves no peak memory (the
+copy is then a temporary of every call) and cost 3-7% more CPU per token at 8 tokens per call,
+25-31% at 1 (`benchmarks/engine_step.py`'s model, 32 slots).
 """
 
 from __future__ import annotations
@@ -66,7 +75,9 @@ RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request i
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
 # length 1]; gjax's backend also reads [serial 1 | first token's index 1 | log-probs k (f32
-# bits) | params version 1].
+# bits) | first token's version 1 | the other tokens' version 1]. A token's version is that of
+# the params whose logits it was drawn from (its log-prob's): a call's first token comes from
+# logits computed before it (the previous call's, or the prompt's at insert).
 
 
 def prefill_bucket(num_tokens: int) -> int:
@@ -251,7 +262,8 @@ class Engine(jetstream.engine_api.Engine):
 
     def drain_records(self) -> np.ndarray:
         """Rows [serial, index, token, logp_bits, version] of every valid token generated
-        since the last drain (int32; logp_bits is the f32 log-prob's bit pattern)."""
+        since the last drain (int32; logp_bits is the f32 log-prob's bit pattern; version: the
+        params version of the logits the token was drawn from, as its log-prob is)."""
         k, out = self._steps, []
         while self._records:
             data = np.asarray(self._records.popleft())
@@ -262,7 +274,7 @@ class Engine(jetstream.engine_api.Engine):
                 data[s_, 2 * k + 2] + j,
                 data[s_, j],
                 data[s_, 2 * k + 3 + j],
-                data[s_, 3 * k + 3],
+                np.where(j == 0, data[s_, 3 * k + 3], data[s_, 3 * k + 4]),
             ]
             out.append(np.stack(cols, axis=1))
         return np.concatenate(out).astype(np.int32) if out else np.zeros((0, 5), np.int32)
@@ -313,13 +325,19 @@ class Engine(jetstream.engine_api.Engine):
         return self.holder
 
     def init_decode_state(self, *args, **kwargs):
-        """The decoder's `SlotState` (as a dict) + serial_S; every slot free, no region held."""
+        """The decoder's `SlotState` (as a dict) + serial_S, version_S (the prompt's params
+        version) and logits_version_S (that of the slot's stored logits); every slot free."""
         del args, kwargs
         s = self._slots
         self._regions_reset()
         state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
-        zeros = lambda: jnp.zeros((s,), jnp.int32)  # two buffers: both are donated
-        return {**state._asdict(), "serial_S": zeros(), "version_S": zeros()}
+        zeros = lambda: jnp.zeros((s,), jnp.int32)  # separate buffers: all are donated
+        return {
+            **state._asdict(),
+            "serial_S": zeros(),
+            "version_S": zeros(),
+            "logits_version_S": zeros(),
+        }
 
     def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length: int):
         if existing_prefix is not None:
@@ -371,6 +389,7 @@ class Engine(jetstream.engine_api.Engine):
     def generate(self, params, decode_state):
         params, version = _unwrap(params)
         if self._layers[0] is not params:  # per params version, not per call
+            self._layers = (None, None)  # the old copy (and params) go before the new is built
             self._layers = (params, _layers_jit(params, cfg=self.cfg))
         decode_state, data = self._generate_jit(
             params, self._layers[1], decode_state, jnp.int32(version), sampling=self.sampling
@@ -456,11 +475,14 @@ class Engine(jetstream.engine_api.Engine):
                 col(state["serial_S"]),
                 col(n0_S),
                 jax.lax.bitcast_convert_type(logp_SxK.astype(jnp.float32), jnp.int32),
+                col(state["logits_version_S"]),  # the first token's logits: computed before
                 col(jnp.broadcast_to(version, n0_S.shape)),
             ],
             axis=1,
         )
-        return {**state, **core._asdict()}, data
+        stepped_S = live_SxK[:, 0]  # decoded at least once: its logits are `version`'s now
+        logits_version_S = jnp.where(stepped_S, version, state["logits_version_S"])
+        return {**state, **core._asdict(), "logits_version_S": logits_version_S}, data
 
 
 def _core(state) -> decoder.SlotState:
@@ -482,6 +504,7 @@ def _start_slot(state, slot, region, limit, key_data, serial, version):
         **core._asdict(),
         "serial_S": state["serial_S"].at[slot].set(serial),
         "version_S": state["version_S"].at[slot].set(version),
+        "logits_version_S": state["logits_version_S"].at[slot].set(version),
     }
 
 

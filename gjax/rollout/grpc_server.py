@@ -79,6 +79,11 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
         left = request.max_tokens
         async for response in super().Decode(request, context):
+            # Cut first: the tokens past max_tokens (a call emits several) are not served,
+            # so a failure among them does not fail the request.
+            response, left = _cut(response, left, self._tokenizer)
+            if response is None:
+                continue
             if any(RESTART_TOKEN in s.token_ids for s in response.stream_content.samples):
                 await _abort(
                     context,
@@ -93,9 +98,7 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
                     "the model produced non-finite logits for this request; it was ended "
                     "(other requests are unaffected). Check the served weights.",
                 )
-            response, left = _cut(response, left, self._tokenizer)
-            if response is not None:
-                yield response
+            yield response
 
 
 def _cut(response, left: int, tokenizer):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -195,7 +196,6 @@ class _JetStreamClient:
                 "version": np.full((b_,), self.version, np.int32),
             }
             for b, (ids, _) in rows.items():
-                ids = ids[: requests[b].max_tokens]  # the engine may run past it (a dispatch)
                 out["tokens"][b, : len(ids)] = ids
                 out["mask"][b, : len(ids)] = 1
                 out["valid"][b] = True
@@ -279,11 +279,15 @@ def _short(error, timeout_s: float) -> str:
     return repr(error)
 
 
-def _token_ids(responses) -> list[int]:
+def _token_ids(responses, max_tokens: int) -> list[int]:
+    """The request's first `max_tokens` token ids; raises if the engine failed or restarted
+    it within them (the tokens past max_tokens, from a call's extra columns, are dropped
+    first: a failure there is not the request's)."""
     ids: list[int] = []
     for resp in responses:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
+    ids = ids[:max_tokens]
     if RESTART_TOKEN in ids:  # weight_change='restart': retried, on the new weights
         raise RuntimeError("new weights landed while this request decoded; it is sent again")
     if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
@@ -368,7 +372,7 @@ class JetStreamBackend(_JetStreamClient):
         self.engine.set_sampling(sampling)
 
     async def _decode(self, request):
-        return _token_ids([r async for r in self._orchestrator.Decode(request)])
+        return _token_ids([r async for r in self._orchestrator.Decode(request)], request.max_tokens)
 
     def _submit(self, request, deadline):
         del deadline  # the caller waits on the future until then
@@ -501,7 +505,8 @@ class JetStreamGrpcBackend(_JetStreamClient):
     def _submit(self, request, deadline):
         # A replica that fails UNAVAILABLE is taken out and the request goes to another; with
         # none live the call waits for one (probed every 0.5 s) until the deadline.
-        return self._pool.submit(self.pool.call, request, deadline, _token_ids)
+        parse = functools.partial(_token_ids, max_tokens=request.max_tokens)
+        return self._pool.submit(self.pool.call, request, deadline, parse)
 
     def _finish(self, rows, out):
         pass
