@@ -230,10 +230,11 @@ SCHEMA: dict[str, Any] = {
             _COUNT,
         ),
         "decoder": Field(
-            "static",
-            "local: static (one batch per step, decoded until its longest row ends) | "
-            "continuous (decode_slots slots, each refilled as soon as its row ends; a prompt's "
-            "KV held once for its G rows; one process)",
+            "auto",
+            "local: auto (continuous on one process, static on several) | static (one batch "
+            "per step, decoded until its longest row ends; the test reference) | continuous "
+            "(decode_slots slots, each refilled as soon as its row ends; a prompt's KV held "
+            "once for its G rows; one process)",
         ),
         "tokens_per_dispatch": Field(
             8,

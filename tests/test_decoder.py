@@ -152,6 +152,19 @@ def test_local_backend_decodes_continuously_from_the_config(static_greedy):
     assert 0 < m["rollout/slot_occupancy"] <= 1 and 0 <= m["rollout/host_fraction"] < 1
 
 
+def test_the_default_decoder_is_continuous_on_one_process_and_static_on_several():
+    from configs import common
+    from gjax.rollout.factory import local_decoder, make_backend
+
+    config = common.tiny(common.base())
+    assert config.rollout.decoder == "auto"
+    assert isinstance(make_backend(config, CFG, PARAMS).decoder, ContinuousDecoder)
+    assert [local_decoder("auto", n) for n in (1, 2)] == ["continuous", "static"]
+    assert [local_decoder(d, 2) for d in ("static", "continuous")] == ["static", "continuous"]
+    config.rollout.decoder = "static"  # the reference sampler, by name
+    assert make_backend(config, CFG, PARAMS).decoder is None
+
+
 def test_chunked_prefill_equals_whole_prefill_and_decodes_beside_it(static_greedy):
     """rollout.prefill_chunk=3: prompts prefilled 3 columns per loop turn (7 -> 9 columns,
     left-padded) give the whole prefill's rows; dispatches run while a prompt is still being
