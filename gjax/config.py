@@ -80,7 +80,7 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
 
 # Rollout backends `gjax.rollout.factory.make_backend` builds; a new backend adds its name here.
 ROLLOUT_BACKENDS = ("local", "jetstream", "jetstream_grpc")
-ROLLOUT_DECODERS = ("static", "continuous")  # backend 'local' only
+ROLLOUT_DECODERS = ("static", "continuous", "auto")  # backend 'local' only
 WEIGHT_CHANGES = ("finish", "restart")  # jetstream*: in-flight requests on a weight swap
 WEIGHT_TRANSFERS = ("directory", "grpc")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -138,10 +138,10 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         f"must be one of {WEIGHT_CHANGES}, got {config.rollout.weight_change!r}",
     )
     _require(
-        config.rollout.decoder == "static" or config.rollout.backend == "local",
+        config.rollout.decoder != "continuous" or config.rollout.backend == "local",
         "rollout.decoder",
         f"'continuous' is the local backend's decoder; rollout.backend="
-        f"{config.rollout.backend!r} batches continuously on its own: leave decoder 'static'",
+        f"{config.rollout.backend!r} batches continuously on its own: leave decoder 'auto'",
     )
     _require(
         config.rollout.weight_transfer in WEIGHT_TRANSFERS,

@@ -230,10 +230,12 @@ SCHEMA: dict[str, Any] = {
             _COUNT,
         ),
         "decoder": Field(
-            "static",
-            "local: static (one batch per step, decoded until its longest row ends) | "
-            "continuous (decode_slots slots, each refilled as soon as its row ends; a prompt's "
-            "KV held once for its G rows; one process)",
+            "auto",
+            "local: continuous (decode_slots slots, each refilled as soon as its row ends; a "
+            "prompt's KV held once for its G rows; several processes: each its own rows) | "
+            "static (one batch per step, decoded until its longest row ends; the tests' "
+            "reference) | auto (local: continuous on one process, static on several; "
+            "jetstream*: their own continuous batching)",
         ),
         "tokens_per_dispatch": Field(
             8,

@@ -238,6 +238,34 @@ def process_mesh(mesh: Mesh) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
+    """Params of a multi-process run -> arrays of `local_mesh` (this process's devices of the
+    train mesh), sharded as on the train mesh over the axes the processes do not split and
+    replicated over those they do, so that a process-local sampler (the async producer's
+    thread, the continuous decoder) runs no program over other processes' devices and samples
+    with the train layout. Called on the loop's thread, where the copy (with an all-gather
+    over processes for params sharded across them) is a program in the loop's order like
+    every other."""
+    split = {a for a in MESH_AXES if local_mesh.shape[a] != train_mesh.shape[a]}
+
+    def kept(entry):  # one PartitionSpec entry without the axes split over processes
+        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in split]
+        return None if not axes or axes == [None] else axes[0] if len(axes) == 1 else tuple(axes)
+
+    def copy(x):
+        spec = P(*(kept(e) for e in x.sharding.spec))
+        if spec == x.sharding.spec:  # a copy: the next update donates the learner's buffers
+            y = jax.numpy.copy(x)
+        else:  # gathered over the processes: a new array
+            y = jax.jit(lambda a: a, out_shardings=NamedSharding(train_mesh, spec))(x)
+        shards = [s.data for s in y.addressable_shards]  # the same blocks on the same devices
+        return jax.make_array_from_single_device_arrays(
+            x.shape, NamedSharding(local_mesh, spec), shards
+        )
+
+    return lambda params: jax.tree.map(copy, params)
+
+
 def mesh_axis_size(mesh: Mesh | jax.sharding.AbstractMesh, axes: MeshAxes) -> int:
     """Product of the sizes of `axes` in `mesh` (1 for None)."""
     return math.prod(mesh.shape[a] for a in _as_tuple(axes))

@@ -489,3 +489,5 @@ def test_continuous_decoder_is_the_local_backends_only():
     c.rollout.backend, c.rollout.decoder = "jetstream", "continuous"
     with pytest.raises(ConfigError, match=r"rollout\.decoder: 'continuous' is the local backend"):
         validate(c, 1)
+    c.rollout.decoder = "auto"  # the default: a serving backend batches on its own
+    validate(c, 1)

@@ -149,7 +149,41 @@ def test_local_backend_decodes_continuously_from_the_config(static_greedy):
     assert_same(jax.tree.map(np.asarray, out), static_greedy, atol=1e-5)
     m = backend.metrics()
     assert m["rollout/decode_steps"] >= static_greedy.lengths_B.max()
-    assert 0 < m["rollout/slot_occupancy"] <= 1 and 0 <= m["rollout/host_fraction"] < 1
+    assert 0 < m["rollout/slot_occupancy"] <= 1 and 0 <= m["time/decode_host_fraction"] < 1
+
+
+def test_a_row_block_draws_its_rows_of_the_whole_batch():
+    """sampling.row_block=(1, 2) (a process's own rows in a multi-process run): the second
+    prompt alone draws what it draws in the batch of both; as block 0 it draws other tokens."""
+    import dataclasses
+
+    sp = dataclasses.replace(GREEDY, temperature=1.0)
+    dec = ContinuousDecoder(CFG, slots=3, tokens_per_dispatch=4)
+
+    def run(rows, block):
+        sp_ = dataclasses.replace(sp, row_block=block)
+        out = dec.generate(
+            PARAMS, TOKENS[rows], MASK[rows], jax.random.key(3), num_samples=G, sampling=sp_
+        )
+        return jax.tree.map(np.asarray, out)
+
+    both, second = run(slice(0, 2), (0, 1)), run(slice(1, 2), (1, 2))
+    np.testing.assert_array_equal(second.tokens_BxN, both.tokens_BxN[G:])
+    np.testing.assert_allclose(second.logps_BxN, both.logps_BxN[G:], atol=1e-6)
+    assert (run(slice(1, 2), (0, 2)).tokens_BxN != both.tokens_BxN[G:]).any()
+
+
+def test_the_default_decoder_is_continuous_on_one_process_and_static_on_several():
+    from configs import common
+    from gjax.rollout.factory import local_decoder, make_backend
+
+    config = common.tiny(common.base())
+    assert config.rollout.decoder == "auto"
+    assert isinstance(make_backend(config, CFG, PARAMS).decoder, ContinuousDecoder)
+    assert [local_decoder("auto", n) for n in (1, 2)] == ["continuous", "static"]
+    assert [local_decoder(d, 2) for d in ("static", "continuous")] == ["static", "continuous"]
+    config.rollout.decoder = "static"  # the reference sampler, by name
+    assert make_backend(config, CFG, PARAMS).decoder is None
 
 
 def test_chunked_prefill_equals_whole_prefill_and_decodes_beside_it(static_greedy):

@@ -179,6 +179,9 @@ def _launch(workdir, steps, *, processes, extra=()) -> list[subprocess.Popen]:
     cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.train.steps={steps}")
     if processes == 1:
+        # The default decoder ('auto') is static on several processes: the one-process
+        # reference names it (continuous draws per-row keys, equal to static only when greedy).
+        cmd.append("--config.rollout.decoder=static")
         procs = [
             subprocess.Popen(
                 cmd,

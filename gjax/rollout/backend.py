@@ -13,11 +13,15 @@ id and sampling.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol, runtime_checkable
 
 import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as PS
 
-from gjax import multihost
+from gjax import multihost, sharding
 from gjax.models.config import ModelConfig
 from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
 
@@ -72,6 +76,10 @@ class LocalSampler:
     def generate(
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
     ) -> SampleOutput:
+        if self.decoder is not None and _spans_processes(prompt_tokens_PxS):
+            return self._process_rows(
+                params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling
+            )
         if self.decoder is not None:
             return self.decoder.generate(
                 params,
@@ -91,19 +99,42 @@ class LocalSampler:
             sampling=sampling,
         )
 
+    def _process_rows(self, params, tokens_PxS, mask_PxS, rng, num_samples, sampling):
+        """The continuous decoder on global row-sharded prompts (several processes, the loop's
+        thread): each process decodes its own block of rows on its own devices of the mesh
+        (`sharding.process_local_copy` of the params; row keys of the whole batch, so the rows
+        equal one process's) and the rows go back as global arrays sharded like the prompts."""
+        layout = multihost.RowLayout(tokens_PxS.sharding)
+        mesh = tokens_PxS.sharding.mesh
+        local_mesh = sharding.process_mesh(mesh)
+        local_params = sharding.process_local_copy(mesh, local_mesh)(params)
+        with jax.set_mesh(local_mesh), sharding.use_rules():
+            out = self.decoder.generate(
+                local_params,
+                multihost.local_rows(tokens_PxS, layout),
+                multihost.local_rows(mask_PxS, layout),
+                # The key is replicated: this process's copy of it, on its devices.
+                jax.device_put(rng.addressable_data(0), NamedSharding(local_mesh, PS())),
+                num_samples=num_samples,
+                sampling=dataclasses.replace(sampling, row_block=(layout.block, layout.count)),
+            )
+        return SampleOutput(*(multihost.put_rows(np.asarray(x), layout) for x in out[:4]))
+
     def push(self, params) -> None:
         del params  # `generate` samples with the params it is given
 
     def metrics(self, gather=multihost.allgather) -> dict[str, float]:
-        del gather  # one process's figures (the continuous decoder runs in one process)
         st = self.decoder.stats if self.decoder is not None else {}
         if not st.get("decode_steps"):
             return {}
+        # Every process decodes its own rows: steps are the slowest's, the fractions pooled.
+        keys = ("decode_steps", "slot_steps_live", "slots", "host_s", "wall_s")
+        steps_H, live_H, slots_H, host_H, wall_H = gather(np.array([st[k] for k in keys])).T
         return {
-            "rollout/decode_steps": float(st["decode_steps"]),
+            "rollout/decode_steps": float(steps_H.max()),
             # live rows per slot and step: what continuous batching keeps near 1
-            "rollout/slot_occupancy": st["slot_steps_live"] / (st["decode_steps"] * st["slots"]),
-            "rollout/host_fraction": st["host_s"] / st["wall_s"],
+            "rollout/slot_occupancy": float(live_H.sum() / (steps_H * slots_H).sum()),
+            "time/decode_host_fraction": float(host_H.sum() / wall_H.sum()),
         }
 
     def failure(self) -> str:
@@ -111,6 +142,11 @@ class LocalSampler:
 
     def close(self) -> None:
         pass
+
+
+def _spans_processes(x) -> bool:
+    """`x` is a global array with rows on other processes' devices (a multi-process batch)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
 
 
 def stop_and_pad(cfg: ModelConfig, tokenizer) -> tuple[tuple[int, ...], int]:

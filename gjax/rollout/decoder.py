@@ -22,11 +22,14 @@ one host sync per dispatch). `gjax.rollout.engine` (JetStream) runs on the same 
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
 for greedy; sampled results equal the static sampler's in distribution, not draw for draw).
+With `sampling.row_block = (i, n)` the rows are block i of a batch of n blocks and b counts
+from the whole batch's first row, so each process's block draws what one process would.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import math
 import time
 from typing import NamedTuple
@@ -391,6 +394,8 @@ class ContinuousDecoder:
         if limits.shape != (b_,) or limits.min() < 1 or limits.max() > n_:
             raise ValueError(f"max_tokens_B must be {b_} ints in [1, {n_}]")
         r_ = self.regions_for(g_)
+        row0 = sp.row_block[0] * b_  # these rows' index in the whole batch: their keys
+        draw_sp = dataclasses.replace(sp, row_block=(0, 1))  # one key per row, not per block
         a_ = self.prefill_batch or max(1, -(-s_ // g_))
         group = (lambda b: b // g_) if self.share_prompt else (lambda b: b)
         rows_left = collections.Counter(group(b) for b in range(b_))
@@ -438,7 +443,7 @@ class ContinuousDecoder:
                     continue
                 s = free_slots.pop(0)
                 slot_row[s] = b
-                admits.append((s, region_of[g], b, limits[b]))
+                admits.append((s, region_of[g], row0 + b, limits[b]))
             queue = waiting
             return new_prompts, admits
 
@@ -495,7 +500,7 @@ class ContinuousDecoder:
             stats["dispatches_beside_prefill"] += bool(pending)
             t1 = time.perf_counter()
             state, tok, logp, live, d = _dispatch_jit(
-                params, self.cfg, layers, state, sp=sp, steps=self.steps
+                params, self.cfg, layers, state, sp=draw_sp, steps=self.steps
             )
             tok, logp, live, d, done = jax.device_get((tok, logp, live, d, state.done_S))
             t_device += time.perf_counter() - t1

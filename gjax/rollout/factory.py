@@ -44,18 +44,22 @@ def check_config(config) -> None:
         schema.server_addresses(config.rollout)  # HOST:PORT each, once each
 
 
+def local_decoder(decoder: str, processes: int) -> str:
+    """What `rollout.decoder` decodes with on `processes` processes: 'auto' is continuous on
+    one process and static on several (where two processes' continuous runs match one
+    process's samples but not its params to the multi-process tests' bound)."""
+    if decoder != "auto":
+        return decoder
+    return "continuous" if processes == 1 else "static"
+
+
 def make_backend(
     config, model_cfg: ModelConfig, params, *, mesh=None, workdir=None, tokenizer=None
 ) -> RolloutBackend:
     """The backend `config.rollout.backend` names: local (its `rollout.decoder`) | jetstream |
     jetstream_grpc."""
     r = config.rollout
-    if r.backend == "local" and r.decoder == "continuous":
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "config.rollout.decoder='continuous' schedules one process's rows; a "
-                "multi-process run decodes with 'static' (each host its own rows)"
-            )
+    if r.backend == "local" and local_decoder(r.decoder, jax.process_count()) == "continuous":
         decoder = ContinuousDecoder(
             model_cfg,
             slots=r.decode_slots,

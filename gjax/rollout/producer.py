@@ -79,7 +79,6 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
@@ -333,7 +332,7 @@ def make_producer(
         to_rollout = None
     elif jax.process_count() > 1:  # each process samples on devices of its own
         local_mesh = sharding.process_mesh(train_mesh)
-        to_rollout = _process_local_copy(train_mesh, local_mesh)
+        to_rollout = sharding.process_local_copy(train_mesh, local_mesh)
         if rollout_mesh is train_mesh:
             rollout_mesh = local_mesh
         else:  # this process's rollout devices (sharding.make_meshes): one more local copy
@@ -389,30 +388,3 @@ def make_producer(
 def _then_put(copy: Callable[[Any], Any], shardings) -> Callable[[Any], Any]:
     """`copy`, then `jax.device_put` to `shardings` (devices of this process only)."""
     return lambda params: jax.device_put(copy(params), shardings)
-
-
-def _process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
-    """`to_rollout` of a multi-process run: the pushed params as arrays of `local_mesh` (this
-    process's devices of the train mesh), sharded as on the train mesh over the axes the
-    processes do not split and replicated over those they do, so that the producer thread
-    runs no program over other processes' devices and samples with the train layout. Called
-    on the learner's thread, where the copy (with an all-gather over processes for params
-    sharded across them) is a program in the loop's order like every other."""
-    split = {a for a in sharding.MESH_AXES if local_mesh.shape[a] != train_mesh.shape[a]}
-
-    def kept(entry):  # one PartitionSpec entry without the axes split over processes
-        axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in split]
-        return None if not axes or axes == [None] else axes[0] if len(axes) == 1 else tuple(axes)
-
-    def copy(x):
-        spec = PS(*(kept(e) for e in x.sharding.spec))
-        if spec == x.sharding.spec:  # a copy: the next update donates the learner's buffers
-            y = jnp.copy(x)
-        else:  # gathered over the processes: a new array
-            y = jax.jit(lambda a: a, out_shardings=NamedSharding(train_mesh, spec))(x)
-        shards = [s.data for s in y.addressable_shards]  # the same blocks on the same devices
-        return jax.make_array_from_single_device_arrays(
-            x.shape, NamedSharding(local_mesh, spec), shards
-        )
-
-    return lambda params: jax.tree.map(copy, params)
