@@ -388,8 +388,13 @@ class Learner:
                     minibatches=self.minibatches,
                     microbatches=self.microbatches,
                     # auto bins: the head at the read positions (C joins J as a shape);
-                    # fixed bins keep one compiled shape (the head at every position)
-                    t=None if self.pack.bins else host["targets_BxT"].shape[1],
+                    # fixed bins keep one compiled shape (the head at every position). Off
+                    # on several processes: there it made the processes' collectives
+                    # mismatch (gloo: 14336 vs 224 bytes; tests/test_multihost.py), not
+                    # yet understood.
+                    t=None
+                    if self.pack.bins or jax.process_count() > 1
+                    else host["targets_BxT"].shape[1],
                 )
             )
             # J (and C) as shapes (auto: one compile per distinct shape, never per step)
