@@ -9,7 +9,7 @@ the default) each batch takes the fewest bins it needs rounded up on a ladder of
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
 `pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin
 whose log-probs the loss reads (`read_positions`; C from the plan, `pack_reads_C` marker),
-not at the prompts'. Positions are the rows' own (they
+not at the prompts' (one process only: `Learner.batch`). Positions are the rows' own (they
 restart in every row) and each row is its own segment (its padding stays segment 0; a row
 holds one sequence, as `gjax.experience.to_model_inputs` builds them), so attention never
 crosses rows.
