@@ -37,6 +37,23 @@ def _reference(q, k, v, seg):
     return attention.xla(q, k, v, attention.dense_mask(seg))
 
 
+def _assert_matches_reference(got, grads, q, k, v, w, seg):
+    """`got` (output) and `grads` (d(q, k, v) of sum(out * w) at the real positions) equal the
+    XLA reference's, f32; padding queries' outputs are unspecified and carry no weight."""
+    real = (seg != 0)[:, :, None, None]
+    want = _reference(q, k, v, seg)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(
+        np.where(real, got, 0.0), np.where(real, want, 0.0), atol=2e-6, rtol=2e-6
+    )
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.where(real, _reference(q, k, v, seg) * w, 0.0))
+
+    for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
 IMPLS = {
     "pallas_gpu": lambda q, k, v, s: attention.pallas_gpu(q, k, v, s, block=16, interpret=True),
     "splash": lambda q, k, v, s: attention.splash(q, k, v, s, interpret=True),
@@ -51,19 +68,12 @@ def test_kernel_equals_xla_reference_forward_and_grad(name):
     seg = jnp.asarray(SEG_BxT)
     real = (seg != 0)[:, :, None, None]
 
-    def loss(fn):  # padding queries' outputs are unspecified: they carry no weight
-        return lambda q, k, v: jnp.sum(jnp.where(real, fn(q, k, v, seg) * w, 0.0))
+    def loss(q, k, v):
+        return jnp.sum(jnp.where(real, IMPLS[name](q, k, v, seg) * w, 0.0))
 
-    want = _reference(q, k, v, seg)
     got = jax.jit(IMPLS[name])(q, k, v, seg)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(
-        np.where(real, got, 0.0), np.where(real, want, 0.0), atol=2e-6, rtol=2e-6
-    )
-    grads_want = jax.grad(loss(_reference), argnums=(0, 1, 2))(q, k, v)
-    grads_got = jax.jit(jax.grad(loss(IMPLS[name]), argnums=(0, 1, 2)))(q, k, v)
-    for g, gw in zip(grads_got, grads_want, strict=True):
-        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    _assert_matches_reference(got, grads, q, k, v, w, seg)
 
 
 def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
@@ -171,24 +181,12 @@ def test_kernels_run_per_shard_on_the_mesh(impl):
 
     q, k, v, w = (jnp.concatenate([x, x[::-1] * 0.5]) for x in _inputs())  # B = 4 rows
     seg = jnp.asarray(np.concatenate([SEG_BxT, SEG_BxT[::-1]]))
-    real = (seg != 0)[:, :, None, None]
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     got, grads, texts = _mesh_run(mesh, impl, q, k, v, w, seg)
     for text in texts:
         assert "all-gather" not in text
     assert got.sharding.spec == jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None)
-    np.testing.assert_allclose(
-        np.where(real, got, 0.0),
-        np.where(real, _reference(q, k, v, seg), 0.0),
-        atol=2e-6,
-        rtol=2e-6,
-    )
-
-    def loss(q, k, v):
-        return jnp.sum(jnp.where(real, _reference(q, k, v, seg) * w, 0.0))
-
-    for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
-        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+    _assert_matches_reference(got, grads, q, k, v, w, seg)
 
 
 def test_kv_heads_the_tensor_axis_does_not_divide_are_repeated_to_the_query_heads():
@@ -213,21 +211,9 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_repeated_to_the_query_head
 
     q, k, v, w = _inputs()
     seg = jnp.asarray(SEG_BxT)
-    real = (seg != 0)[:, :, None, None]
     mesh = sharding.make_mesh({"data": 2, "tensor": 4})
     got, grads, _ = _mesh_run(mesh, "pallas_gpu", q, k, v, w, seg)
-    np.testing.assert_allclose(
-        np.where(real, got, 0.0),
-        np.where(real, _reference(q, k, v, seg), 0.0),
-        atol=2e-6,
-        rtol=2e-6,
-    )
-
-    def loss(q, k, v):
-        return jnp.sum(jnp.where(real, _reference(q, k, v, seg) * w, 0.0))
-
-    for g, gw in zip(grads, jax.grad(loss, argnums=(0, 1, 2))(q, k, v), strict=True):
-        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+    _assert_matches_reference(got, grads, q, k, v, w, seg)
 
 
 def test_model_forward_runs_the_kernel_alone_and_per_shard(monkeypatch):
