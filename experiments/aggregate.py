@@ -37,6 +37,9 @@ CURVES = (  # (metrics key, title, log axis, smoothed)
 SMOOTH = 0.6  # EMA weight of the training curves (gjax.plot's default)
 TAIL = 0.1  # "final" training figures: the mean over the last 10 % of steps
 FORMATS = {"length": ".1f", "grad_spikes": ".1f", "sampled_tokens": ".3g"}
+# CW-GRPO Table 1's form: percentiles of |Cov(log-prob, advantage)| per token (`cov/*`,
+# `objective.covariance_metrics`), at the start and at the end of training.
+COV_PERCENTILES = ("p50", "p90", "p99", "p99.9")
 SPIKE_FACTOR = 3.0  # a grad-norm spike: a step above 3 x the run's median grad norm
 
 
@@ -189,6 +192,13 @@ def run_figures(run: dict) -> dict[str, float]:
         vals = [r[key] for r in tail if r.get(key) is not None]
         if vals:
             out[key] = float(np.mean(vals))
+    head = rows[: len(tail)]
+    for p in COV_PERCENTILES:
+        key = f"cov/abs_{p}"
+        for when, part in (("start", head), ("end", tail)):
+            vals = [r[key] for r in part if r.get(key) is not None]
+            if vals:
+                out[f"{key}@{when}"] = float(np.mean(vals))
     return out
 
 
@@ -219,6 +229,31 @@ def table(study, figures: dict[str, list[dict]]) -> str:
         for col, _ in cols:
             m, h, _n = mean_ci([f.get(col) for f in runs])
             cells.append(fmt_ci(m, h, FORMATS.get(col, ".3f")))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cov_table(figures: dict[str, list[dict]]) -> str:
+    """CW-GRPO Table 1's form: per variant, each |covariance| percentile at the start -> at
+    the end of training (means over the first / last 10 % of steps, then over seeds), and the
+    tail-to-bulk ratio p99.9 / p50 at the end; "" when no run logged `cov/*`."""
+    every = [f for runs in figures.values() for f in runs]
+    if not any(f"cov/abs_{COV_PERCENTILES[0]}@end" in f for f in every):
+        return ""
+    head = ["variant", *(f"abs cov {p}" for p in COV_PERCENTILES), "p99.9 / p50 at the end"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, runs in figures.items():
+        cells = [name]
+        for p in COV_PERCENTILES:
+            start, _, _ = mean_ci([f.get(f"cov/abs_{p}@start") for f in runs])
+            end, half, _ = mean_ci([f.get(f"cov/abs_{p}@end") for f in runs])
+            cells.append("–" if math.isnan(end) else f"{start:.3g} -> {fmt_ci(end, half, '.3g')}")
+        ratio = [
+            f[f"cov/abs_{COV_PERCENTILES[-1]}@end"] / f[f"cov/abs_{COV_PERCENTILES[0]}@end"]
+            for f in runs
+            if f.get(f"cov/abs_{COV_PERCENTILES[0]}@end")
+        ]
+        cells.append(fmt_ci(*mean_ci(ratio)[:2], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -351,6 +386,13 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
         "`response/sampled_tokens` summed (runs before it: rounds x P x G x mean length).\n\n"
         + table(study, figs)
     )
+    cov = cov_table(figs)
+    if cov:
+        md += (
+            "\nCovariance of log-prob and advantage per token (CW-GRPO Table 1's form, "
+            "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of steps -> over the last "
+            "10 % (± over seeds).\n\n" + cov
+        )
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md)
     figures(runs, out_dir)

@@ -88,8 +88,9 @@ def test_sampled_tokens_are_the_logged_ones_else_estimated():
     assert got.tolist() == [160.0, 283.0, 443.0]
 
 
-def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4):
-    """A run's files as the trainer and the worker write them."""
+def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False):
+    """A run's files as the trainer and the worker write them (`cov`: with `cov/*`, |c|
+    percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1))."""
     wd = worker.workdir_of(out, "smoke", variant, seed)
     w = MetricsWriter(wd, total_steps=len(grad_norms), tensorboard=False, progress=False)
     for step, g in enumerate(grad_norms, 1):
@@ -97,6 +98,9 @@ def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4):
                "sampling/rollouts": 1.0}  # fmt: skip
         if step % 2 == 0:
             row["eval/heldout_pass@1"] = 0.4 + 0.01 * step
+        if cov:
+            for p, scale in (("p50", 1), ("p90", 2), ("p99", 5), ("p99.9", 20)):
+                row[f"cov/abs_{p}"] = float(step * scale * (seed + 1))
         w.write(step, row)
     w.close()
     summary = {"steps": len(grad_norms), "heldout_accuracy_before": 0.3,
@@ -116,7 +120,7 @@ def test_aggregate_table_and_figures(tmp_path):
     runs, results = str(tmp_path / "runs"), str(tmp_path / "results")
     # grpo's final pass@1 over 5 problems x 4 samples: 10/20, 12/20, 14/20 -> 0.5, 0.6, 0.7
     for seed, counts in enumerate(([2, 2, 2, 2, 2], [4, 2, 2, 2, 2], [4, 4, 2, 2, 2])):
-        _fake_run(runs, "grpo", seed, final_counts=counts, grad_norms=[1, 1, 10, 1, 1, 1])
+        _fake_run(runs, "grpo", seed, final_counts=counts, grad_norms=[1, 1, 10, 1, 1, 1], cov=True)
     for seed in range(2):
         _fake_run(runs, "dr_grpo", seed, final_counts=[4, 4, 4, 4, 4], grad_norms=[1.0] * 6)
     out = aggregate.aggregate("smoke", runs, results)
@@ -125,7 +129,7 @@ def test_aggregate_table_and_figures(tmp_path):
     cols = [c.strip() for c in head.strip("|").split("|")]
     rows = {
         cells[0]: dict(zip(cols, cells))
-        for line in md.splitlines()
+        for line in md.split("Table 1's form")[0].splitlines()
         if line.startswith("| ") and not line.startswith("| variant")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
@@ -144,6 +148,18 @@ def test_aggregate_table_and_figures(tmp_path):
     assert [r["pass@1"] for r in per_run["grpo"]] == pytest.approx([0.5, 0.6, 0.7])
     # c = 2 of n = 4 on every problem: pass@2 = 1 - C(2, 2) / C(4, 2) = 5/6
     assert per_run["grpo"][0]["pass@2"] == pytest.approx(5 / 6)
+    # Covariance table: 6 steps, 10 % -> the first and the last row; seeds scale 1, 2, 3.
+    cov_rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in md.split("Table 1's form")[1].splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    # p50: start 1 x (1, 2, 3) -> 2; end 6 x (1, 2, 3) = 6, 12, 18: mean 12, sd 6,
+    # half-width 4.302653 x 6 / sqrt(3) = 14.9
+    assert cov_rows["grpo"][1] == "2 -> 12 ± 14.9"
+    assert cov_rows["grpo"][4] == "40 -> 240 ± 298"
+    assert cov_rows["grpo"][5] == "20 ± 0"  # p99.9 / p50 = 20 in every run
+    assert cov_rows["dr_grpo"][1:5] == ["–"] * 4  # logged no cov/*
 
 
 @pytest.mark.slow
