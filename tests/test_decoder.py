@@ -173,15 +173,18 @@ def test_a_row_block_draws_its_rows_of_the_whole_batch():
     assert (run(slice(1, 2), (0, 2)).tokens_BxN != both.tokens_BxN[G:]).any()
 
 
-def test_the_default_decoder_is_continuous_on_one_process_and_static_on_several():
+def test_the_default_decoder_is_continuous():
     from configs import common
     from gjax.rollout.factory import local_decoder, make_backend
 
     config = common.tiny(common.base())
     assert config.rollout.decoder == "auto"
     assert isinstance(make_backend(config, CFG, PARAMS).decoder, ContinuousDecoder)
-    assert [local_decoder("auto", n) for n in (1, 2)] == ["continuous", "static"]
-    assert [local_decoder(d, 2) for d in ("static", "continuous")] == ["static", "continuous"]
+    assert [local_decoder(d) for d in ("auto", "continuous", "static")] == [
+        "continuous",
+        "continuous",
+        "static",
+    ]
     config.rollout.decoder = "static"  # the reference sampler, by name
     assert make_backend(config, CFG, PARAMS).decoder is None
 
