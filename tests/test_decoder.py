@@ -71,6 +71,19 @@ def test_greedy_equals_static_for_any_order_dispatch_size_and_sharing(static_gre
     assert_same(unshared, base, atol=1e-6)
 
 
+def test_fewer_prompt_regions_than_slots_give_the_same_rows():
+    """R < S: a row whose prompt has no region waits (admission control) and decodes the same
+    tokens as with a region per slot (R = S, the default at S = 3, G = 2)."""
+    base, base_stats = decode(steps=4)
+    assert base_stats["regions"] == base_stats["slots"] == 3
+    for r in (2, 1):  # ceil(S / G), and one group at a time
+        out, stats = decode(steps=4, prompt_regions=r)
+        assert stats["regions"] == r and stats["prompts_prefilled"] == len(PROMPTS)
+        assert_same(out, base, atol=1e-6)
+    assert stats["slot_steps_live"] == base_stats["slot_steps_live"]
+    assert stats["decode_steps"] > base_stats["decode_steps"]  # R = 1: two of 3 slots at most
+
+
 def refill_steps(lengths, slots):
     """Decode steps when a row starts on the step after one ends (rows in order)."""
     free_at = [0] * slots
