@@ -555,9 +555,10 @@ def test_a_missing_peer_is_reported_then_given_up_on(tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
 def test_env_started_run_is_one_locked_run_and_a_dead_peer_ends_it(tmp_path):
-    """JAX_* in the environment (no flags) start one two-process run: it holds the workdir's
-    lock (a second run there is refused), and when one process is SIGKILLed the survivor
-    exits 2 within 60 s with one paragraph naming the last intact checkpoint."""
+    """JAX_* in the environment (no flags) start one two-process run (on the default decoder,
+    continuous): it holds the workdir's lock (a second run there is refused), and when one
+    process is SIGKILLed the survivor exits 2 within 60 s with one paragraph naming the last
+    intact checkpoint."""
     wd = tmp_path / "wd"
     cmd = [sys.executable, "-m", "gjax.train", f"--workdir={wd}", *ARGS]
     cmd.append("--config.train.steps=500")
@@ -605,6 +606,8 @@ def test_env_started_run_is_one_locked_run_and_a_dead_peer_ends_it(tmp_path):
     assert "gjax: another process of this run stopped responding (process 1 has" in flat, text
     assert "The last intact checkpoint is step" in flat and "same command to resume" in flat
     assert not (wd / ".lock").exists()  # the survivor released it
-    steps = [r["step"] for r in _rows(wd)]
+    rows = _rows(wd)
+    steps = [r["step"] for r in rows]
     assert steps == list(range(1, len(steps) + 1))  # one run wrote them, once each
+    assert all(r["rollout/slot_occupancy"] > 0 for r in rows)  # trained on the default decoder
     print(f"dead peer: survivor exited 2 after {took:.1f} s")
