@@ -73,15 +73,15 @@ def test_greedy_equals_static_for_any_order_dispatch_size_and_sharing(static_gre
 
 def test_fewer_prompt_regions_than_slots_give_the_same_rows():
     """R < S: a row whose prompt has no region waits (admission control) and decodes the same
-    tokens as with a region per slot (R = S, the default at S = 3, G = 2)."""
+    tokens as with a region per slot (R = S, the default at S = 3, G = 2). R = 1, below
+    ceil(S / G) = 2: one group at a time, so two of the 3 slots at most (one compile, ~5 s)."""
     base, base_stats = decode(steps=4)
     assert base_stats["regions"] == base_stats["slots"] == 3
-    for r in (2, 1):  # ceil(S / G), and one group at a time
-        out, stats = decode(steps=4, prompt_regions=r)
-        assert stats["regions"] == r and stats["prompts_prefilled"] == len(PROMPTS)
-        assert_same(out, base, atol=1e-6)
+    out, stats = decode(steps=4, prompt_regions=1)
+    assert stats["regions"] == 1 and stats["prompts_prefilled"] == len(PROMPTS)
+    assert_same(out, base, atol=1e-6)
     assert stats["slot_steps_live"] == base_stats["slot_steps_live"]
-    assert stats["decode_steps"] > base_stats["decode_steps"]  # R = 1: two of 3 slots at most
+    assert stats["decode_steps"] > base_stats["decode_steps"]  # rows waited for the region
 
 
 def refill_steps(lengths, slots):
