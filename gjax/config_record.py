@@ -25,8 +25,11 @@ OPT_IN = "train.allow_config_change"
 
 # Fields a resume may change without changing what a step trains: the run's length (but see
 # `_training_changes`: a cosine schedule decays over it), checkpoint and log cadences, storage
-# and request timeouts, the server's address and the verifier's worker count. Anything else,
-# parallelism and mesh included, needs the opt-in.
+# and request timeouts, the server's address and the verifier's worker count; and how rollouts
+# are decoded (decoder, slots, tokens per dispatch, prefill chunk): the same distribution,
+# other draws at most, and nothing in the checkpoint (a run started when 'auto' was static on
+# several processes resumes continuous). Anything else, parallelism and mesh included, needs
+# the opt-in.
 HARMLESS = frozenset(
     {
         OPT_IN,
@@ -42,6 +45,10 @@ HARMLESS = frozenset(
         "rollout.server_address",
         "rollout.request_timeout_s",
         "rollout.weight_transfer",
+        "rollout.decoder",
+        "rollout.decode_slots",
+        "rollout.tokens_per_dispatch",
+        "rollout.prefill_chunk",
         "reward.workers",
     }
 )

@@ -232,10 +232,11 @@ SCHEMA: dict[str, Any] = {
         "decoder": Field(
             "auto",
             "local: continuous (decode_slots slots, each refilled as soon as its row ends; a "
-            "prompt's KV held once for its G rows; several processes: each its own rows) | "
-            "static (one batch per step, decoded until its longest row ends; the tests' "
-            "reference) | auto (local: continuous on one process, static on several; "
-            "jetstream*: their own continuous batching)",
+            "prompt's KV held once for its G rows; several processes: each its own rows, "
+            "drawn as one process draws them) | static (one batch per step, decoded until its "
+            "longest row ends; other draws of the same distribution; the tests' reference) | "
+            "auto (local: continuous, on any number of processes; jetstream*: their own "
+            "continuous batching). A resume may change it (it changes draws, not the state)",
         ),
         "tokens_per_dispatch": Field(
             8,

@@ -121,3 +121,28 @@ def test_a_fresh_start_drops_a_stale_history_and_old_fields_count_as_defaults(tm
     c.sampling.overlong_penalty = 0.5
     with pytest.raises(ConfigError, match=r"sampling\.overlong_penalty: 1\.0 -> 0\.5"):
         _check(tmp_path, c)
+
+
+def test_a_run_started_on_an_earlier_decoder_resumes_on_the_default(tmp_path):
+    """A workdir whose config.json predates rollout.decoder (absent: 'auto', once static on
+    several processes) or names 'static' resumes on today's default without the opt-in: the
+    decoder and its scheduling change draws, not the state; the change is recorded."""
+    wd = str(tmp_path)
+    c = _config()
+    config_record.write(wd, c)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    del saved["rollout"]["decoder"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert _check(tmp_path, c) == {}
+    saved["rollout"]["decoder"] = "static"
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    c.rollout.decode_slots, c.rollout.tokens_per_dispatch, c.rollout.prefill_chunk = 32, 4, 16
+    diff = _check(tmp_path, c)
+    assert diff == {
+        "rollout.decoder": ("static", "auto"),
+        "rollout.decode_slots": (64, 32),
+        "rollout.tokens_per_dispatch": (8, 4),
+        "rollout.prefill_chunk": (0, 16),
+    }
+    config_record.resumed(wd, c, 10, diff)
+    assert config_record.recorded(wd)["rollout.decoder"] == "auto"

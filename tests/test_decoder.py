@@ -71,6 +71,19 @@ def test_greedy_equals_static_for_any_order_dispatch_size_and_sharing(static_gre
     assert_same(unshared, base, atol=1e-6)
 
 
+def test_fewer_prompt_regions_than_slots_give_the_same_rows():
+    """R < S: a row whose prompt has no region waits (admission control) and decodes the same
+    tokens as with a region per slot (R = S, the default at S = 3, G = 2). R = 1, below
+    ceil(S / G) = 2: one group at a time, so two of the 3 slots at most (one compile, ~5 s)."""
+    base, base_stats = decode(steps=4)
+    assert base_stats["regions"] == base_stats["slots"] == 3
+    out, stats = decode(steps=4, prompt_regions=1)
+    assert stats["regions"] == 1 and stats["prompts_prefilled"] == len(PROMPTS)
+    assert_same(out, base, atol=1e-6)
+    assert stats["slot_steps_live"] == base_stats["slot_steps_live"]
+    assert stats["decode_steps"] > base_stats["decode_steps"]  # rows waited for the region
+
+
 def refill_steps(lengths, slots):
     """Decode steps when a row starts on the step after one ends (rows in order)."""
     free_at = [0] * slots
@@ -173,15 +186,18 @@ def test_a_row_block_draws_its_rows_of_the_whole_batch():
     assert (run(slice(1, 2), (0, 2)).tokens_BxN != both.tokens_BxN[G:]).any()
 
 
-def test_the_default_decoder_is_continuous_on_one_process_and_static_on_several():
+def test_the_default_decoder_is_continuous():
     from configs import common
     from gjax.rollout.factory import local_decoder, make_backend
 
     config = common.tiny(common.base())
     assert config.rollout.decoder == "auto"
     assert isinstance(make_backend(config, CFG, PARAMS).decoder, ContinuousDecoder)
-    assert [local_decoder("auto", n) for n in (1, 2)] == ["continuous", "static"]
-    assert [local_decoder(d, 2) for d in ("static", "continuous")] == ["static", "continuous"]
+    assert [local_decoder(d) for d in ("auto", "continuous", "static")] == [
+        "continuous",
+        "continuous",
+        "static",
+    ]
     config.rollout.decoder = "static"  # the reference sampler, by name
     assert make_backend(config, CFG, PARAMS).decoder is None
 
