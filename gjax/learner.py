@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -122,11 +123,15 @@ def policy_logps(
     temperature: float,
     pack: packing.Packing | None = None,
     minibatches: int = 1,
+    shards: int = 1,
 ) -> jax.Array:
     """log pi(y_t | prompt, y_<t) / temperature-scaled, for every completion token; 0 on padding.
 
     `pack`: the rows run packed (each minibatch's rows in its own bins, as `update` packs
     them; the plan is in the batch), the log-probs come back in the rows' [B, T] layout.
+    `shards`: the data-parallel devices the bins are split over; the head's token chunks are
+    cut per device block of bins, so no chunk pads across devices (collective-permutes:
+    see `packing.auto_bins`).
     """
     if pack is None:
         hidden_BxTxD = completion_hidden(params, cfg, batch)
@@ -160,13 +165,18 @@ def policy_logps(
         read_JxC = packing.read_positions(dest_BxT, total, width, batch["pack_reads_C"].shape[0])
         hidden_JxWxD = packing.take_reads(hidden_JxWxD, read_JxC)
         targets_JxW = packing.take_reads(targets_JxW, read_JxC)
-    logps_N, _ = token_logps(
-        hidden_JxWxD.reshape(-1, hidden_JxWxD.shape[-1]),
-        lm_head_kernel(params, cfg),
-        targets_JxW.reshape(-1),
-        temperature=temperature,
-        with_entropy=False,
-    )
+    head_DxV = lm_head_kernel(params, cfg)
+    pieces = math.gcd(total, shards)  # contiguous blocks of bins, one per device
+
+    def head_logps(hidden_NxD, targets_N):
+        return token_logps(
+            hidden_NxD, head_DxV, targets_N, temperature=temperature, with_entropy=False
+        )[0]
+
+    logps_N = jax.vmap(head_logps)(
+        hidden_JxWxD.reshape(pieces, -1, hidden_JxWxD.shape[-1]),
+        targets_JxW.reshape(pieces, -1),
+    ).reshape(-1)
     if "pack_reads_C" in batch:  # back to the bins' [J, W] places
         rows_JxC = jnp.broadcast_to(jnp.arange(total)[:, None], read_JxC.shape)
         logps_JxW = jnp.zeros((total, width), logps_N.dtype)
@@ -387,14 +397,10 @@ class Learner:
                     s=host["input_ids_BxS"].shape[1],
                     minibatches=self.minibatches,
                     microbatches=self.microbatches,
+                    shards=self.transfer.layout.rows,  # auto J: even bins on every device
                     # auto bins: the head at the read positions (C joins J as a shape);
-                    # fixed bins keep one compiled shape (the head at every position). Off
-                    # on several processes: there it made the processes' collectives
-                    # mismatch (gloo: 14336 vs 224 bytes; tests/test_multihost.py), not
-                    # yet understood.
-                    t=None
-                    if self.pack.bins or jax.process_count() > 1
-                    else host["targets_BxT"].shape[1],
+                    # fixed bins keep one compiled shape (the head at every position).
+                    t=None if self.pack.bins else host["targets_BxT"].shape[1],
                 )
             )
             # J (and C) as shapes (auto: one compile per distinct shape, never per step)
@@ -470,6 +476,7 @@ def make_learner(
     batch_sharding = sharding.activation_sharding(mesh, ("batch",))
     replicated = NamedSharding(mesh, PartitionSpec())
     pack = packing.from_config(train_cfg)
+    transfer = multihost.RowTransfer(batch_sharding)
     logps = jax.jit(
         functools.partial(
             policy_logps,
@@ -477,6 +484,7 @@ def make_learner(
             temperature=obj_cfg.temperature,
             pack=pack,
             minibatches=train_cfg.minibatches,
+            shards=transfer.layout.rows,
         ),
         out_shardings=batch_sharding,
     )
@@ -498,7 +506,7 @@ def make_learner(
     return Learner(
         logps=logps,
         update=upd,
-        transfer=multihost.RowTransfer(batch_sharding),
+        transfer=transfer,
         pack=pack,
         minibatches=train_cfg.minibatches,
         microbatches=train_cfg.microbatches,

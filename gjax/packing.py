@@ -9,10 +9,10 @@ the default) each batch takes the fewest bins it needs rounded up on a ladder of
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
 `pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin
 whose log-probs the loss reads (`read_positions`; C from the plan, `pack_reads_C` marker),
-not at the prompts' (one process only: `Learner.batch`). Positions are the rows' own (they
-restart in every row) and each row is its own segment (its padding stays segment 0; a row
-holds one sequence, as `gjax.experience.to_model_inputs` builds them), so attention never
-crosses rows.
+not at the prompts'; auto J splits evenly over the data-parallel devices (`auto_bins`).
+Positions are the rows' own (they restart in every row) and each row is its own segment
+(its padding stays segment 0; a row holds one sequence, as
+`gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
 
 The plan is made on the host from the whole batch's row lengths (`plan`: per row its span
 start and length, its bin and its offset there) and applied on the device (`destinations`,
@@ -64,21 +64,31 @@ class Packing:
         return bins, (self.length or s)
 
 
-def auto_bins(used: int, rows: int, microbatches: int, rounding: str = "ladder") -> int:
+def auto_bins(
+    used: int, rows: int, microbatches: int, rounding: str = "ladder", shards: int = 1
+) -> int:
     """Auto J for a minibatch of `rows` rows whose fullest plan used `used` bins, at most
-    `rows` and a multiple of `microbatches`. "ladder": `used` rounded up to m x 2^e with m in
-    [8, 16) (`AUTO_STEPS` values per doubling; exact below 16), so at most 1/8 of the bins
-    are empty and a run whose need drifts by +-10 % meets a few shapes (one compile each).
-    "quarter": up to a multiple of ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a
-    quarter of the rows empty."""
+    `rows` and a multiple of `microbatches` x `shards` (each microbatch's bins split evenly
+    over the `shards` data-parallel devices; `rows` itself when that exceeds it). "ladder":
+    `used` rounded up to m x 2^e with m in [8, 16) (`AUTO_STEPS` values per doubling; exact
+    below 16), so at most 1/8 of the bins are empty and a run whose need drifts by +-10 %
+    meets a few shapes (one compile each). "quarter": up to a multiple of
+    ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a quarter of the rows empty.
+
+    Uneven bins (J / K not a multiple of `shards`) make GSPMD pad the bins axis and move
+    the pads with collective-permutes; on CPU over several processes (gloo) XLA runs a
+    program's independent collective-permutes concurrently on one message slot, so they
+    can take each other's messages (a "14336 vs 224 bytes" abort, or silently swapped
+    data when the sizes agree)."""
+    quantum = microbatches * shards
     if rounding == "ladder":
         j = max(used, 1)
         step = max(1, (1 << (j.bit_length() - 1)) // AUTO_STEPS)
         j = -(-j // step) * step
-        return min(-(-j // microbatches) * microbatches, rows)
-    quantum = -(-rows // AUTO_SHAPES)
-    quantum = -(-quantum // microbatches) * microbatches
-    return min(max(-(-used // quantum), 1) * quantum, rows)
+        return min(-(-j // quantum) * quantum, rows)
+    size = -(-rows // AUTO_SHAPES)
+    size = -(-size // quantum) * quantum
+    return min(max(-(-used // size), 1) * size, rows)
 
 
 def from_config(train_cfg) -> Packing | None:
@@ -138,11 +148,13 @@ def plan(
     s: int,
     minibatches: int,
     microbatches: int = 1,
+    shards: int = 1,
     t: int | None = None,
 ) -> dict:
     """The host plan of a whole batch (`PLAN_KEYS`, [B] int32 each), `pack_metrics`: the
     most bins a minibatch used and the fraction of bin tokens filled (f32 [2], to tune
-    `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0).
+    `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0,
+    over `shards` data-parallel devices).
     With `t` (completion length T), `pack_reads`: C, the most positions of one bin whose
     log-probs the loss reads (`read_counts`), rounded up to a multiple of W / `AUTO_STEPS`
     (<= W; at most 8 values, so few compiles).
@@ -170,7 +182,7 @@ def plan(
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
     if not packing.bins:  # first-fit fills bins 0.. in order: the plan fits in `most`
-        bins = auto_bins(most, b // minibatches, microbatches, packing.rounding)
+        bins = auto_bins(most, b // minibatches, microbatches, packing.rounding, shards)
     out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
     fill = length_B.sum() / (minibatches * bins * width)
     out["pack_metrics"] = np.array([most, fill], np.float32)

@@ -367,6 +367,47 @@ def test_auto_bins_learner_equals_padded_and_compiles_once_per_bin_count():
     assert packed.update._cache_size() == len(shapes) < 3
 
 
+def test_auto_bins_split_evenly_over_the_devices_and_compile_without_permutes():
+    """Auto J is a multiple of K x the data-parallel devices (`shards`), so GSPMD splits the
+    bins evenly: the packed update and log-prob programs (the head at the read positions)
+    on a 4-device data mesh hold no collective-permute. Uneven bins (J = 22 on 4 devices, the
+    old plan) padded the bins axis and moved the pads by collective-permutes, which XLA:CPU
+    runs concurrently on one gloo slot: two processes aborted ("14336 vs 224 bytes")."""
+    assert [packing.auto_bins(u, 128, 2, shards=4) for u in (1, 9, 17, 22)] == [8, 16, 24, 24]
+    assert packing.auto_bins(5, 12, 2, shards=8) == 12  # at most one bin per row
+    assert packing.auto_bins(5, 32, 1, "quarter", shards=4) == 8
+    mesh = sharding.make_mesh({"data": 4, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:4])
+    params = init_params(CFG, jax.random.key(4))
+    oc = obj.ObjectiveConfig.preset("grpo", kl_beta=0.04)
+    tx = optax.sgd(1.0)
+    train_cfg = ml_collections.ConfigDict(
+        dict(minibatches=1, microbatches=1, num_iterations=1, packing="packed", pack_bins=0)
+    )
+    groups = ragged_groups(0, P=8)  # 32 rows, 17 bins used: J = 20 (18 before)
+    old = -np.random.default_rng(5).uniform(0.5, 3.0, groups.completion_ids_PxGxN.shape)
+    groups = dataclasses.replace(groups, old_logps_PxGxN=old.astype(np.float32))
+    with jax.set_mesh(mesh), sharding.use_rules():
+        state, shardings = init_state(sharding.shard_params(params, mesh), tx, mesh)
+        learner = make_learner(
+            mesh=mesh,
+            model_cfg=CFG,
+            obj_cfg=oc,
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=train_cfg,
+        )
+        batch = learner.batch(groups, state.params, state.params)
+        used = int(batch["pack_metrics"][0])
+        assert packing.auto_bins(used, 32, 1) % 4  # the old plan: uneven
+        assert batch["pack_bins_J"].shape[0] % 4 == 0 and "pack_reads_C" in batch
+        programs = {
+            "update": learner.update.lower(state, batch, jax.random.key(0)),
+            "logps": learner.logps.lower(state.params, batch),
+        }
+        for name, lowered in programs.items():
+            assert "collective-permute" not in lowered.compile().as_text(), name
+
+
 def test_plan_counts_the_positions_the_loss_reads_per_bin():
     """S = 12, T = 5: positions 6.. predict completion targets. Rows 0 and 2 share bin 0
     (5 + 5 read positions), row 1 (all prompt) is alone in bin 1: C = 10, a multiple of
