@@ -120,7 +120,8 @@ SCHEMA: dict[str, Any] = {
         "attention": Field(
             "auto",
             "attention implementation: auto (cpu: xla, gpu: pallas_gpu, tpu: splash) | xla "
-            "(dense masked) | pallas_gpu | splash | cudnn (gjax.models.attention)",
+            "(dense masked) | xla_blocked (xla in causal query chunks) | pallas_gpu | splash | "
+            "cudnn (gjax.models.attention)",
         ),
     },
     "mesh": {
