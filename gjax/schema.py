@@ -467,7 +467,7 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
-            "to 8 values per doubling (at most 1/8 of the bins empty), and the LM head runs "
+            "to 16 values per doubling (at most 1/16 of the bins empty), and the LM head runs "
             "only at the positions per bin the loss reads (a multiple of pack_length/8); one "
             "compile per shape a run meets; N: always N bins, the head at every position, one "
             "compile, and a batch whose rows do not fit stops with an error; "
