@@ -175,6 +175,8 @@ def learner_flops(
     Packed (`gjax.packing`, `packed_bins` > 0 bins of `pack_length` in all): the passes run
     [bins, pack_length] instead of [B, S], and the head runs at every packed position, or
     with `pack_reads` > 0 at that many per bin (the positions the loss reads).
+    `update_recompute`: the part of `update_executed` that is remat's recompute (hardware
+    FLOPs, not model FLOPs: executed - recompute is the padding and layout waste alone).
     """
     rows = len(np.asarray(seq_lengths_B))
     real = int(np.sum(seq_lengths_B))
@@ -213,6 +215,7 @@ def learner_flops(
         "update_stack_executed": num_iterations * update_stack_x,
         "update_head_executed": num_iterations * update_head_x,
         "update_executed": num_iterations * (update_stack_x + update_head_x),
+        "update_recompute": num_iterations * _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x),
         "useful": (extra_forwards + 3 * num_iterations) * fwd_useful,
         "executed": extra_forwards * logps_x + num_iterations * (update_stack_x + update_head_x),
     }

@@ -63,6 +63,7 @@ def test_learner_flops_by_hand():
     full = flops.learner_flops(cfg.replace(remat="full"), **{**kw, "num_iterations": 2})
     assert full["update_executed"] == 2 * (3 * 32256 + 18432 + 4608 + 4 * 960)
     assert full["update_useful"] == 6 * 20256 and full["logps_executed"] == 32256 + 960
+    assert full["update_recompute"] == 2 * (18432 + 4608) and got["update_recompute"] == 0
     assert flops.learner_flops(cfg.replace(remat="dots"), **kw) == got
     # Chunks pad the head rows: 6 rows in chunks of 4 run 8; two pieces of 3 rows in chunks
     # of 2 run 2 x 4.

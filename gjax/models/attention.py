@@ -5,10 +5,14 @@ query i attends key j iff j <= i, seg[i] == seg[j] and seg[j] != 0 (0 = padding)
 padding queries are unspecified (nothing reads them). Implementations (`model.attention`):
 
 - "xla": dense masked attention, `transformer.dot_attention`; builds the [B, T, T] mask and
-  the f32 [B, H, T, T] scores. The reference.
+  the f32 [B, H, T, T] scores. The reference, and CPU's default.
 - "xla_blocked": the same in `XLA_BLOCKS` static query chunks, chunk i only against keys
   [0, end of chunk i) (the causal mask empties the rest): T^2 (n + 1) / (2n) scores instead
-  of T^2, static shapes, same mask. For CPU, where no flash kernel runs.
+  of T^2, static shapes, same mask. For CPU, where no flash kernel runs: measured not
+  slower than "xla" on the packed update (benchmarks/train_step.py), but not the default:
+  its rounding differs from the dense attention the sampler's prefill and decode run (about
+  2e-6 in hidden states; tests/test_model.py holds them to 1e-6), and fully masked (padding)
+  queries average fewer keys.
 - "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
   .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
   skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
