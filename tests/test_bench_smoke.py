@@ -111,6 +111,14 @@ def test_train_step_benchmark_pareto_smoke():
     s, step = records[-1], next(r for r in records if r["what"] == "gjax_step")
     assert s["length_dist"] == "pareto" and 0 < step["completion_tokens"] < 8 * 16
     assert s["learner_executed_over_useful"] > 1.5  # ragged rows padded to 32 + 16
+    # Split: the padding waste x remat's recompute factor; HFU counts what MFU leaves out.
+    assert s["learner_padding_waste"] * s["learner_recompute_factor"] == pytest.approx(
+        s["learner_executed_over_useful"]
+    )
+    assert 1 < s["learner_recompute_factor"] < s["learner_executed_over_useful"]
+    assert s["learner_hfu"] == pytest.approx(  # one timed step
+        s["learner_mfu"] * s["learner_executed_over_useful"]
+    )
     assert s["peak_flops"] == 1e12 and s["peak_source"] == "--peak-flops"
     assert s["learner_mfu"] == pytest.approx(step["learner_useful_flops"] / step["update_s"] / 1e12)
 
