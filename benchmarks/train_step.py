@@ -50,8 +50,10 @@ and executed FLOPs (the padded shapes the code runs: B rows of max_prompt_len + 
 the attention implementation's score pairs (`flops.attention_pairs`), remat's recompute,
 the fused loss's 3 or 4 head matmuls as its platform schedule runs them), for the learner
 part (`update_s`: reference log-probs + update) and for the whole step (the sampler's prefill
-and decode added). The summary gives their ratio (the padding waste), useful FLOP/s, and
-MFU = useful FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`, bf16 dense, times the
+and decode added). The summary gives their ratio, split in two: the padding waste
+(`*_padding_waste`: executed without remat's recompute over useful, the model FLOPs of the
+shapes run) and remat's factor on top (`*_recompute_factor`: hardware over those, HFU / MFU);
+useful FLOP/s; MFU = useful FLOP/s / peak and HFU = executed FLOP/s / peak: a per-platform table (`gjax.flops.PEAK_FLOPS`, bf16 dense, times the
 device count), on CPU a best-of-5 f32 2048^3 matmul measured in the same run, or
 `--peak-flops`. It also compiles the update once more and puts XLA's cost analysis next to the
 formula counted as XLA counts (a loop body once: one layer, one microbatch, one loss chunk).
@@ -76,7 +78,7 @@ ops and the optimizer it also counts).
 `--compare-packing` times only the learner part (`Learner.batch`: the reference log-probs;
 then the update) on the same rollout batches with padded and packed rows (`gjax.packing`),
 alternating, from the same state; the packed bins are [J, S] with J the most any of the
-batches needs, one static shape. Measured 2026-11-25 on this shared 2-core CPU (load 4-6),
+batches needs, one static shape, or J per batch (auto); `--packing-modes` picks the modes. Measured 2026-11-25 on this shared 2-core CPU (load 4-6),
 embedded policy, `--compare-packing --length-dist pareto --repeats 5`: P=16 x G=8, 32 + 48
 tokens, 3541 real tokens per batch (prompts ~17, completions ~11 of 48 on average), padded
 128 rows x 80 vs packed 48 bins x 80: update 0.96 s vs 0.26 s, 272 vs 74 us per real token
@@ -93,6 +95,31 @@ default) 152, fixed 155 (3.0x padded); update executed / useful 3.86, 1.94, 1.46
 compile each. What is left of auto's 1.46: remat 'full' +0.27, the dense [W x W] scores
 +0.11 (5.6x the causal pairs within rows), empty bin slots +0.08 (1.084 tokens run per real
 token); `run_tokens_per_real_token` and `attn_executed_over_useful` in the summary.
+
+2026-11-26, same command, load 5-7 (the process got its cores: CPU time = wall), six ways
+side by side, the same 5 timed batches (3541 real tokens median), `update_padding_waste`
+(executed without remat / useful) x `update_recompute_factor` (remat 'full': 1.23, HFU /
+MFU) = executed / useful:
+
+    mode (attention, auto ladder)         us / real token   padding waste   x remat   J
+    padded (xla)                          187               3.14            3.86      -
+    packed, fixed J (xla)                  65               1.19            1.46      48
+    auto_quarter (xla)                     87               1.58            1.94      64
+    auto_coarse (xla, 8 per doubling)      65               1.18            1.45      48
+    auto (xla, 16: the default)            66               1.16            1.42      46-48
+    auto_blocked (xla_blocked, 16)         60               1.12            1.37      46-48
+
+Update speed per real token over padded: auto 2.86x, auto_blocked 3.13x; auto_blocked over
+auto, batch by batch: 0.94x wall, 0.95x CPU time (0.97x and 0.96x in another run; load 9-15
+runs were too noisy to read). Losses agree to 3e-8. Compiles of the update: 3 for auto (J
+46 and 48 met; the 8-step ladder met only 48). The padding waste target (<= 1.1) is not
+reached at this shape: auto_blocked is 1.09-1.13 per batch. What remains (fractions of the
+useful update): empty bin slots +0.04-0.07 (first-fit decreasing into W = 80 leaves ~5 % of
+each bin empty: most rows are 18-30 tokens, three to a bin; 45-48 bins used where the token
+count needs 43-44), attention +0.05 (xla_blocked runs 50 keys per bin token, 80 x 5/8,
+against ~15 causal keys within a real token's own row: it still computes the pairs across
+the rows sharing a bin; only a segment-aware kernel skips them), the head at [J, C] read
+positions +0.01.
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
@@ -132,6 +159,9 @@ from gjax.rollout.collect import Rollout  # noqa: E402
 
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
 SHAPES = flops.QWEN2_SHAPES  # for `--shape` (random weights, the character tokenizer)
+# `--compare-packing`'s "auto_coarse": the auto ladder before 2026-11-26 (8 values per doubling;
+# now `packing.AUTO_STEPS` = 16).
+COARSE_STEPS = 8
 
 
 def emit(record: dict) -> None:
@@ -339,8 +369,9 @@ class GjaxStep:
             "loss": float(metrics["loss/total"]) if "loss/total" in metrics else None,
         }
 
-    def flops(self, groups, batch, learner=None) -> dict:
-        """Useful and executed FLOPs of this step's learner part and of the whole step."""
+    def flops(self, groups, batch, learner=None, attention_impl=None) -> dict:
+        """Useful and executed FLOPs of this step's learner part and of the whole step
+        (`attention_impl`: what `learner`'s model runs, if not this step's)."""
         learner = learner or self.learner
         packed = {}
         if learner.pack is not None:
@@ -364,11 +395,9 @@ class GjaxStep:
             extra_forwards=self.extra_forwards,
             **self.kernel_shapes,
             **packed,
-            attention_impl=self.attention_impl,
+            attention_impl=attention_impl or self.attention_impl,
         )
         learner = flops.learner_flops(self.cfg, **shapes)
-        # The padding and layout waste alone: the same without remat's recompute.
-        no_remat = flops.learner_flops(self.cfg.replace(remat="none"), **shapes)
         # No stop tokens: the sampler's decode loop runs all max_new_tokens steps.
         assert self.rollout.sampling.stop_token_ids == ()
         steps = self.rollout.sampling.max_new_tokens
@@ -389,7 +418,8 @@ class GjaxStep:
             "learner_executed_flops": learner["executed"],
             "update_useful_flops": learner["update_useful"],
             "update_executed_flops": learner["update_executed"],
-            "update_executed_flops_no_remat": no_remat["update_executed"],
+            # Remat's recompute: hardware FLOPs (HFU counts them), not model FLOPs (MFU).
+            "update_recompute_flops": learner["update_recompute"],
             "step_useful_flops": learner["useful"] + sampler["useful"],
             "step_executed_flops": learner["executed"] + sampler["executed"],
         }
@@ -469,16 +499,30 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
     auto_cfg = config.train.copy_and_resolve_references()  # the default: bins chosen per batch
     auto_cfg.packing, auto_cfg.pack_bins, auto_cfg.pack_length = "packed", 0, 0
-    quarter = step.make_learner(train_cfg=auto_cfg)
-    quarter = dataclasses.replace(
-        quarter, pack=dataclasses.replace(quarter.pack, rounding="quarter")
-    )
-    learners = {
-        "padded": step.learner,
-        "packed": step.make_learner(train_cfg=packed_cfg),
-        "auto_quarter": quarter,  # shares nothing compiled with "auto": its own jit
-        "auto": step.make_learner(train_cfg=auto_cfg),
+    # Each mode: (train config, attention, auto rounding, ladder steps); the attention is
+    # named, so a mode means the same whatever `model.attention='auto'` picks on CPU.
+    modes = {
+        "padded": (config.train, "xla", None, None),
+        "packed": (packed_cfg, "xla", None, None),
+        "auto_quarter": (auto_cfg, "xla", "quarter", None),
+        "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS),
+        "auto": (auto_cfg, "xla", "ladder", packing.AUTO_STEPS),  # the default on CPU
+        # The same with the causal-blocked XLA attention (`model.attention='xla_blocked'`).
+        "auto_blocked": (auto_cfg, "xla_blocked", "ladder", packing.AUTO_STEPS),
     }
+    unknown = set(args.packing_modes) - set(modes)
+    if unknown or "padded" not in args.packing_modes:
+        raise SystemExit(f"--packing-modes: padded and any of {list(modes)}, got {unknown}")
+    learners, impls = {}, {}
+    for mode in (m for m in modes if m in args.packing_modes):  # each its own jit
+        train_cfg, impls[mode], rounding, steps = modes[mode]
+        learner = step.make_learner(
+            train_cfg=train_cfg, model_cfg=step.cfg.replace(attention=impls[mode])
+        )
+        if rounding is not None:
+            pack = dataclasses.replace(learner.pack, rounding=rounding, steps=steps)
+            learner = dataclasses.replace(learner, pack=pack)
+        learners[mode] = learner
     for groups in batches:  # compile every shape first (untimed)
         for learner in learners.values():
             state = jax.tree.map(lambda x: x.copy(), step.state)
@@ -493,15 +537,16 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             state = jax.block_until_ready(jax.tree.map(lambda x: x.copy(), step.state))
             t0 = time.perf_counter()
             batch = jax.block_until_ready(learner.batch(groups, state.params, step.ref_params))
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             new_state, metrics = learner.update(state, batch, jax.random.key(i))
             jax.block_until_ready((new_state, metrics))
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             rec = {
-                **step.flops(groups, batch, learner),
+                **step.flops(groups, batch, learner, impls[mode]),
                 "bins_J": int(batch["pack_bins_J"].shape[0]) if "pack_bins_J" in batch else None,
                 "logps_s": t1 - t0,
                 "update_s": t2 - t1,
+                "update_cpu_s": c2 - c1,  # this process's CPU time: less load-sensitive
                 "loss": float(metrics["loss/total"]),
                 "grad_norm": float(metrics["optim/grad_norm"]),
             }
@@ -517,11 +562,22 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             "logps_s": med(mode, "logps_s"),
             "update_us_per_real_token": 1e6
             * statistics.median(r["update_s"] / r["real_tokens"] for r in recs[mode]),
+            "update_cpu_us_per_real_token": 1e6
+            * statistics.median(r["update_cpu_s"] / r["real_tokens"] for r in recs[mode]),
             "update_executed_over_useful": statistics.median(
                 r["update_executed_flops"] / r["update_useful_flops"] for r in recs[mode]
             ),
-            "update_executed_over_useful_no_remat": statistics.median(
-                r["update_executed_flops_no_remat"] / r["update_useful_flops"] for r in recs[mode]
+            # The padding and layout waste alone (model FLOPs at the shapes run, MFU's
+            # view), and remat's factor on top (hardware FLOPs over those: HFU / MFU).
+            "update_padding_waste": statistics.median(
+                (r["update_executed_flops"] - r["update_recompute_flops"])
+                / r["update_useful_flops"]
+                for r in recs[mode]
+            ),
+            "update_recompute_factor": statistics.median(
+                r["update_executed_flops"]
+                / (r["update_executed_flops"] - r["update_recompute_flops"])
+                for r in recs[mode]
             ),
             "learner_executed_over_useful": statistics.median(
                 r["learner_executed_flops"] / r["learner_useful_flops"] for r in recs[mode]
@@ -537,35 +593,37 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             ),
             "bins_J": sorted({r["bins_J"] for r in recs[mode] if r["bins_J"] is not None}),
         }
-    pad, pk, auto = summary["padded"], summary["packed"], summary["auto"]
+    pad = summary["padded"]
     emit(
         {
             "what": "packing_summary",
             **{f"{mode}_{k}": v for mode, d in summary.items() for k, v in d.items()},
-            "update_speedup_per_real_token": (
-                pad["update_us_per_real_token"] / pk["update_us_per_real_token"]
+            **{
+                f"{mode}_update_speedup_per_real_token": (
+                    pad["update_us_per_real_token"] / d["update_us_per_real_token"]
+                )
+                for mode, d in summary.items()
+            },
+            **{
+                f"{mode}_logps_speedup": pad["logps_s"] / d["logps_s"]
+                for mode, d in summary.items()
+            },
+            **{f"{mode}_update_compiles": x.update._cache_size() for mode, x in learners.items()},
+            "attention": impls,
+            "ladder_steps": dict(auto_coarse=COARSE_STEPS, default=packing.AUTO_STEPS),
+            "default": dict(
+                attention=attention.platform_impl("auto"), ladder_steps=packing.AUTO_STEPS
             ),
-            "logps_speedup": pad["logps_s"] / pk["logps_s"],
-            "auto_update_speedup_per_real_token": (
-                pad["update_us_per_real_token"] / auto["update_us_per_real_token"]
-            ),
-            "auto_update_compiles": learners["auto"].update._cache_size(),
-            "auto_quarter_update_speedup_per_real_token": (
-                pad["update_us_per_real_token"]
-                / summary["auto_quarter"]["update_us_per_real_token"]
-            ),
-            "auto_quarter_update_compiles": learners["auto_quarter"].update._cache_size(),
-            "attention": step.attention_impl,
             "remat": step.cfg.remat,
             "load_avg_1min": os.getloadavg()[0],
             "max_loss_diff": max(
                 abs(a["loss"] - b["loss"])
-                for other in ("packed", "auto_quarter", "auto")
+                for other in learners
                 for a, b in zip(recs["padded"], recs[other])
             ),
             "packed_shape": f"{t.minibatches} minibatches x {bins} bins x {s} tokens",
+            "modes": list(learners),
             "padded_shape": f"{step.P * config.rollout.num_samples} rows x {s} tokens",
-            "packed_update_compiles": learners["packed"].update._cache_size(),
             "batches_timed": args.repeats,
             "P": args.prompts,
             "G": args.samples,
@@ -755,6 +813,12 @@ def main():
         help="only the learner part, padded vs packed rows on the same batches (no TRL)",
     )
     ap.add_argument("--microbatches", type=int, default=1, help="config.train.microbatches")
+    ap.add_argument(
+        "--packing-modes",
+        type=lambda x: x.split(","),
+        default="padded,packed,auto_quarter,auto_coarse,auto,auto_blocked",
+        help="--compare-packing's modes, comma-separated (padded always)",
+    )
     args = ap.parse_args()
     if args.shape and args.policy:
         ap.error("--shape builds its own policy: give --shape or --policy, not both")
@@ -857,8 +921,24 @@ def main():
         "learner_executed_over_useful": (
             mean("learner_executed_flops") / mean("learner_useful_flops") if gjax_times else None
         ),
+        # Split: the padding waste (executed without remat's recompute over useful) and
+        # remat's factor on top (hardware over model FLOPs at the shapes run: HFU / MFU).
+        "learner_padding_waste": (
+            (mean("learner_executed_flops") - mean("update_recompute_flops"))
+            / mean("learner_useful_flops")
+            if gjax_times
+            else None
+        ),
+        "learner_recompute_factor": (
+            mean("learner_executed_flops")
+            / (mean("learner_executed_flops") - mean("update_recompute_flops"))
+            if gjax_times
+            else None
+        ),
         "learner_useful_flops_per_s": rate("learner_useful_flops", "update_s"),
         "learner_mfu": mfu("learner_useful_flops", "update_s"),
+        # Hardware FLOPs utilisation: every FLOP run (padding and recompute included).
+        "learner_hfu": mfu("learner_executed_flops", "update_s"),
         "step_useful_flops": mean("step_useful_flops"),
         "step_executed_flops": mean("step_executed_flops"),
         "step_executed_over_useful": (

@@ -16,8 +16,8 @@ positions whose logits the learner takes), plus causal attention (the i-th real 
 row attends i real keys). "Executed" counts the shapes the code runs: every row at the
 padded length S, the head at all T completion slots (rows padded to the loss kernel's token
 chunk), and the (query, key) pairs the attention implementation computes
-(`attention_pairs`: XLA's dense [S x S] scores; a flash kernel's tiles on or below the
-diagonal, plus its backward's recompute of the scores); packed (`gjax.packing`), the bins'
+(`attention_pairs`: XLA's dense [S x S] scores, or its causal query chunks; a flash kernel's
+tiles on or below the diagonal, plus its backward's recompute of the scores); packed (`gjax.packing`), the bins'
 [J, W] shape, with the head at every packed position, or with `pack_reads` C at the C
 positions per bin the loss reads (`gjax.packing.read_positions`).
 """
@@ -118,10 +118,13 @@ def fused_head_matmuls(
 
 def attention_pairs(impl: str, rows: int, length: int) -> int:
     """(query, key) pairs one forward of `impl` (resolved, `gjax.models.attention`) computes
-    over `rows` rows of `length`: "xla" all [L x L]; the flash kernels their [b x b] tiles
-    on or below the diagonal of the row padded to b (none skips a tile for segment ids)."""
+    over `rows` rows of `length`: "xla" all [L x L]; "xla_blocked" each query chunk's keys
+    up to its end (`attention.causal_blocks`); the flash kernels their [b x b] tiles on or
+    below the diagonal of the row padded to b (none skips a tile for segment ids)."""
     if impl == "xla":
         return rows * length * length
+    if impl == "xla_blocked":
+        return rows * sum((hi - lo) * hi for lo, hi in attention.causal_blocks(length))
     if impl == "pallas_gpu":
         block = attention._pow2_block(length, attention.PALLAS_GPU_BLOCK)
     else:
@@ -132,7 +135,11 @@ def attention_pairs(impl: str, rows: int, length: int) -> int:
 
 def _attention_backward_extra(cfg: ModelConfig, impl: str, pairs: int) -> int:
     """A flash kernel's backward recomputes q k^T (XLA's reads the stored probabilities)."""
-    return 0 if impl == "xla" else 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+    return (
+        0
+        if impl in ("xla", "xla_blocked")
+        else 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
+    )
 
 
 def learner_flops(
@@ -168,6 +175,8 @@ def learner_flops(
     Packed (`gjax.packing`, `packed_bins` > 0 bins of `pack_length` in all): the passes run
     [bins, pack_length] instead of [B, S], and the head runs at every packed position, or
     with `pack_reads` > 0 at that many per bin (the positions the loss reads).
+    `update_recompute`: the part of `update_executed` that is remat's recompute (hardware
+    FLOPs, not model FLOPs: executed - recompute is the padding and layout waste alone).
     """
     rows = len(np.asarray(seq_lengths_B))
     real = int(np.sum(seq_lengths_B))
@@ -206,6 +215,7 @@ def learner_flops(
         "update_stack_executed": num_iterations * update_stack_x,
         "update_head_executed": num_iterations * update_head_x,
         "update_executed": num_iterations * (update_stack_x + update_head_x),
+        "update_recompute": num_iterations * _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x),
         "useful": (extra_forwards + 3 * num_iterations) * fwd_useful,
         "executed": extra_forwards * logps_x + num_iterations * (update_stack_x + update_head_x),
     }

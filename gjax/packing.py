@@ -5,7 +5,7 @@ token up to the position that predicts its last loss token) is copied into one o
 W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
 static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
 the default) each batch takes the fewest bins it needs rounded up on a ladder of
-`AUTO_STEPS` values per doubling (`auto_bins`: at most 1/8 of the bins empty; a run
+`AUTO_STEPS` values per doubling (`auto_bins`: at most 1/16 of the bins empty; a run
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
 `pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin
 whose log-probs the loss reads (`read_positions`; C from the plan, `pack_reads_C` marker),
@@ -34,7 +34,8 @@ from gjax.errors import ConfigError
 
 MODES = ("padded", "packed")
 PLAN_KEYS = ("pack_start_B", "pack_len_B", "pack_bin_B", "pack_offset_B")
-AUTO_STEPS = 8  # auto bins: J on {8..15} x 2^e (J < 16: exact), at most R rows
+AUTO_STEPS = 16  # auto bins: J on {16..31} x 2^e (J < 32: exact), at most R rows
+READ_STEPS = 8  # auto bins' C: a multiple of W / READ_STEPS
 AUTO_SHAPES = 4  # rounding="quarter": J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
 ROUNDINGS = ("ladder", "quarter")
 
@@ -43,12 +44,14 @@ ROUNDINGS = ("ladder", "quarter")
 class Packing:
     """Bin shape: `bins` per minibatch (0: auto, chosen per batch by `plan`, at most one per
     row, which always fits) of `length` tokens (0: the batch's padded row length S).
-    `rounding` of auto bins (`auto_bins`): "ladder", or "quarter" (the first auto: up to a
-    quarter of the rows; kept for benchmarks/train_step.py's comparison)."""
+    `rounding` of auto bins (`auto_bins`): "ladder" (`steps` values per doubling), or
+    "quarter" (the first auto: up to a quarter of the rows; kept for
+    benchmarks/train_step.py's comparison)."""
 
     bins: int = 0
     length: int = 0
     rounding: str = "ladder"
+    steps: int = AUTO_STEPS
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
@@ -65,15 +68,21 @@ class Packing:
 
 
 def auto_bins(
-    used: int, rows: int, microbatches: int, rounding: str = "ladder", shards: int = 1
+    used: int,
+    rows: int,
+    microbatches: int,
+    rounding: str = "ladder",
+    shards: int = 1,
+    steps: int = AUTO_STEPS,
 ) -> int:
     """Auto J for a minibatch of `rows` rows whose fullest plan used `used` bins, at most
     `rows` and a multiple of `microbatches` x `shards` (each microbatch's bins split evenly
     over the `shards` data-parallel devices; `rows` itself when that exceeds it). "ladder":
-    `used` rounded up to m x 2^e with m in [8, 16) (`AUTO_STEPS` values per doubling; exact
-    below 16), so at most 1/8 of the bins are empty and a run whose need drifts by +-10 %
-    meets a few shapes (one compile each). "quarter": up to a multiple of
-    ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a quarter of the rows empty.
+    `used` rounded up to m x 2^e with m in [s, 2s) (`steps` s values per doubling; exact
+    below 2s), so at most 1/s of the bins are empty (before the rounding to the devices) and
+    a run whose need drifts by +-10 % meets a few shapes (one compile each). "quarter": up to
+    a multiple of ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a quarter of the rows
+    empty.
 
     Uneven bins (J / K not a multiple of `shards`) make GSPMD pad the bins axis and move
     the pads with collective-permutes; on CPU over several processes (gloo) XLA runs a
@@ -83,7 +92,7 @@ def auto_bins(
     quantum = microbatches * shards
     if rounding == "ladder":
         j = max(used, 1)
-        step = max(1, (1 << (j.bit_length() - 1)) // AUTO_STEPS)
+        step = max(1, (1 << (j.bit_length() - 1)) // steps)
         j = -(-j // step) * step
         return min(-(-j // quantum) * quantum, rows)
     size = -(-rows // AUTO_SHAPES)
@@ -156,7 +165,7 @@ def plan(
     `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0,
     over `shards` data-parallel devices).
     With `t` (completion length T), `pack_reads`: C, the most positions of one bin whose
-    log-probs the loss reads (`read_counts`), rounded up to a multiple of W / `AUTO_STEPS`
+    log-probs the loss reads (`read_counts`), rounded up to a multiple of W / `READ_STEPS`
     (<= W; at most 8 values, so few compiles).
     Every process computes the same plan from the all-gathered spans. Raises ConfigError when
     rows do not fit."""
@@ -182,7 +191,9 @@ def plan(
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
     if not packing.bins:  # first-fit fills bins 0.. in order: the plan fits in `most`
-        bins = auto_bins(most, b // minibatches, microbatches, packing.rounding, shards)
+        bins = auto_bins(
+            most, b // minibatches, microbatches, packing.rounding, shards, packing.steps
+        )
     out = dict(zip(PLAN_KEYS, (start_B, length_B, bin_B, offset_B), strict=True))
     fill = length_B.sum() / (minibatches * bins * width)
     out["pack_metrics"] = np.array([most, fill], np.float32)
@@ -190,7 +201,7 @@ def plan(
     if t is not None:
         reads_B = read_counts(spans_Bx2, s=s, t=t)
         per_bin = np.bincount((np.arange(b) % minibatches) * bins + bin_B, reads_B)
-        step = -(-width // AUTO_STEPS)  # C on AUTO_STEPS values per W: <= W / 8 unread
+        step = -(-width // READ_STEPS)  # C on READ_STEPS values per W: <= W / 8 unread
         out["pack_reads"] = min(max(-(-int(per_bin.max(initial=0)) // step), 1) * step, width)
     return out
 

@@ -120,7 +120,8 @@ SCHEMA: dict[str, Any] = {
         "attention": Field(
             "auto",
             "attention implementation: auto (cpu: xla, gpu: pallas_gpu, tpu: splash) | xla "
-            "(dense masked) | pallas_gpu | splash | cudnn (gjax.models.attention)",
+            "(dense masked) | xla_blocked (xla in causal query chunks) | pallas_gpu | splash | "
+            "cudnn (gjax.models.attention)",
         ),
     },
     "mesh": {
@@ -467,7 +468,7 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
-            "to 8 values per doubling (at most 1/8 of the bins empty), and the LM head runs "
+            "to 16 values per doubling (at most 1/16 of the bins empty), and the LM head runs "
             "only at the positions per bin the loss reads (a multiple of pack_length/8); one "
             "compile per shape a run meets; N: always N bins, the head at every position, one "
             "compile, and a batch whose rows do not fit stops with an error; "

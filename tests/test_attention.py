@@ -58,6 +58,11 @@ IMPLS = {
     "pallas_gpu": lambda q, k, v, s: attention.pallas_gpu(q, k, v, s, block=16, interpret=True),
     "splash": lambda q, k, v, s: attention.splash(q, k, v, s, interpret=True),
     "cudnn_call": lambda q, k, v, s: attention.cudnn(q, k, v, s, backend="xla"),
+    # Causal query chunks: 4 of 10 (the default), 3 uneven ones (13, 13, 14).
+    "xla_blocked": lambda q, k, v, s: attention.xla_blocked(q, k, v, attention.dense_mask(s)),
+    "xla_blocked_3": lambda q, k, v, s: attention.xla_blocked(
+        q, k, v, attention.dense_mask(s), blocks=3
+    ),
 }
 
 
@@ -86,6 +91,7 @@ def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
         assert attention.resolve(name, "gpu") == name
     assert attention.resolve("splash", "tpu") == "splash"
     assert attention.resolve("xla", "tpu") == "xla"
+    assert [attention.resolve("xla_blocked", p) for p in ("cpu", "gpu")] == ["xla_blocked"] * 2
     assert attention.resolve("cudnn", "gpu", "bfloat16") == "cudnn"
     with pytest.raises(ConfigError, match="model.dtype='bfloat16'"):  # was: a traceback
         attention.resolve("cudnn", "gpu", "float32")  # at the first forward
@@ -128,7 +134,7 @@ def test_transformer_reads_the_config():
         c = cfg.replace(attention=name)
         return jax.eval_shape(lambda p: forward(p, c, tokens, tokens, seg), params)
 
-    assert run("auto").shape == run("xla").shape == (1, 6, 16)
+    assert run("auto").shape == run("xla").shape == run("xla_blocked").shape == (1, 6, 16)
     for name in ("pallas_gpu", "splash", "cudnn"):
         with pytest.raises(ConfigError, match="runs only on"):
             run(name)

@@ -111,6 +111,14 @@ def test_train_step_benchmark_pareto_smoke():
     s, step = records[-1], next(r for r in records if r["what"] == "gjax_step")
     assert s["length_dist"] == "pareto" and 0 < step["completion_tokens"] < 8 * 16
     assert s["learner_executed_over_useful"] > 1.5  # ragged rows padded to 32 + 16
+    # Split: the padding waste x remat's recompute factor; HFU counts what MFU leaves out.
+    assert s["learner_padding_waste"] * s["learner_recompute_factor"] == pytest.approx(
+        s["learner_executed_over_useful"]
+    )
+    assert 1 < s["learner_recompute_factor"] < s["learner_executed_over_useful"]
+    assert s["learner_hfu"] == pytest.approx(  # one timed step
+        s["learner_mfu"] * s["learner_executed_over_useful"]
+    )
     assert s["peak_flops"] == 1e12 and s["peak_source"] == "--peak-flops"
     assert s["learner_mfu"] == pytest.approx(step["learner_useful_flops"] / step["update_s"] / 1e12)
 
@@ -120,24 +128,31 @@ def test_train_step_compare_packing_smoke():
     records = _train_step_records(
         *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--compare-packing"),
         *("--warmup", "0", "--repeats", "2", "--length-dist", "pareto", "--microbatches", "2"),
+        # auto_coarse left out: below 16 bins both ladders are exact (auto's J).
+        *("--packing-modes", "padded,packed,auto_quarter,auto,auto_blocked"),
     )
     s = records[-1]
     steps = [r for r in records if r["what"] == "packing_step"]
-    assert s["what"] == "packing_summary" and len(steps) == 8
-    # Each batch runs four ways (padded, packed in fixed bins, auto bins on the ladder and
-    # rounded to a quarter of the rows; the order rotates): same rows, same loss, fewer
-    # executed FLOPs.
-    for a, b, c, d in zip(steps[0::4], steps[1::4], steps[2::4], steps[3::4], strict=True):
-        assert {a["mode"], b["mode"], c["mode"], d["mode"]} == {
-            "padded",
-            "packed",
-            "auto",
-            "auto_quarter",
-        }
-        assert a["real_tokens"] == b["real_tokens"] == c["real_tokens"] == d["real_tokens"]
-        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
-        assert a["loss"] == pytest.approx(c["loss"], abs=1e-6)
-        assert a["loss"] == pytest.approx(d["loss"], abs=1e-6)
+    modes = {"padded", "packed", "auto", "auto_quarter", "auto_blocked"}
+    assert s["what"] == "packing_summary" and len(steps) == 2 * len(modes)
+    # Each batch runs five ways (padded; packed in fixed bins; auto bins on the ladder, rounded
+    # to a quarter of the rows, and with the causal-blocked XLA attention; the order rotates):
+    # same rows, same loss, fewer executed FLOPs.
+    for i in (0, len(modes)):
+        batch = steps[i : i + len(modes)]
+        assert {r["mode"] for r in batch} == modes
+        assert len({r["real_tokens"] for r in batch}) == 1
+        for r in batch:
+            assert r["loss"] == pytest.approx(batch[0]["loss"], abs=1e-6)
+    for mode in modes:  # executed = padding waste x remat's recompute factor (per batch;
+        # the summary's are medians over 2 batches, so equal to 1e-3)
+        assert s[f"{mode}_update_padding_waste"] * s[f"{mode}_update_recompute_factor"] == (
+            pytest.approx(s[f"{mode}_update_executed_over_useful"], rel=1e-3)
+        )
+        assert 1 < s[f"{mode}_update_recompute_factor"] < 1.5  # remat 'full'
+    blocked = s["auto_blocked_attn_executed_over_useful"]
+    assert blocked == pytest.approx(s["auto_attn_executed_over_useful"] * 5 / 8)  # 4 chunks
+    assert s["auto_blocked_update_padding_waste"] < s["auto_update_padding_waste"]
     assert s["packed_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_update_compiles"] == 1  # one static bin shape for every batch
     assert 1 <= s["auto_update_compiles"] <= 2  # at most one per batch (and 4 shapes)

@@ -63,6 +63,7 @@ def test_learner_flops_by_hand():
     full = flops.learner_flops(cfg.replace(remat="full"), **{**kw, "num_iterations": 2})
     assert full["update_executed"] == 2 * (3 * 32256 + 18432 + 4608 + 4 * 960)
     assert full["update_useful"] == 6 * 20256 and full["logps_executed"] == 32256 + 960
+    assert full["update_recompute"] == 2 * (18432 + 4608) and got["update_recompute"] == 0
     assert flops.learner_flops(cfg.replace(remat="dots"), **kw) == got
     # Chunks pad the head rows: 6 rows in chunks of 4 run 8; two pieces of 3 rows in chunks
     # of 2 run 2 x 4.
@@ -116,6 +117,13 @@ def test_head_matmuls_and_attention_pairs_as_they_run():
     assert flops.attention_pairs("pallas_gpu", 2, 6) == 2 * 256
     assert flops.attention_pairs("splash", 1, 300) == 6 * 128 * 128
     assert flops.attention_pairs("pallas_gpu", 1, 300) == 6 * 128 * 128
+    # XLA in 4 causal query chunks of 2 (a row of 8): keys up to each chunk's end, 2 x (2 +
+    # 4 + 6 + 8) = 40 = 64 x 5/8; a row of 6 in chunks (0, 1), (1, 3), (3, 4), (4, 6):
+    # 1 + 2 x 3 + 4 + 2 x 6 = 23. No backward recompute (it reads the stored probabilities).
+    assert flops.attention_pairs("xla_blocked", 2, 8) == 80
+    assert flops.attention_pairs("xla_blocked", 1, 6) == 23
+    blocked = flops.learner_flops(cfg, **kw, attention_impl="xla_blocked")
+    assert auto["update_stack_executed"] - blocked["update_stack_executed"] == 3 * 64 * (72 - 46)
     # A flash kernel's backward also recomputes q k^T: + 2*L*H*Dh per pair.
     flash = flops.learner_flops(cfg, **kw, attention_impl="pallas_gpu")
     assert flash["update_stack_executed"] - auto["update_stack_executed"] == (

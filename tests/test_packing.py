@@ -298,17 +298,20 @@ def test_auto_bins_round_up_to_a_quarter_of_the_rows():
     assert plan["pack_bin_B"].max() < 4
 
 
-def test_auto_bins_ladder_wastes_at_most_an_eighth():
-    # The default: exact below 16, then m x 2^e with m in [8, 16), a multiple of K, <= rows.
-    used = (0, 1, 7, 15, 16, 17, 33, 44, 45, 57, 61, 65, 127, 128)
+def test_auto_bins_ladder_wastes_at_most_a_sixteenth():
+    # The default: exact below 32, then m x 2^e with m in [16, 32), a multiple of K, <= rows.
+    used = (0, 1, 7, 15, 16, 17, 31, 33, 44, 45, 57, 61, 65, 127, 128)
     got = [packing.auto_bins(u, 128, 1) for u in used]
-    assert got == [1, 1, 7, 15, 16, 18, 36, 44, 48, 60, 64, 72, 128, 128]
+    assert got == [1, 1, 7, 15, 16, 17, 31, 34, 44, 46, 58, 62, 68, 128, 128]
     assert [packing.auto_bins(u, 128, 4) for u in (1, 7, 17, 45)] == [4, 8, 20, 48]
     assert packing.auto_bins(100, 96, 1) == 96
-    for u in range(1, 1025):  # at most 1/8 of the bins empty; 8 values per doubling
+    for u in range(1, 1025):  # at most 1/16 of the bins empty; 16 values per doubling
         j = packing.auto_bins(u, 4096, 1)
-        assert u <= j <= u * 9 / 8
-    assert len({packing.auto_bins(u, 4096, 1) for u in range(65, 129)}) == 8  # 72, 80 .. 128
+        assert u <= j <= u * 17 / 16
+    assert len({packing.auto_bins(u, 4096, 1) for u in range(65, 129)}) == 16  # 68, 72 .. 128
+    # The coarser ladder (8 values per doubling: at most 1/8 empty), as `steps` gives it.
+    coarse = [packing.auto_bins(u, 128, 1, steps=8) for u in (17, 33, 45, 65)]
+    assert coarse == [18, 36, 48, 72]
     spans = np.array([[0, 5], [0, 5], [0, 5], [0, 5], [0, 12], [0, 3], [0, 3], [0, 3]])
     plan = packing.plan(spans, packing.Packing(bins=0, length=12), s=12, minibatches=1)
     assert plan["pack_bins"] == 4  # 4 used: exact

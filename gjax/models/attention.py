@@ -5,7 +5,14 @@ query i attends key j iff j <= i, seg[i] == seg[j] and seg[j] != 0 (0 = padding)
 padding queries are unspecified (nothing reads them). Implementations (`model.attention`):
 
 - "xla": dense masked attention, `transformer.dot_attention`; builds the [B, T, T] mask and
-  the f32 [B, H, T, T] scores. The reference, and the only one that runs on CPU.
+  the f32 [B, H, T, T] scores. The reference, and CPU's default.
+- "xla_blocked": the same in `XLA_BLOCKS` static query chunks, chunk i only against keys
+  [0, end of chunk i) (the causal mask empties the rest): T^2 (n + 1) / (2n) scores instead
+  of T^2, static shapes, same mask. For CPU, where no flash kernel runs: measured not
+  slower than "xla" on the packed update (benchmarks/train_step.py), but not the default:
+  its rounding differs from the dense attention the sampler's prefill and decode run (about
+  2e-6 in hidden states; tests/test_model.py holds them to 1e-6), and fully masked (padding)
+  queries average fewer keys.
 - "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
   .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
   skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
@@ -41,6 +48,7 @@ from gjax.errors import ConfigError
 from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
 AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
+XLA_BLOCKS = 4  # "xla_blocked": query chunks per row
 # Platforms each implementation compiles for (xla: any).
 PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}
 CUDNN_DTYPES = ("bfloat16", "float16")  # jax.nn.dot_product_attention(implementation="cudnn")
@@ -61,7 +69,7 @@ def resolve(name: str, platform: str, dtype: str | None = None) -> str:
         )
     if name == "auto":
         return AUTO.get(platform, "xla")
-    if name != "xla" and platform not in PLATFORMS[name]:
+    if name not in ("xla", "xla_blocked") and platform not in PLATFORMS[name]:
         raise ConfigError(
             f"config.model.attention={name!r} runs only on {PLATFORMS[name]}, and this run's "
             f"devices are {platform!r}. Set config.model.attention='auto' (here: "
@@ -102,6 +110,30 @@ def xla(q_BxTxHxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS):
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
     out = jnp.einsum("bkrts,bskd->btkrd", probs, v_BxSxKxDh)
     return out.reshape(b, t, h, dh)
+
+
+def causal_blocks(t: int, blocks: int = XLA_BLOCKS) -> list[tuple[int, int]]:
+    """`xla_blocked`'s static query chunks of a row of `t`: [(start, end)], `min(blocks, t)`
+    near-equal ones; chunk (start, end) attends keys [0, end)."""
+    n = max(1, min(blocks, t))
+    bounds = [t * i // n for i in range(n + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def xla_blocked(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, mask_BxTxT, *, blocks=XLA_BLOCKS):
+    """`xla` per query chunk (`causal_blocks`) against the keys up to the chunk's end: the
+    keys after it are causally masked for every query in it, so the output is the same."""
+    t = q_BxTxHxDh.shape[1]
+    outs = [
+        xla(
+            q_BxTxHxDh[:, lo:hi],
+            k_BxTxKxDh[:, :hi],
+            v_BxTxKxDh[:, :hi],
+            mask_BxTxT[:, lo:hi, :hi],
+        )
+        for lo, hi in causal_blocks(t, blocks)
+    ]
+    return jnp.concatenate(outs, axis=1)
 
 
 def _pad_to(x, multiple: int, axis: int = 1):
@@ -202,7 +234,7 @@ def cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, backend="cudnn
 def layer_input(impl: str, segment_ids_BxT):
     """What every layer's `attend` takes, built once per forward: the dense mask for xla,
     the segment ids for the kernels."""
-    return dense_mask(segment_ids_BxT) if impl == "xla" else segment_ids_BxT
+    return dense_mask(segment_ids_BxT) if impl in ("xla", "xla_blocked") else segment_ids_BxT
 
 
 def shard_specs(mesh, q_shape, kv_heads: int):
@@ -229,6 +261,8 @@ def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in, *, interpret
     `interpret` runs them in Pallas' interpreter (tests on CPU)."""
     if impl == "xla":
         return xla(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
+    if impl == "xla_blocked":
+        return xla_blocked(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     if impl == "cudnn":  # jax partitions its cuDNN call itself (custom partitioning)
         return cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     kernel = functools.partial(

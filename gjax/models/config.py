@@ -16,7 +16,7 @@ import jax.numpy as jnp
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # gjax.models.attention.IMPLEMENTATIONS (kept here: config imports no jax modules of its own).
-ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "cudnn", "pallas_gpu", "splash")
+ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "xla_blocked", "cudnn", "pallas_gpu", "splash")
 
 _DTYPES = {
     "float32": jnp.float32,
