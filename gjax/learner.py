@@ -477,6 +477,10 @@ def make_learner(
     replicated = NamedSharding(mesh, PartitionSpec())
     pack = packing.from_config(train_cfg)
     transfer = multihost.RowTransfer(batch_sharding)
+    if pack is not None:
+        packing.check_fixed_bins(
+            pack.bins, train_cfg.microbatches, transfer.layout.rows, jax.process_count()
+        )
     logps = jax.jit(
         functools.partial(
             policy_logps,

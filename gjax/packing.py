@@ -100,6 +100,20 @@ def auto_bins(
     return min(max(-(-used // size), 1) * size, rows)
 
 
+def check_fixed_bins(bins: int, microbatches: int, shards: int, processes: int) -> None:
+    """A fixed `train.pack_bins` on several processes must split evenly over the microbatches
+    x data-parallel devices (`auto_bins` does so itself): uneven bins make XLA move their
+    padding with collective-permutes, which gloo can mix up between processes (see
+    `auto_bins`). On one process they cost only the permutes."""
+    quantum = microbatches * shards
+    if bins and processes > 1 and bins % quantum:
+        raise ConfigError(
+            f"train.pack_bins={bins} does not split evenly over train.microbatches="
+            f"{microbatches} x {shards} data-parallel devices on {processes} processes: set "
+            f"it to a multiple of {quantum} (e.g. {-(-bins // quantum) * quantum}), or 0 (auto)"
+        )
+
+
 def from_config(train_cfg) -> Packing | None:
     """`config.train`'s packing (None: padded rows; so is a hand-built train config
     without the packing fields)."""

@@ -430,3 +430,11 @@ def test_plan_counts_the_positions_the_loss_reads_per_bin():
         ]
         == 10
     )
+
+
+def test_a_fixed_bin_count_must_split_evenly_over_the_devices_of_several_processes():
+    packing.check_fixed_bins(0, 2, 4, processes=2)  # auto: even by construction
+    packing.check_fixed_bins(24, 2, 4, processes=2)
+    packing.check_fixed_bins(22, 2, 4, processes=1)  # one process: only the permutes' cost
+    with pytest.raises(ConfigError, match=r"train.pack_bins=22 .* multiple of 8 \(e.g. 24\)"):
+        packing.check_fixed_bins(22, 2, 4, processes=2)
