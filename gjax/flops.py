@@ -5,7 +5,8 @@ are left out, as in the usual 6ND convention (PaLM, appendix B). Per layer and t
 costs 2 x `layer_matmul_params` (q, k, v, o, gate, up, down kernels); each position whose
 logits are taken costs 2 x D x V (the LM head; the embedding lookup is a gather, 0 FLOPs);
 each (query, key) pair costs 4 x H x Dh per layer (q k^T, then p v). A backward pass is twice
-its forward (gradients with respect to activations and weights); `remat` adds what it
+its forward (gradients with respect to activations and weights), attention's as its
+implementation runs it (`attention_backward_flops`); `remat` adds what it
 recomputes, and the update's fused loss kernel runs the head 3 or 4 times, as its schedule
 for the platform says (`fused_head_matmuls`).
 
@@ -17,7 +18,8 @@ row attends i real keys). "Executed" counts the shapes the code runs: every row 
 padded length S, the head at all T completion slots (rows padded to the loss kernel's token
 chunk), and the (query, key) pairs the attention implementation computes
 (`attention_pairs`: XLA's dense [S x S] scores, or its causal query chunks; a flash kernel's
-tiles on or below the diagonal, plus its backward's recompute of the scores); packed (`gjax.packing`), the bins'
+tiles on or below the diagonal; its backward's matmuls on its backward tiles,
+`attention_backward_flops`); packed (`gjax.packing`), the bins'
 [J, W] shape, with the head at every packed position, or with `pack_reads` C at the C
 positions per bin the loss reads (`gjax.packing.read_positions`).
 """
@@ -129,17 +131,36 @@ def attention_pairs(impl: str, rows: int, length: int) -> int:
         block = attention._pow2_block(length, attention.PALLAS_GPU_BLOCK)
     else:
         block = attention.SPLASH_BLOCK if impl == "splash" else attention.CUDNN_BLOCK
+    return _causal_tile_pairs(rows, length, block)
+
+
+def _causal_tile_pairs(rows: int, length: int, block: int) -> int:
+    """Pairs in the [block x block] tiles on or below the diagonal of rows of `length`."""
     n = -(-length // block)
     return rows * block * block * n * (n + 1) // 2
 
 
-def _attention_backward_extra(cfg: ModelConfig, impl: str, pairs: int) -> int:
-    """A flash kernel's backward recomputes q k^T (XLA's reads the stored probabilities)."""
-    return (
-        0
-        if impl in ("xla", "xla_blocked")
-        else 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim * pairs
-    )
+def attention_backward_flops(cfg: ModelConfig, impl: str, rows: int, length: int) -> int:
+    """Matmul FLOPs of the attention backward (all layers) of `impl` over `rows` of `length`.
+
+    xla / xla_blocked: twice the forward's einsums on its pairs (they read the stored
+    probabilities). pallas_gpu (jax's Triton `mha` backward) and splash (its separate dq and
+    dkv kernels): a dK/dV sweep (q k^T, p^T dO, dO v^T, dS^T q) and a dQ sweep (q k^T,
+    dO v^T, dS k), 7 matmuls of 2 x Dh per pair, on their backward tiles: pallas_gpu
+    `PALLAS_GPU_BWD_BLOCK` wide over the row padded to the forward's tile, splash its 128.
+    cudnn: the forward's tiles, twice the forward plus q k^T again (FlashAttention-2's count).
+    """
+    per_pair = 2 * cfg.num_layers * cfg.num_heads * cfg.head_dim
+    if impl in ("xla", "xla_blocked"):
+        return 4 * per_pair * attention_pairs(impl, rows, length)
+    if impl == "pallas_gpu":
+        block = attention._pow2_block(length, attention.PALLAS_GPU_BLOCK)
+        padded = -(-length // block) * block
+        bwd = min(attention.PALLAS_GPU_BWD_BLOCK, block)
+        return 7 * per_pair * _causal_tile_pairs(rows, padded, bwd)
+    if impl == "splash":
+        return 7 * per_pair * attention_pairs(impl, rows, length)
+    return 5 * per_pair * attention_pairs(impl, rows, length)
 
 
 def learner_flops(
@@ -199,10 +220,12 @@ def learner_flops(
     matmuls, chunk = fused_head_matmuls(cfg, update_token_chunk, head_kernel, platform)
     piece_rows = chunk_padded(head_rows // update_pieces, chunk)
     update_head_x = 2 * head_matmul_params(cfg) * matmuls * update_pieces * piece_rows
-    update_stack_x = (
+    attn_fwd_x = forward_flops(cfg, tokens=0, logit_tokens=0, attn_pairs=pairs_x)
+    update_stack_x = (  # forward, backward (the layers' 2x, attention as it runs), remat
         3 * stack_x
+        - 2 * attn_fwd_x
+        + attention_backward_flops(cfg, attention_impl, run_rows, run_len)
         + _remat_flops(cfg, tokens=tokens_x, attn_pairs=pairs_x)
-        + _attention_backward_extra(cfg, attention_impl, pairs_x)
     )
     return {
         "real_tokens": real,

@@ -124,11 +124,20 @@ def test_head_matmuls_and_attention_pairs_as_they_run():
     assert flops.attention_pairs("xla_blocked", 1, 6) == 23
     blocked = flops.learner_flops(cfg, **kw, attention_impl="xla_blocked")
     assert auto["update_stack_executed"] - blocked["update_stack_executed"] == 3 * 64 * (72 - 46)
-    # A flash kernel's backward also recomputes q k^T: + 2*L*H*Dh per pair.
+    # A flash kernel's backward: a dK/dV sweep (q k^T, p^T dO, dO v^T, dS^T q) and a dQ
+    # sweep (q k^T, dO v^T, dS k), 7 matmuls of 2*Dh per pair and layer and head (2*L*H*Dh =
+    # 32): 224 per pair on its tiles (here the forward's 16); XLA's backward 2 x 64.
     flash = flops.learner_flops(cfg, **kw, attention_impl="pallas_gpu")
     assert flash["update_stack_executed"] - auto["update_stack_executed"] == (
-        3 * 64 * (512 - 72) + 32 * 512
+        64 * (512 - 72) + 224 * 512 - 128 * 72
     )
+    # The Pallas GPU backward runs 32-wide tiles, the forward 128-wide ones: a row of 300
+    # padded to 384 is 12 x 12 tiles of 32, 78 on or below the diagonal (79872 pairs, not
+    # the forward's 98304).
+    assert flops.attention_backward_flops(cfg, "pallas_gpu", 1, 300) == 224 * 78 * 32 * 32
+    assert flops.attention_backward_flops(cfg, "splash", 1, 300) == 224 * 6 * 128 * 128
+    assert flops.attention_backward_flops(cfg, "xla", 2, 6) == 128 * 72
+    assert flops.attention_backward_flops(cfg, "cudnn", 1, 300) == 160 * 6 * 128 * 128
 
 
 def test_sampler_flops_by_hand():
