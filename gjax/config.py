@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import jax
 import ml_collections
 
-from gjax import schema
+from gjax import packing, schema
 from gjax.errors import ConfigError
 from gjax.models import hf_format, hf_import
 from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
@@ -272,6 +272,8 @@ def validate(
         f"must be a multiple of train.microbatches={t.microbatches} (microbatches are bins), "
         f"got {t.pack_bins}",
     )
+    if t.packing == "packed":  # at start, not after the model is loaded (make_learner)
+        packing.check_fixed_bins(t.pack_bins, t.microbatches, data_parallel, processes)
     for check in checks:
         check(config)
     return mesh

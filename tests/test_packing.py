@@ -438,3 +438,20 @@ def test_a_fixed_bin_count_must_split_evenly_over_the_devices_of_several_process
     packing.check_fixed_bins(22, 2, 4, processes=1)  # one process: only the permutes' cost
     with pytest.raises(ConfigError, match=r"train.pack_bins=22 .* multiple of 8 \(e.g. 24\)"):
         packing.check_fixed_bins(22, 2, 4, processes=2)
+
+
+def test_several_processes_refuse_an_uneven_fixed_bin_count_at_start(monkeypatch):
+    """`gjax.config.validate` (before any model is loaded) refuses train.pack_bins that does
+    not split over microbatches x data-parallel devices on several processes (the count
+    faked: jax's runtime is the edge)."""
+    from configs import common
+    from gjax import config as config_lib
+
+    c = common.tiny(common.base())
+    c.train.packing, c.train.pack_bins, c.mesh.data = "packed", 6, 4
+    config_lib.validate(c, 4)  # one process: allowed (the permutes cost time only)
+    monkeypatch.setattr(config_lib.jax, "process_count", lambda: 2)
+    with pytest.raises(ConfigError, match=r"train.pack_bins=6 .* multiple of 4 \(e.g. 8\)"):
+        config_lib.validate(c, 4)
+    c.train.pack_bins = 8
+    config_lib.validate(c, 4)
