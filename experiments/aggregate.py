@@ -247,7 +247,11 @@ def cov_table(figures: dict[str, list[dict]]) -> str:
         for p in COV_PERCENTILES:
             start, _, _ = mean_ci([f.get(f"cov/abs_{p}@start") for f in runs])
             end, half, _ = mean_ci([f.get(f"cov/abs_{p}@end") for f in runs])
-            cells.append("–" if math.isnan(end) else f"{start:.3g} -> {fmt_ci(end, half, '.3g')}")
+            cells.append(
+                "–"
+                if math.isnan(end)
+                else f"{fmt_ci(start, math.nan, '.3g')} -> {fmt_ci(end, half, '.3g')}"
+            )
         ratio = [
             f[f"cov/abs_{COV_PERCENTILES[-1]}@end"] / f[f"cov/abs_{COV_PERCENTILES[0]}@end"]
             for f in runs

@@ -160,6 +160,9 @@ def test_aggregate_table_and_figures(tmp_path):
     assert cov_rows["grpo"][4] == "40 -> 240 ± 298"
     assert cov_rows["grpo"][5] == "20 ± 0"  # p99.9 / p50 = 20 in every run
     assert cov_rows["dr_grpo"][1:5] == ["–"] * 4  # logged no cov/*
+    # A run whose first 10 % of steps logged no cov/* (turned on at a resume): no start.
+    late = {"v": [{f"cov/abs_{p}@end": 2.0 for p in aggregate.COV_PERCENTILES}]}
+    assert "| v | – -> 2 | – -> 2 | – -> 2 | – -> 2 | 1 |" in aggregate.cov_table(late)
 
 
 @pytest.mark.slow
