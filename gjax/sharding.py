@@ -23,6 +23,7 @@ flax's `nn.with_logical_constraint`, which the model uses for its activations.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import threading
@@ -238,29 +239,103 @@ def process_mesh(mesh: Mesh) -> Mesh:
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
+def _blocks(grid: np.ndarray, local_shape: Sequence[int]) -> np.ndarray:
+    """`grid` cut into aligned blocks of `local_shape`: [blocks, *local_shape], the blocks in
+    row-major order of their positions, each block's entries in grid order."""
+    outer = [n // k for n, k in zip(grid.shape, local_shape)]
+    split = grid.reshape([x for f, k in zip(outer, local_shape) for x in (f, k)])
+    ndim = len(outer)
+    split = split.transpose([2 * i for i in range(ndim)] + [2 * i + 1 for i in range(ndim)])
+    return split.reshape(-1, *local_shape)
+
+
+def process_blocks(owner: np.ndarray, local_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """How many processes split each mesh axis (1: not split), from `owner` (each mesh
+    position's process index) and one process's block shape; None unless every process holds
+    one aligned block of that shape, so that each split axis of size n factors into
+    (n / local, local) with each process's devices at one outer position."""
+    if any(n % k for n, k in zip(owner.shape, local_shape)):
+        return None
+    blocks = _blocks(owner, local_shape).reshape(
+        math.prod(owner.shape) // math.prod(local_shape), -1
+    )
+    one_owner = (blocks == blocks[:, :1]).all()
+    if not one_owner or len(set(blocks[:, 0].tolist())) != len(blocks):
+        return None
+    return tuple(n // k for n, k in zip(owner.shape, local_shape))
+
+
+def host_factored_mesh(mesh: Mesh, outer: Sequence[int]) -> Mesh:
+    """`mesh`'s devices, same order, with each split axis `a` factored into `a_procs` (the
+    processes, outer) and `a` (the local part): a PartitionSpec of `mesh` on this mesh shards
+    over each process's own devices only and is replicated over the processes."""
+    names, shape = [], []
+    for axis, f in zip(MESH_AXES, outer):
+        if f > 1:
+            names.append(f"{axis}_procs")
+            shape.append(f)
+        names.append(axis)
+        shape.append(mesh.shape[axis] // f)
+    grid = mesh.devices.reshape(shape)
+    return Mesh(grid, tuple(names), axis_types=(AxisType.Auto,) * len(names))
+
+
+@functools.lru_cache(maxsize=256)
+def _identity_to(target: NamedSharding) -> Callable[[Any], Any]:
+    return jax.jit(lambda a: a, out_shardings=target)
+
+
+_warned: set[tuple] = set()
+
+
 def process_local_copy(train_mesh, local_mesh) -> Callable[[Any], Any]:
     """Params of a multi-process run -> arrays of `local_mesh` (this process's devices of the
-    train mesh), sharded as on the train mesh over the axes the processes do not split and
-    replicated over those they do, so that a process-local sampler (the async producer's
-    thread, the continuous decoder) runs no program over other processes' devices and samples
-    with the train layout. Called on the loop's thread, where the copy (with an all-gather
-    over processes for params sharded across them) is a program in the loop's order like
-    every other."""
+    train mesh, `process_mesh`) with the train mesh's PartitionSpecs, so that a process-local
+    sampler (the async producer's thread, the continuous decoder) runs no program over other
+    processes' devices and samples with the train layout. A param sharded over an axis the
+    processes split (e.g. `fsdp` over hosts) stays sharded over this process's part of it:
+    each device holds 1 / local size of it, never the whole param; the copy is one all-gather
+    over the processes (`host_factored_mesh`). Where the processes' blocks do not factor the
+    mesh, such params are replicated on every local device instead (a warning says so).
+    Called on the loop's thread, where the copy is a program in the loop's order like every
+    other."""
     split = {a for a in MESH_AXES if local_mesh.shape[a] != train_mesh.shape[a]}
+    owner = np.vectorize(lambda d: d.process_index)(train_mesh.devices)
+    outer = process_blocks(owner, [local_mesh.shape[a] for a in MESH_AXES]) if split else None
+    factored = None
+    if outer is not None:
+        factored = host_factored_mesh(train_mesh, outer)
+        blocks = _blocks(train_mesh.devices, local_mesh.devices.shape)
+        if not any(np.array_equal(b, local_mesh.devices) for b in blocks):  # every process
+            raise ValueError(f"{local_mesh} is not a block of {train_mesh} (`process_mesh`)")
+    if split and factored is None:
+        key = (tuple(train_mesh.shape.items()), tuple(local_mesh.shape.items()))
+        if key not in _warned:
+            _warned.add(key)
+            log.warning(
+                "the processes' devices do not factor the mesh %s into equal blocks: params "
+                "sharded over %s are replicated on each process's devices for rollouts "
+                "(more memory per device)",
+                dict(train_mesh.shape),
+                sorted(split),
+            )
 
     def kept(entry):  # one PartitionSpec entry without the axes split over processes
         axes = [a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in split]
         return None if not axes or axes == [None] else axes[0] if len(axes) == 1 else tuple(axes)
 
     def copy(x):
-        spec = P(*(kept(e) for e in x.sharding.spec))
-        if spec == x.sharding.spec:  # a copy: the next update donates the learner's buffers
+        spec = x.sharding.spec
+        local_spec = P(*(kept(e) for e in spec))
+        if local_spec == spec:  # a copy: the next update donates the learner's buffers
             y = jax.numpy.copy(x)
-        else:  # gathered over the processes: a new array
-            y = jax.jit(lambda a: a, out_shardings=NamedSharding(train_mesh, spec))(x)
+        elif factored is not None:  # sharded over this process's part of the split axes
+            y, local_spec = _identity_to(NamedSharding(factored, spec))(x), spec
+        else:  # replicated over the split axes: gathered over the processes
+            y = _identity_to(NamedSharding(train_mesh, local_spec))(x)
         shards = [s.data for s in y.addressable_shards]  # the same blocks on the same devices
         return jax.make_array_from_single_device_arrays(
-            x.shape, NamedSharding(local_mesh, spec), shards
+            x.shape, NamedSharding(local_mesh, local_spec), shards
         )
 
     return lambda params: jax.tree.map(copy, params)

@@ -102,8 +102,10 @@ class LocalSampler:
     def _process_rows(self, params, tokens_PxS, mask_PxS, rng, num_samples, sampling):
         """The continuous decoder on global row-sharded prompts (several processes, the loop's
         thread): each process decodes its own block of rows on its own devices of the mesh
-        (`sharding.process_local_copy` of the params; row keys of the whole batch, so the rows
-        equal one process's) and the rows go back as global arrays sharded like the prompts."""
+        (`sharding.process_local_copy` of the params: sharded over this process's part of an
+        axis the processes split, never a whole copy per device; row keys of the whole batch,
+        so the rows equal one process's with that layout) and the rows go back as global
+        arrays sharded like the prompts."""
         layout = multihost.RowLayout(tokens_PxS.sharding)
         mesh = tokens_PxS.sharding.mesh
         local_mesh = sharding.process_mesh(mesh)
