@@ -202,6 +202,38 @@ def _env(devices):
     return e
 
 
+def _two_processes(script: str, *, devices: int, logs, timeout: float) -> list[str]:
+    """`script` (argv: process id, coordinator port) run by two processes of `devices` CPU
+    devices each; their outputs once both exit 0 (logs in files, not pipes: one process's
+    output can never stall the other)."""
+    port = _free_port()
+    files = [open(logs / f"{i}.log", "w+") for i in range(2)]  # noqa: SIM115 - closed below
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script, str(i), str(port)],
+            env=_env(devices),
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+        )
+        for i, f in enumerate(files)
+    ]
+    try:
+        for p in procs:
+            p.wait(timeout=timeout)
+    finally:
+        for p in procs:
+            p.kill()
+    outs = []
+    for f in files:
+        f.seek(0)
+        outs.append(f.read())
+        f.close()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+    return outs
+
+
 def _train(workdir, steps, *, processes, extra=()):
     return _wait(_launch(workdir, steps, processes=processes, extra=extra))
 
@@ -383,28 +415,14 @@ if pid == 0:  # the peer never makes this call: waiting ends once closed
 
 
 @pytest.mark.slow
-def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed():
+def test_key_value_gather_pairs_calls_by_number_and_stops_when_closed(tmp_path):
     """Two processes: the n-th calls meet however late one of them is; each call leaves only
     its own key (the previous one is deleted); a wait for a peer that never calls ends once
     `stopped()` says so. Also the streamed weight push's gather (`replicas.host_params`):
     the whole params on process 0, nothing kept on the other; and a synchronous gRPC
     rollout's row hand-over (`jetstream_backend._host_rows` / `_global_rows`), which the
     2 x 2 replica test (at k = 1: process-local rows) does not reach."""
-    port = _free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _GATHER, str(i), str(port)],
-            env=_env(1),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outs = [p.communicate(timeout=120)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    outs = _two_processes(_GATHER, devices=1, logs=tmp_path, timeout=120)
     for pid, out in enumerate(outs):
         for n in range(3):
             assert f"{n} [[{n}, {n}], [{10 + n}, {10 + n}]]" in out, out[-3000:]
@@ -488,31 +506,7 @@ def test_two_processes_decode_continuously_as_one(tmp_path):
     the whole batch decoded in one process with that layout (two devices, params sharded over
     both); against one device the tokens are equal and the log-probs differ only by the
     sharded matmuls' rounding (3.6e-6 measured)."""
-    port = _free_port()
-    logs = [open(tmp_path / f"{i}.log", "w+") for i in range(2)]  # noqa: SIM115 - no pipe
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _DECODE, str(i), str(port)],
-            env=_env(2),
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        for i, log in enumerate(logs)
-    ]
-    try:
-        for p in procs:
-            p.wait(timeout=180)
-    finally:
-        for p in procs:
-            p.kill()
-    outs = []
-    for log in logs:
-        log.seek(0)
-        outs.append(log.read())
-        log.close()
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    outs = _two_processes(_DECODE, devices=2, logs=tmp_path, timeout=180)
     for out in outs:
         assert "local copy sharded" in out and "local copy sharded 0" not in out, out[-3000:]
         for name in ("tokens_BxN", "mask_BxN", "logps_BxN", "lengths_B"):
