@@ -162,6 +162,17 @@ _STUDIES = (
                 )
                 for b in (0.0, 0.8)
             ),
+            # Table 1's rows B vs C (alpha off / on, no threshold): at beta_th 0 alpha spans
+            # 1.6-3.2 as in the paper's Fig. 2; at 0.6 it stays within 1-1.6.
+            Variant(
+                "gpg_beta_th_0.0_no_alpha",
+                "gpg",
+                "GPG with beta_th = 0.0, without the alpha correction",
+                overrides={
+                    "sampling.min_valid_fraction": 0.0,
+                    "objective.advantage_kwargs.fold_alpha": False,
+                },
+            ),
         ),
     ),
     # CI's smoke study (tests/test_experiments.py): two cheap variants.

@@ -265,7 +265,8 @@ def gpg(
 
     ``fold_alpha=True`` (default) multiplies the advantages by alpha, so ``-logp * A`` with any
     aggregation is GPG's ``alpha * J_GPG`` (eq. (8)) with no loss-side change; with
-    ``fold_alpha=False`` the advantages are unscaled and the caller applies ``metrics['alpha']``.
+    ``fold_alpha=False`` the advantages are unscaled: GPG without the correction (Table 1's
+    ``alpha = 1`` rows; nothing downstream applies ``metrics['alpha']``).
     Either way ``metrics['alpha']`` and ``metrics['gpg_valid_fraction'] = (B - M) / B`` (= 1/alpha,
     compare with beta_th for GPG's resampling threshold, which belongs to the loop) are returned.
     """
