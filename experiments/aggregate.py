@@ -41,6 +41,7 @@ FORMATS = {"length": ".1f", "grad_spikes": ".1f", "sampled_tokens": ".3g"}
 # `objective.covariance_metrics`), at the start and at the end of training.
 COV_PERCENTILES = ("p50", "p90", "p99", "p99.9")
 SPIKE_FACTOR = 3.0  # a grad-norm spike: a step above 3 x the run's median grad norm
+EQUAL_TOKENS_SPREAD = 1.1  # variants whose sampled tokens differ more get an equal-cost table
 
 
 # --------------------------------------------------------------------------- statistics
@@ -165,6 +166,35 @@ def pass1_points(run: dict) -> list[tuple[int, float]]:
             s.get("steps", max(r["step"] for r in run["rows"])), s["heldout_pass@1_after"]
         )
     return sorted(pts.items())
+
+
+def pass1_at_tokens(run: dict, budget: float) -> float | None:
+    """Held-out pass@1 when the run had sampled `budget` completion tokens: linear between the
+    evaluations around it (None past the run's last evaluation)."""
+    cum = sampled_tokens(run)
+    pts = pass1_points(run)
+    x = np.asarray([cum[s - 1] if s > 0 else 0.0 for s, _ in pts])
+    if not len(pts) or budget > x[-1]:
+        return None
+    return float(np.interp(budget, x, [v for _, v in pts]))
+
+
+def equal_tokens_table(runs: dict[str, list[dict]], figs: dict[str, list[dict]]) -> str:
+    """Held-out pass@1 of every variant at the budget of the one that sampled the fewest
+    tokens (its mean over seeds): a comparison at equal cost; "" when the variants' budgets
+    are within 10 % of each other (the final pass@1 already compares them)."""
+    spent = {name: np.mean([f["sampled_tokens"] for f in figs[name]]) for name in runs}
+    budget = min(spent.values())
+    if max(spent.values()) < EQUAL_TOKENS_SPREAD * budget:
+        return ""
+    lines = [
+        f"| variant | sampled tokens / {budget:.3g} | held-out pass@1 at {budget:.3g} tokens |",
+        "| --- | --- | --- |",
+    ]
+    for name, rs in runs.items():
+        m, h, _ = mean_ci([pass1_at_tokens(r, budget) for r in rs])
+        lines.append(f"| {name} | {spent[name] / budget:.2f} | {fmt_ci(m, h)} |")
+    return "\n".join(lines) + "\n"
 
 
 def run_figures(run: dict) -> dict[str, float]:
@@ -396,6 +426,13 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
             "\nCovariance of log-prob and advantage per token (CW-GRPO Table 1's form, "
             "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of steps -> over the last "
             "10 % (± over seeds).\n\n" + cov
+        )
+    equal = equal_tokens_table(runs, figs)
+    if equal:
+        md += (
+            "\nAt equal cost: held-out pass@1 (the training-time evaluations, "
+            "`eval.num_samples` per problem) at the sampled-token budget of the cheapest "
+            "variant, linear between evaluations.\n\n" + equal
         )
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md)

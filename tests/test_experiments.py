@@ -165,6 +165,25 @@ def test_aggregate_table_and_figures(tmp_path):
     assert "| v | – -> 2 | – -> 2 | – -> 2 | – -> 2 | 1 |" in aggregate.cov_table(late)
 
 
+def test_pass1_at_equal_sampled_tokens():
+    """Variant a spends 100 tokens a step, b 50: at b's budget (200) a is read at its step 2."""
+
+    def run(per_step, evals):
+        rows = [{"step": s, "response/sampled_tokens": per_step} for s in range(1, 5)]
+        for s, v in evals.items():
+            rows[s - 1][aggregate.PASS1] = v
+        return {"config": {}, "rows": rows, "summary": {"heldout_pass@1_before": 0.3}}
+
+    runs = {"a": [run(100.0, {2: 0.5, 4: 0.7})], "b": [run(50.0, {2: 0.4, 4: 0.6})]}
+    assert aggregate.pass1_at_tokens(runs["a"][0], 300.0) == pytest.approx(0.6)
+    assert aggregate.pass1_at_tokens(runs["a"][0], 100.0) == pytest.approx(0.4)  # (0, 0.3)
+    assert aggregate.pass1_at_tokens(runs["b"][0], 201.0) is None  # past its last evaluation
+    figs = {"a": [{"sampled_tokens": 400.0}], "b": [{"sampled_tokens": 200.0}]}
+    md = aggregate.equal_tokens_table(runs, figs)
+    assert "| a | 2.00 | 0.500 |" in md and "| b | 1.00 | 0.600 |" in md  # one seed: no interval
+    assert aggregate.equal_tokens_table(runs, {"a": figs["b"], "b": figs["b"]}) == ""
+
+
 @pytest.mark.slow
 def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     """The real thing: 2 variants x 1 seed x 1 step, 2 workers; a second invocation skips
