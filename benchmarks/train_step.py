@@ -493,34 +493,44 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
         s = host["input_ids_BxS"].shape[1]
         for m in range(t.minibatches):
             rows = spans_Bx2[m :: t.minibatches, 1]
-            need = max(need, packing.first_fit_decreasing(rows, len(rows), s)[2])
+            need = max(need, packing.pack_rows(rows, len(rows), s)[2])
     bins = -(-need // t.microbatches) * t.microbatches
     packed_cfg = config.train.copy_and_resolve_references()
     packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
     auto_cfg = config.train.copy_and_resolve_references()  # the default: bins chosen per batch
     auto_cfg.packing, auto_cfg.pack_bins, auto_cfg.pack_length = "packed", 0, 0
-    # Each mode: (train config, attention, auto rounding, ladder steps); the attention is
-    # named, so a mode means the same whatever `model.attention='auto'` picks on CPU.
+    # Each mode: (train config, attention, auto rounding, ladder steps, packer); the
+    # attention is named, so a mode means the same whatever `model.attention='auto'` picks.
+    ladder = ("ladder", packing.AUTO_STEPS)
     modes = {
-        "padded": (config.train, "xla", None, None),
-        "packed": (packed_cfg, "xla", None, None),
-        "auto_quarter": (auto_cfg, "xla", "quarter", None),
-        "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS),
-        "auto": (auto_cfg, "xla", "ladder", packing.AUTO_STEPS),  # the default on CPU
+        "padded": (config.train, "xla", None, None, None),
+        "packed": (packed_cfg, "xla", None, None, None),
+        "auto_quarter": (auto_cfg, "xla", "quarter", None, "mbs"),
+        "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS, "mbs"),
+        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # the default on CPU
         # The same with the causal-blocked XLA attention (`model.attention='xla_blocked'`).
-        "auto_blocked": (auto_cfg, "xla_blocked", "ladder", packing.AUTO_STEPS),
+        "auto_blocked": (auto_cfg, "xla_blocked", *ladder, "mbs"),
+        # Both with the packer before 2026-11-26 (first-fit decreasing alone).
+        "auto_ffd": (auto_cfg, "xla", *ladder, "ffd"),
+        "auto_blocked_ffd": (auto_cfg, "xla_blocked", *ladder, "ffd"),
     }
+    for width in args.pack_lengths:  # auto and auto_blocked at other bin lengths W
+        w_cfg = auto_cfg.copy_and_resolve_references()
+        w_cfg.pack_length = width
+        modes[f"auto_w{width}"] = (w_cfg, "xla", *ladder, "mbs")
+        modes[f"auto_blocked_w{width}"] = (w_cfg, "xla_blocked", *ladder, "mbs")
+        args.packing_modes += [f"auto_w{width}", f"auto_blocked_w{width}"]
     unknown = set(args.packing_modes) - set(modes)
     if unknown or "padded" not in args.packing_modes:
         raise SystemExit(f"--packing-modes: padded and any of {list(modes)}, got {unknown}")
     learners, impls = {}, {}
     for mode in (m for m in modes if m in args.packing_modes):  # each its own jit
-        train_cfg, impls[mode], rounding, steps = modes[mode]
+        train_cfg, impls[mode], rounding, steps, packer = modes[mode]
         learner = step.make_learner(
             train_cfg=train_cfg, model_cfg=step.cfg.replace(attention=impls[mode])
         )
         if rounding is not None:
-            pack = dataclasses.replace(learner.pack, rounding=rounding, steps=steps)
+            pack = dataclasses.replace(learner.pack, rounding=rounding, steps=steps, packer=packer)
             learner = dataclasses.replace(learner, pack=pack)
         learners[mode] = learner
     for groups in batches:  # compile every shape first (untimed)
@@ -544,6 +554,8 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             rec = {
                 **step.flops(groups, batch, learner, impls[mode]),
                 "bins_J": int(batch["pack_bins_J"].shape[0]) if "pack_bins_J" in batch else None,
+                # The most bins a minibatch's rows took (before auto J's rounding).
+                "bins_used": int(batch["pack_metrics"][0]) if "pack_metrics" in batch else None,
                 "logps_s": t1 - t0,
                 "update_s": t2 - t1,
                 "update_cpu_s": c2 - c1,  # this process's CPU time: less load-sensitive
@@ -592,6 +604,9 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
                 r["attn_pairs_executed"] / r["attn_pairs_useful"] for r in recs[mode]
             ),
             "bins_J": sorted({r["bins_J"] for r in recs[mode] if r["bins_J"] is not None}),
+            "bins_used": [r["bins_used"] for r in recs[mode]],
+            "pack_length_W": (learners[mode].pack.length or s) if learners[mode].pack else None,
+            "packer": learners[mode].pack.packer if learners[mode].pack else None,
         }
     pad = summary["padded"]
     emit(
@@ -816,8 +831,15 @@ def main():
     ap.add_argument(
         "--packing-modes",
         type=lambda x: x.split(","),
-        default="padded,packed,auto_quarter,auto_coarse,auto,auto_blocked",
+        default="padded,packed,auto_quarter,auto_coarse,auto,auto_blocked,auto_ffd",
         help="--compare-packing's modes, comma-separated (padded always)",
+    )
+    ap.add_argument(
+        "--pack-lengths",
+        type=lambda x: [int(w) for w in x.split(",") if w],
+        default=[],
+        help="--compare-packing: also auto and auto_blocked at these bin lengths W (modes "
+        "auto_wW, auto_blocked_wW; the others run W = S)",
     )
     args = ap.parse_args()
     if args.shape and args.policy:
