@@ -24,6 +24,7 @@ differs. Packed shape letters: J bins, W bin length.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import jax
@@ -174,56 +175,56 @@ def min_bin_slack(length_R: np.ndarray, bins: int, width: int):
     Hindi 2002's MBS'): bin by bin, the longest row left, then the subset of the rows left
     that fills the rest of the bin most (`_fullest_subset`); bin -1 where a row fits nowhere.
     Where first-fit decreasing leaves a gap no single short row fills (rows of ~27 tokens:
-    two to a bin of 80), this finds the combinations that do. Deterministic."""
-    order = np.argsort(-length_R, kind="stable")
-    order = order[length_R[order] > 0]
+    two to a bin of 80), this finds the combinations that do. Deterministic (ties keep row
+    order); at most one subset-sum pass over the rows left per bin (about 60 ms for 1024
+    rows into bins of 8192)."""
+    rows = [int(r) for r in np.argsort(-length_R, kind="stable") if length_R[r] > 0]
+    lens = [int(length_R[r]) for r in rows]  # non-increasing
+    neg = [-n for n in lens]  # non-decreasing, for bisect
     bin_R = np.zeros(len(length_R), np.int32)
     offset_R = np.zeros(len(length_R), np.int32)
-    left = np.ones(len(order), bool)  # over `order`: rows not placed yet
     used = 0
-    while left.any():
-        first = int(np.argmax(left))
-        if used >= bins or length_R[order[first]] > width:
-            bin_R[order[left]] = -1
+    while rows:
+        if used >= bins or lens[0] > width:
+            bin_R[rows] = -1
             break
-        left[first] = False
-        rest = np.flatnonzero(left)
-        picked = rest[_fullest_subset(length_R[order[rest]], width - int(length_R[order[first]]))]
+        room = width - lens[0]
+        fits = bisect.bisect_left(neg, -room, 1)  # the rows after the first that fit
         offset = 0
-        for i in (first, *picked):
-            r = order[i]
-            bin_R[r], offset_R[r] = used, offset
-            offset += int(length_R[r])
-        left[picked] = False
+        placed = [0, *_fullest_subset(lens, fits, room)]
+        for i in placed:
+            bin_R[rows[i]], offset_R[rows[i]] = used, offset
+            offset += lens[i]
+        for i in reversed(placed):
+            del rows[i], lens[i], neg[i]
         used += 1
     return bin_R, offset_R, used
 
 
-def _fullest_subset(length_N: np.ndarray, room: int) -> np.ndarray:
-    """Indices of a subset of `length_N` (> 0, non-increasing) with the largest sum <= `room`:
-    0/1 subset-sum over the sums 0..room, each sum keeping the first item that reached it
-    (so walking back from the best sum only takes earlier items). Stops at an exact fill."""
-    reached = np.zeros(room + 1, bool)
-    reached[0] = True
-    by = np.full(room + 1, -1, np.int64)
-    copies, prev = 0, -1
-    for i in np.flatnonzero(length_N <= room):
-        n = int(length_N[i])
-        copies = copies + 1 if n == prev else 1
-        prev = n
-        if copies > room // n:  # more copies of one length than fit: none can help
+def _fullest_subset(lens: list[int], start: int, room: int) -> list[int]:
+    """Indices >= `start` of `lens` (non-increasing) whose sum is the largest <= `room`: 0/1
+    subset sums as the bits of an int, each item kept with the sums reached before it, so
+    walking back from the best sum takes an item only where the sum needs it. Stops at an
+    exact fill; skips an item that reaches no new sum (and its equal-length followers)."""
+    below = (1 << (room + 1)) - 1
+    reached, steps, prev, grew = 1, [], 0, True
+    for i in range(start, len(lens)):
+        n = lens[i]
+        if n == prev and not grew:
             continue
-        new = np.zeros_like(reached)
-        new[n:] = reached[:-n] & ~reached[n:]
-        by[new] = i
-        reached |= new
-        if reached[room]:
-            break
-    out, total = [], int(np.flatnonzero(reached)[-1])
-    while total:
-        out.append(by[total])
-        total -= int(length_N[by[total]])
-    return np.array(out[::-1], np.int64)
+        new = (reached << n) & below
+        prev, grew = n, (new | reached) != reached
+        if grew:
+            steps.append((i, reached))
+            reached |= new
+            if reached >> room:
+                break
+    total, out = reached.bit_length() - 1, []
+    for i, before in reversed(steps):
+        if not (before >> total) & 1:
+            out.append(i)
+            total -= lens[i]
+    return out[::-1]
 
 
 def pack_rows(length_R: np.ndarray, bins: int, width: int, packer: str = "mbs"):
