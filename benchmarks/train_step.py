@@ -121,6 +121,28 @@ against ~15 causal keys within a real token's own row: it still computes the pai
 the rows sharing a bin; only a segment-aware kernel skips them), the head at [J, C] read
 positions +0.01.
 
+2026-11-26, later: rows packed by minimum bin slack (`packing.pack_rows`, now the default;
+`*_ffd`: first-fit decreasing alone, the packer before), same command with `--packing-modes
+padded,packed,auto_ffd,auto,auto_blocked_ffd,auto_blocked`, load 6-7 (the process got less
+than its 2 cores: wall / CPU 1.2 for padded, so CPU time per real token is the steadier
+figure); the same 5 timed batches, 3541 real tokens median:
+
+    mode (attention, packer)         us / real token (CPU)   padding waste   x remat   J      bins used
+    padded (xla)                     234 (194)               3.14            3.86      -      -
+    auto_ffd (xla, FFD: old default)  70 (64)                1.16            1.42      46-48  45-47
+    auto (xla, MBS: the default)      66 (62)                1.11            1.37      44-46  43-46
+    auto_blocked_ffd (xla_blocked)    66 (62)                1.12            1.37      46-48  45-47
+    auto_blocked (xla_blocked, MBS)   70 (61)                1.07            1.31      44-46  43-46
+
+Batch by batch over auto_ffd, CPU time, median of 5 (four runs at load 6-7): auto 0.93-0.97x,
+auto_blocked 0.93-0.95x; losses agree to 3e-8. `model.attention='xla_blocked'` meets the
+<= 1.1 target (1.05-1.08 per batch); the default is 1.11 (1.09-1.12): empty bin slots +0.02
+(1.018 tokens run per real token; the ladder rounds J up to even: 44 for 43 used), the dense
+[W x W] scores +0.08, the head +0.01. The bin length (`--pack-lengths 96,160`): W = 96 gives
+1.115 (xla) and 1.069 (xla_blocked) at the same wall time as 80; W = 160 gives 1.17 and 1.10,
+1.12-1.15x auto_ffd's wall time with dense attention. Longer bins add cross-row attention
+pairs faster than they save empty slots, so W stays S (`train.pack_length=0`).
+
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.
 """
@@ -468,12 +490,14 @@ class GjaxStep:
 def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     """`--compare-packing`: the learner part (`Learner.batch`: reference log-probs; then the
     update) on the same rollout batches, padded and packed, alternating (the order flips each
-    batch), from the same state. Bins: W = the padded row length S; "packed": J per minibatch
-    the most that any of the batches needs by first-fit decreasing (rounded up to a multiple
-    of microbatches), one static shape; "auto" (`train.pack_bins=0`, the default): J per batch
-    on `packing.auto_bins`' ladder; "auto_quarter": the first auto (J rounded up to a quarter
-    of the rows). Every batch runs once untimed in every mode first, so each shape's compile
-    is outside the timings (the compiles are counted)."""
+    batch), from the same state. Bins: W = the padded row length S (`--pack-lengths`: auto and
+    auto_blocked at other W too); "packed": J per minibatch the most that any of the batches
+    needs (`packing.pack_rows`, rounded up to a multiple of microbatches), one static shape;
+    "auto" (`train.pack_bins=0`, the default): J per batch on `packing.auto_bins`' ladder;
+    "auto_quarter": the first auto (J rounded up to a quarter of the rows); "*_ffd": packed by
+    first-fit decreasing alone (the packer before minimum bin slack). Every batch runs once
+    untimed in every mode first, so each shape's compile is outside the timings (the compiles
+    are counted)."""
     config.train.packing = "padded"
     step = GjaxStep(config, path, verifier, data, length_dist=args.length_dist)
     t = config.train
@@ -493,34 +517,44 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
         s = host["input_ids_BxS"].shape[1]
         for m in range(t.minibatches):
             rows = spans_Bx2[m :: t.minibatches, 1]
-            need = max(need, packing.first_fit_decreasing(rows, len(rows), s)[2])
+            need = max(need, packing.pack_rows(rows, len(rows), s)[2])
     bins = -(-need // t.microbatches) * t.microbatches
     packed_cfg = config.train.copy_and_resolve_references()
     packed_cfg.packing, packed_cfg.pack_bins, packed_cfg.pack_length = "packed", bins, s
     auto_cfg = config.train.copy_and_resolve_references()  # the default: bins chosen per batch
     auto_cfg.packing, auto_cfg.pack_bins, auto_cfg.pack_length = "packed", 0, 0
-    # Each mode: (train config, attention, auto rounding, ladder steps); the attention is
-    # named, so a mode means the same whatever `model.attention='auto'` picks on CPU.
+    # Each mode: (train config, attention, auto rounding, ladder steps, packer); the
+    # attention is named, so a mode means the same whatever `model.attention='auto'` picks.
+    ladder = ("ladder", packing.AUTO_STEPS)
     modes = {
-        "padded": (config.train, "xla", None, None),
-        "packed": (packed_cfg, "xla", None, None),
-        "auto_quarter": (auto_cfg, "xla", "quarter", None),
-        "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS),
-        "auto": (auto_cfg, "xla", "ladder", packing.AUTO_STEPS),  # the default on CPU
+        "padded": (config.train, "xla", None, None, None),
+        "packed": (packed_cfg, "xla", None, None, None),
+        "auto_quarter": (auto_cfg, "xla", "quarter", None, "mbs"),
+        "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS, "mbs"),
+        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # the default on CPU
         # The same with the causal-blocked XLA attention (`model.attention='xla_blocked'`).
-        "auto_blocked": (auto_cfg, "xla_blocked", "ladder", packing.AUTO_STEPS),
+        "auto_blocked": (auto_cfg, "xla_blocked", *ladder, "mbs"),
+        # Both with the packer before 2026-11-26 (first-fit decreasing alone).
+        "auto_ffd": (auto_cfg, "xla", *ladder, "ffd"),
+        "auto_blocked_ffd": (auto_cfg, "xla_blocked", *ladder, "ffd"),
     }
+    for width in args.pack_lengths:  # auto and auto_blocked at other bin lengths W
+        w_cfg = auto_cfg.copy_and_resolve_references()
+        w_cfg.pack_length = width
+        modes[f"auto_w{width}"] = (w_cfg, "xla", *ladder, "mbs")
+        modes[f"auto_blocked_w{width}"] = (w_cfg, "xla_blocked", *ladder, "mbs")
+        args.packing_modes += [f"auto_w{width}", f"auto_blocked_w{width}"]
     unknown = set(args.packing_modes) - set(modes)
     if unknown or "padded" not in args.packing_modes:
         raise SystemExit(f"--packing-modes: padded and any of {list(modes)}, got {unknown}")
     learners, impls = {}, {}
     for mode in (m for m in modes if m in args.packing_modes):  # each its own jit
-        train_cfg, impls[mode], rounding, steps = modes[mode]
+        train_cfg, impls[mode], rounding, steps, packer = modes[mode]
         learner = step.make_learner(
             train_cfg=train_cfg, model_cfg=step.cfg.replace(attention=impls[mode])
         )
         if rounding is not None:
-            pack = dataclasses.replace(learner.pack, rounding=rounding, steps=steps)
+            pack = dataclasses.replace(learner.pack, rounding=rounding, steps=steps, packer=packer)
             learner = dataclasses.replace(learner, pack=pack)
         learners[mode] = learner
     for groups in batches:  # compile every shape first (untimed)
@@ -544,6 +578,8 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
             rec = {
                 **step.flops(groups, batch, learner, impls[mode]),
                 "bins_J": int(batch["pack_bins_J"].shape[0]) if "pack_bins_J" in batch else None,
+                # The most bins a minibatch's rows took (before auto J's rounding).
+                "bins_used": int(batch["pack_metrics"][0]) if "pack_metrics" in batch else None,
                 "logps_s": t1 - t0,
                 "update_s": t2 - t1,
                 "update_cpu_s": c2 - c1,  # this process's CPU time: less load-sensitive
@@ -592,6 +628,9 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
                 r["attn_pairs_executed"] / r["attn_pairs_useful"] for r in recs[mode]
             ),
             "bins_J": sorted({r["bins_J"] for r in recs[mode] if r["bins_J"] is not None}),
+            "bins_used": [r["bins_used"] for r in recs[mode]],
+            "pack_length_W": (learners[mode].pack.length or s) if learners[mode].pack else None,
+            "packer": learners[mode].pack.packer if learners[mode].pack else None,
         }
     pad = summary["padded"]
     emit(
@@ -816,8 +855,15 @@ def main():
     ap.add_argument(
         "--packing-modes",
         type=lambda x: x.split(","),
-        default="padded,packed,auto_quarter,auto_coarse,auto,auto_blocked",
+        default="padded,packed,auto_quarter,auto_coarse,auto,auto_blocked,auto_ffd",
         help="--compare-packing's modes, comma-separated (padded always)",
+    )
+    ap.add_argument(
+        "--pack-lengths",
+        type=lambda x: [int(w) for w in x.split(",") if w],
+        default=[],
+        help="--compare-packing: also auto and auto_blocked at these bin lengths W (modes "
+        "auto_wW, auto_blocked_wW; the others run W = S)",
     )
     args = ap.parse_args()
     if args.shape and args.policy:

@@ -2,8 +2,8 @@
 
 Padded, every row runs at the batch's full length S; packed, each row's span (its first real
 token up to the position that predicts its last loss token) is copied into one of J bins of
-W tokens, first-fit decreasing, so the model runs on [J, W] instead of [B, S]. J and W are
-static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
+W tokens by minimum bin slack (`pack_rows`), so the model runs on [J, W] instead of [B, S].
+J and W are static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
 the default) each batch takes the fewest bins it needs rounded up on a ladder of
 `AUTO_STEPS` values per doubling (`auto_bins`: at most 1/16 of the bins empty; a run
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
@@ -24,6 +24,7 @@ differs. Packed shape letters: J bins, W bin length.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 
 import jax
@@ -38,6 +39,7 @@ AUTO_STEPS = 16  # auto bins: J on {16..31} x 2^e (J < 32: exact), at most R row
 READ_STEPS = 8  # auto bins' C: a multiple of W / READ_STEPS
 AUTO_SHAPES = 4  # rounding="quarter": J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
 ROUNDINGS = ("ladder", "quarter")
+PACKERS = ("mbs", "ffd")  # `pack_rows`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +48,20 @@ class Packing:
     row, which always fits) of `length` tokens (0: the batch's padded row length S).
     `rounding` of auto bins (`auto_bins`): "ladder" (`steps` values per doubling), or
     "quarter" (the first auto: up to a quarter of the rows; kept for
-    benchmarks/train_step.py's comparison)."""
+    benchmarks/train_step.py's comparison). `packer` (`pack_rows`): "mbs" (the default) or
+    "ffd" (first-fit decreasing alone, kept for the same comparison)."""
 
     bins: int = 0
     length: int = 0
     rounding: str = "ladder"
     steps: int = AUTO_STEPS
+    packer: str = "mbs"
 
     def __post_init__(self):
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"unknown auto-bin rounding {self.rounding!r}; valid: {ROUNDINGS}")
+        if self.packer not in PACKERS:
+            raise ValueError(f"unknown packer {self.packer!r}; valid: {PACKERS}")
 
     def shape(self, rows: int, s: int, minibatches: int, marker_J=None) -> tuple[int, int]:
         """(J bins per minibatch, W tokens per bin) for `rows` rows of length `s`; auto bins
@@ -164,6 +170,77 @@ def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
     return bin_R, offset_R, int((fill > 0).sum())
 
 
+def min_bin_slack(length_R: np.ndarray, bins: int, width: int):
+    """(bin_R, offset_R, bins used) by minimum bin slack (Gupta & Ho 1999, as in Fleszar &
+    Hindi 2002's MBS'): bin by bin, the longest row left, then the subset of the rows left
+    that fills the rest of the bin most (`_fullest_subset`); bin -1 where a row fits nowhere.
+    Where first-fit decreasing leaves a gap no single short row fills (rows of ~27 tokens:
+    two to a bin of 80), this finds the combinations that do. Deterministic (ties keep row
+    order); at most one subset-sum pass over the rows left per bin (about 60 ms for 1024
+    rows into bins of 8192)."""
+    rows = [int(r) for r in np.argsort(-length_R, kind="stable") if length_R[r] > 0]
+    lens = [int(length_R[r]) for r in rows]  # non-increasing
+    neg = [-n for n in lens]  # non-decreasing, for bisect
+    bin_R = np.zeros(len(length_R), np.int32)
+    offset_R = np.zeros(len(length_R), np.int32)
+    used = 0
+    while rows:
+        if used >= bins or lens[0] > width:
+            bin_R[rows] = -1
+            break
+        room = width - lens[0]
+        fits = bisect.bisect_left(neg, -room, 1)  # the rows after the first that fit
+        offset = 0
+        placed = [0, *_fullest_subset(lens, fits, room)]
+        for i in placed:
+            bin_R[rows[i]], offset_R[rows[i]] = used, offset
+            offset += lens[i]
+        for i in reversed(placed):
+            del rows[i], lens[i], neg[i]
+        used += 1
+    return bin_R, offset_R, used
+
+
+def _fullest_subset(lens: list[int], start: int, room: int) -> list[int]:
+    """Indices >= `start` of `lens` (non-increasing) whose sum is the largest <= `room`: 0/1
+    subset sums as the bits of an int, each item kept with the sums reached before it, so
+    walking back from the best sum takes an item only where the sum needs it. Stops at an
+    exact fill; skips an item that reaches no new sum (and its equal-length followers)."""
+    below = (1 << (room + 1)) - 1
+    reached, steps, prev, grew = 1, [], 0, True
+    for i in range(start, len(lens)):
+        n = lens[i]
+        if n == prev and not grew:
+            continue
+        new = (reached << n) & below
+        prev, grew = n, (new | reached) != reached
+        if grew:
+            steps.append((i, reached))
+            reached |= new
+            if reached >> room:
+                break
+    total, out = reached.bit_length() - 1, []
+    for i, before in reversed(steps):
+        if not (before >> total) & 1:
+            out.append(i)
+            total -= lens[i]
+    return out[::-1]
+
+
+def pack_rows(length_R: np.ndarray, bins: int, width: int, packer: str = "mbs"):
+    """(bin_R, offset_R, bins used) of `packer`: "mbs" the fewer bins of `min_bin_slack` and
+    `first_fit_decreasing` (MBS on a tie; so a plan that fit before still fits), "ffd"
+    first-fit decreasing alone (the packer before 2026-11-26; benchmarks' comparison)."""
+    ffd = first_fit_decreasing(length_R, bins, width)
+    if packer == "ffd":
+        return ffd
+    mbs = min_bin_slack(length_R, bins, width)
+    fits = lambda plan: not (plan[0] < 0).any()  # noqa: E731
+    if fits(mbs) and (not fits(ffd) or mbs[2] <= ffd[2]):
+        return mbs
+    return ffd
+
+
 def plan(
     spans_Bx2: np.ndarray,
     packing: Packing,
@@ -191,20 +268,20 @@ def plan(
     most = 0
     for m in range(minibatches):
         rows = np.arange(m, b, minibatches)
-        bin_R, offset_R, used = first_fit_decreasing(length_B[rows], bins, width)
+        bin_R, offset_R, used = pack_rows(length_B[rows], bins, width, packing.packer)
         most = max(most, used)
         if (bin_R < 0).any():
-            _, _, need = first_fit_decreasing(length_B[rows], len(rows), max(width, s))
+            _, _, need = pack_rows(length_B[rows], len(rows), max(width, s), packing.packer)
             raise ConfigError(
                 f"train.packing='packed': the rows of minibatch {m} do not fit "
                 f"train.pack_bins={bins} bins of train.pack_length={width} tokens (longest "
                 f"row {int(length_B[rows].max())} tokens, {int(length_B[rows].sum())} in "
-                f"all; first-fit decreasing needs {need} bins of {max(width, s)}). Raise "
+                f"all; packing them needs {need} bins of {max(width, s)}). Raise "
                 "train.pack_bins (0: auto, as many as each batch needs) or train.pack_length, "
                 "or set train.packing='padded'."
             )
         bin_B[rows], offset_B[rows] = bin_R, offset_R
-    if not packing.bins:  # first-fit fills bins 0.. in order: the plan fits in `most`
+    if not packing.bins:  # the packers fill bins 0.. in order: the plan fits in `most`
         bins = auto_bins(
             most, b // minibatches, microbatches, packing.rounding, shards, packing.steps
         )

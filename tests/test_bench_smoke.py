@@ -129,14 +129,15 @@ def test_train_step_compare_packing_smoke():
         *("--prompts", "2", "--samples", "4", "--new-tokens", "16", "--compare-packing"),
         *("--warmup", "0", "--repeats", "2", "--length-dist", "pareto", "--microbatches", "2"),
         # auto_coarse left out: below 16 bins both ladders are exact (auto's J).
-        *("--packing-modes", "padded,packed,auto_quarter,auto,auto_blocked"),
+        *("--packing-modes", "padded,packed,auto_quarter,auto,auto_blocked,auto_ffd"),
     )
     s = records[-1]
     steps = [r for r in records if r["what"] == "packing_step"]
-    modes = {"padded", "packed", "auto", "auto_quarter", "auto_blocked"}
+    modes = {"padded", "packed", "auto", "auto_quarter", "auto_blocked", "auto_ffd"}
     assert s["what"] == "packing_summary" and len(steps) == 2 * len(modes)
-    # Each batch runs five ways (padded; packed in fixed bins; auto bins on the ladder, rounded
-    # to a quarter of the rows, and with the causal-blocked XLA attention; the order rotates):
+    # Each batch runs six ways (padded; packed in fixed bins; auto bins on the ladder, rounded
+    # to a quarter of the rows, with the causal-blocked XLA attention, and packed by first-fit
+    # decreasing alone; the order rotates):
     # same rows, same loss, fewer executed FLOPs.
     for i in (0, len(modes)):
         batch = steps[i : i + len(modes)]
@@ -158,6 +159,8 @@ def test_train_step_compare_packing_smoke():
     assert 1 <= s["auto_update_compiles"] <= 2  # at most one per batch (and 4 shapes)
     assert 1 <= s["auto_quarter_update_compiles"] <= 2
     assert max(s["auto_bins_J"]) <= max(s["auto_quarter_bins_J"])  # the ladder is finer
+    assert (s["auto_packer"], s["auto_ffd_packer"]) == ("mbs", "ffd")
+    assert all(a <= b for a, b in zip(s["auto_bins_used"], s["auto_ffd_bins_used"], strict=True))
     assert s["auto_update_executed_over_useful"] < s["padded_update_executed_over_useful"]
     assert s["packed_shape"].endswith("x 48 tokens") and s["train"]["microbatches"] == 2
 

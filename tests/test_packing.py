@@ -91,6 +91,55 @@ def test_spans_and_first_fit_decreasing():
     assert packing.first_fit_decreasing(np.array([9]), 3, 8)[0][0] == -1
 
 
+def test_min_bin_slack_fills_the_gaps_first_fit_decreasing_leaves():
+    # Bins of 10: first-fit decreasing puts 4 + 4 together and the 3s three to a bin (3 bins,
+    # 9 + 8 + 3 tokens); minimum bin slack tops each 4 up with 3 + 3 (2 full bins).
+    length_R = np.array([3, 4, 3, 3, 4, 3])
+    assert packing.first_fit_decreasing(length_R, 6, 10)[2] == 3
+    bin_R, offset_R, used = packing.min_bin_slack(length_R, 6, 10)
+    assert used == 2
+    # Longest first (row order on ties), then the first rows that fill the bin exactly.
+    np.testing.assert_array_equal(bin_R, [0, 0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(offset_R, [4, 0, 7, 4, 0, 7])
+    assert packing.pack_rows(length_R, 6, 10)[2] == 2
+    assert packing.pack_rows(length_R, 6, 10, "ffd")[2] == 3
+    # A row longer than the bins, or too few bins: -1 for the rows left.
+    assert packing.min_bin_slack(np.array([11, 2]), 2, 10)[0].tolist() == [-1, -1]
+    assert packing.min_bin_slack(length_R, 1, 10)[0].tolist() == [0, 0, 0, -1, -1, -1]
+    with pytest.raises(ValueError, match="packer"):
+        packing.Packing(packer="bfd")
+
+
+def test_pack_rows_keeps_first_fit_where_it_needs_fewer_bins():
+    # Here first-fit decreasing needs 3 bins of 20 and minimum bin slack 4 (15 + 3 + 2
+    # leaves 11 + 7 and 11 + 6 apart): the plan takes the fewer, so fixed bins that fit
+    # before still fit.
+    length_R = np.array([15, 11, 11, 7, 6, 4, 3, 2])
+    assert packing.first_fit_decreasing(length_R, 8, 20)[2] == 3
+    assert packing.min_bin_slack(length_R, 8, 20)[2] == 4
+    assert packing.pack_rows(length_R, 8, 20)[2] == 3
+    spans = np.stack([np.zeros(8, int), length_R], axis=1)
+    plan = packing.plan(spans, packing.Packing(bins=3, length=20), s=20, minibatches=1)
+    assert plan["pack_metrics"][0] == 3
+
+
+def test_auto_bins_on_the_benchmark_lengths_need_fewer_bins_than_first_fit():
+    # Row spans of one benchmarks/train_step.py batch (--length-dist pareto, 128 rows of
+    # 32 + 48 tokens; spans 18-64): 3397 tokens, 43 bins of 80 at least. First-fit
+    # decreasing needs 46 (rows of ~27 go two to a bin), minimum bin slack 43.
+    span_N = [64, 55, 49, 43, 41, 39, 38, 37, 36, 35, 34, 32, 31, 30, 29, 28, 27, 26, 25]
+    span_N += [24, 23, 22, 21, 20, 19, 18]
+    count_N = [1, 2, 1, 1, 2, 2, 1, 2, 1, 1, 3, 5, 6, 3, 1, 10, 6, 18, 5, 7, 8, 12, 4, 4, 10, 12]
+    length_R = np.repeat(span_N, count_N)
+    assert len(length_R) == 128 and length_R.sum() == 3397
+    spans = np.stack([np.zeros(128, int), length_R], axis=1)
+    used = {}
+    for packer in packing.PACKERS:
+        pack = packing.Packing(bins=0, length=80, packer=packer)
+        used[packer] = int(packing.plan(spans, pack, s=80, minibatches=1)["pack_metrics"][0])
+    assert used == {"mbs": 43, "ffd": 46}
+
+
 def test_rows_that_do_not_fit_stop_with_a_clear_error():
     spans = np.array([[0, 10], [0, 10], [0, 10], [0, 11]])
     # Minibatch 0 (rows 0, 2) fits one bin of 20, minibatch 1 (rows 1, 3) does not.
