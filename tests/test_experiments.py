@@ -178,10 +178,18 @@ def test_pass1_at_equal_sampled_tokens():
     assert aggregate.pass1_at_tokens(runs["a"][0], 300.0) == pytest.approx(0.6)
     assert aggregate.pass1_at_tokens(runs["a"][0], 100.0) == pytest.approx(0.4)  # (0, 0.3)
     assert aggregate.pass1_at_tokens(runs["b"][0], 201.0) is None  # past its last evaluation
-    figs = {"a": [{"sampled_tokens": 400.0}], "b": [{"sampled_tokens": 200.0}]}
+    runs["b"].append(run(60.0, {2: 0.4, 4: 0.6}))  # 240 tokens: the budget stays 200
+    figs = {
+        "a": [{"sampled_tokens": 400.0}],
+        "b": [{"sampled_tokens": 200.0}, {"sampled_tokens": 240.0}],
+    }
     md = aggregate.equal_tokens_table(runs, figs)
-    assert "| a | 2.00 | 0.500 |" in md and "| b | 1.00 | 0.600 |" in md  # one seed: no interval
+    assert "| a | 2.00 | 0.500 |" in md  # one seed: no interval
+    # b: 0.6 at 200 tokens, and 0.4 + 0.2 x (200 - 120) / 120 = 0.5333 (evaluations at 120
+    # and 240 tokens) -> mean 0.5667, sd 0.0471, half-width 12.706205 x 0.0471 / sqrt(2) = 0.424
+    assert "| b | 1.10 | 0.567 ± 0.424 |" in md
     assert aggregate.equal_tokens_table(runs, {"a": figs["b"], "b": figs["b"]}) == ""
+    assert "sampled tokens (mean) / 200 " in md
 
 
 @pytest.mark.slow
