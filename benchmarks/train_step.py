@@ -493,7 +493,9 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     batch), from the same state. Bins: W = the padded row length S (`--pack-lengths`: auto and
     auto_blocked at other W too); "packed": J per minibatch the most that any of the batches
     needs (`packing.pack_rows`, rounded up to a multiple of microbatches), one static shape;
-    "auto" (`train.pack_bins=0`, the default): J per batch on `packing.auto_bins`' ladder;
+    "auto" (`train.pack_bins=0`, the default): J per batch on `packing.auto_bins`' ladder,
+    dense `xla` attention; "auto_blocked": the same with `xla_blocked` (CPU's default since
+    2026-11-26, what `model.attention='auto'` runs here);
     "auto_quarter": the first auto (J rounded up to a quarter of the rows); "*_ffd": packed by
     first-fit decreasing alone (the packer before minimum bin slack). Every batch runs once
     untimed in every mode first, so each shape's compile is outside the timings (the compiles
@@ -531,8 +533,8 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
         "packed": (packed_cfg, "xla", None, None, None),
         "auto_quarter": (auto_cfg, "xla", "quarter", None, "mbs"),
         "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS, "mbs"),
-        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # the default on CPU
-        # The same with the causal-blocked XLA attention (`model.attention='xla_blocked'`).
+        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # dense attention (CPU's default before)
+        # The same with the causal-blocked XLA attention: the default on CPU.
         "auto_blocked": (auto_cfg, "xla_blocked", *ladder, "mbs"),
         # Both with the packer before 2026-11-26 (first-fit decreasing alone).
         "auto_ffd": (auto_cfg, "xla", *ladder, "ffd"),
