@@ -16,7 +16,9 @@ Implementations (`model.attention`):
   of T^2, static shapes, same mask. CPU's default, where no flash kernel runs: padding waste
   1.07 vs dense's 1.11 on the packed update, 0.93-0.97x its time (benchmarks/train_step.py).
   Its rounding differs from "xla"'s (about 2e-6 in hidden states: summation lengths differ),
-  and fully masked (padding) queries average fewer keys.
+  and fully masked (padding) queries average fewer keys. Its programs take longer to compile
+  (a_grae.py:tiny, 120 steps, one run each at load 5-6: learner dispatch, mostly compiles,
+  194 s vs 143 s; the run 290 s vs 241 s wall; steady steps 0.61 vs 0.56 s).
 - "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
   .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
   skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
