@@ -15,7 +15,7 @@ import pytest
 from gjax.errors import ConfigError
 from gjax.models import attention
 from gjax.models.config import ModelConfig
-from gjax.models.transformer import abstract_params, forward
+from gjax.models.transformer import abstract_params, forward, prefill
 
 B, T, H, K, DH = 2, 40, 4, 2, 16
 # Row 0: three packed segments then padding; row 1: left and right padding around one.
@@ -83,7 +83,7 @@ def test_kernel_equals_xla_reference_forward_and_grad(name):
 
 def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
     assert [attention.resolve("auto", p) for p in ("cpu", "gpu", "tpu")] == [
-        "xla",
+        "xla_blocked",  # CPU's default: padding waste 1.07 vs dense's 1.11 (issue 22)
         "pallas_gpu",
         "splash",
     ]
@@ -91,6 +91,7 @@ def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
         assert attention.resolve(name, "gpu") == name
     assert attention.resolve("splash", "tpu") == "splash"
     assert attention.resolve("xla", "tpu") == "xla"
+    assert attention.resolve("xla", "cpu") == "xla"  # dense stays selectable
     assert [attention.resolve("xla_blocked", p) for p in ("cpu", "gpu")] == ["xla_blocked"] * 2
     assert attention.resolve("cudnn", "gpu", "bfloat16") == "cudnn"
     with pytest.raises(ConfigError, match="model.dtype='bfloat16'"):  # was: a traceback
@@ -138,6 +139,40 @@ def test_transformer_reads_the_config():
     for name in ("pallas_gpu", "splash", "cudnn"):
         with pytest.raises(ConfigError, match="runs only on"):
             run(name)
+
+
+def test_prefill_runs_the_forward_implementation(monkeypatch):
+    """`transformer.prefill` (the samplers' and the engine's) attends through `attend` with the
+    implementation the forward resolves and its layer input (here cudnn's: segment ids; its
+    call runs on jax's XLA backend, as `cudnn_call` above)."""
+    cfg = ModelConfig(
+        model_type="qwen2", vocab_size=32, hidden_size=32, intermediate_size=32, num_layers=1,
+        num_heads=H, num_kv_heads=K, head_dim=8, attention="xla",
+    )  # fmt: skip
+    params = jax.tree.map(
+        lambda x: 0.2 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), abstract_params(cfg)
+    )
+    cfg = cfg.replace(attention="cudnn")
+    seg = jnp.asarray(SEG_BxT)
+    tokens = jax.random.randint(jax.random.key(2), seg.shape, 0, 32)
+    positions = jnp.maximum(jnp.cumsum(seg != 0, axis=1) - 1, 0)
+    seen, attend = [], attention.attend
+
+    def spy(impl, q, k, v, layer_in):
+        seen.append((impl, layer_in.shape))
+        if impl == "cudnn":
+            return attention.cudnn(q, k, v, layer_in, backend="xla")
+        return attend(impl, q, k, v, layer_in)
+
+    monkeypatch.setattr(attention, "platform_impl", lambda name: name)
+    monkeypatch.setattr(attention, "attend", spy)
+    want = jax.jit(forward, static_argnums=1)(params, cfg, tokens, positions, seg)
+    assert set(seen) == {("cudnn", (B, T))}  # the forward's: the kernel, segment ids
+    del seen[:]
+    got, _, _ = jax.jit(prefill, static_argnums=1)(params, cfg, tokens, positions, seg)
+    assert seen and set(seen) == {("cudnn", (B, T))}  # the prefill's: the same
+    real = (seg != 0)[:, :, None]
+    np.testing.assert_allclose(np.where(real, got, 0.0), np.where(real, want, 0.0), atol=1e-6)
 
 
 def test_config_names_the_valid_implementations():

@@ -190,13 +190,16 @@ def test_bf16_compute_runs_close_to_f32():
     assert float(jnp.max(jnp.abs(logits - logits32))) < 0.15 * float(jnp.max(jnp.abs(logits32)))
 
 
-def test_prefill_matches_forward_and_returns_cache():
+@pytest.mark.parametrize("impl", ["auto", "xla", "xla_blocked"])
+def test_prefill_matches_forward_and_returns_cache(impl):
+    """Prefill runs the forward's attention implementation (dense vs blocked: ~2e-6 apart)."""
+    cfg = CFG.replace(attention=impl)
     segments = np.ones_like(TOKENS)
     segments[1, :3] = 0
     positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0)
-    hidden = run(PARAMS, CFG, TOKENS, positions, segments)
+    hidden = run(PARAMS, cfg, TOKENS, positions, segments)
     hidden_p, k, v = tr.prefill(
-        PARAMS, CFG, jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray(segments)
+        PARAMS, cfg, jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray(segments)
     )
     np.testing.assert_allclose(hidden_p, hidden, atol=1e-6)
     assert k.shape == v.shape == (2, 2, 2, 9, 8)  # [L, P, K, S, Dh]

@@ -1,18 +1,24 @@
 """Self-attention over packed rows: the one place an implementation is chosen per platform.
 
-Every implementation computes the same masked GQA attention (`transformer.dot_attention`):
-query i attends key j iff j <= i, seg[i] == seg[j] and seg[j] != 0 (0 = padding). Outputs at
-padding queries are unspecified (nothing reads them). Implementations (`model.attention`):
+Every implementation computes the same masked GQA attention (`xla`): query i attends key j
+iff j <= i, seg[i] == seg[j] and seg[j] != 0 (0 = padding). Outputs at padding queries are
+unspecified (nothing reads them). Every whole-sequence forward runs the implementation chosen
+here: the training / scoring `Transformer` and the sampler's `transformer.prefill` (the
+static sampler, the continuous decoder and the JetStream engine), so prefill and forward
+round alike. Decode steps (one query against a KV cache) and the decoder's chunked prefill
+(a query chunk at a traced offset against a prompt region) run their own dense softmax.
+Implementations (`model.attention`):
 
-- "xla": dense masked attention, `transformer.dot_attention`; builds the [B, T, T] mask and
-  the f32 [B, H, T, T] scores. The reference, and CPU's default.
+- "xla": dense masked attention; builds the [B, T, T] mask and the f32 [B, H, T, T] scores.
+  The reference.
 - "xla_blocked": the same in `XLA_BLOCKS` static query chunks, chunk i only against keys
   [0, end of chunk i) (the causal mask empties the rest): T^2 (n + 1) / (2n) scores instead
-  of T^2, static shapes, same mask. For CPU, where no flash kernel runs: measured not
-  slower than "xla" on the packed update (benchmarks/train_step.py), but not the default:
-  its rounding differs from the dense attention the sampler's prefill and decode run (about
-  2e-6 in hidden states; tests/test_model.py holds them to 1e-6), and fully masked (padding)
-  queries average fewer keys.
+  of T^2, static shapes, same mask. CPU's default, where no flash kernel runs: padding waste
+  1.07 vs dense's 1.11 on the packed update, 0.93-0.97x its time (benchmarks/train_step.py).
+  Its rounding differs from "xla"'s (about 2e-6 in hidden states: summation lengths differ),
+  and fully masked (padding) queries average fewer keys. Its programs take longer to compile
+  (a_grae.py:tiny, 120 steps, one run each at load 5-6: learner dispatch, mostly compiles,
+  194 s vs 143 s; the run 290 s vs 241 s wall; steady steps 0.61 vs 0.56 s).
 - "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
   .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
   skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
@@ -25,7 +31,7 @@ padding queries are unspecified (nothing reads them). Implementations (`model.at
   bias (so a [T x T] array in HBM, though not the per-head f32 scores); `is_causal` lets it
   skip the upper tiles. bf16/f16 only. The packed ragged layout (q_offsets / kv_offsets) is
   only in jax's private cuDNN module, not used here.
-- "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
+- "auto": `AUTO` by platform (cpu: xla_blocked, gpu: pallas_gpu, tpu: splash).
 
 The Pallas kernels are custom calls XLA cannot split: on a multi-device context mesh
 (`jax.set_mesh`) `attend` runs them in a `jax.shard_map`, batch and heads split as
@@ -47,7 +53,7 @@ from gjax import sharding
 from gjax.errors import ConfigError
 from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
-AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
+AUTO = {"cpu": "xla_blocked", "gpu": "pallas_gpu", "tpu": "splash"}
 XLA_BLOCKS = 4  # "xla_blocked": query chunks per row
 # Platforms each implementation compiles for (xla: any).
 PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}

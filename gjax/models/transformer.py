@@ -34,8 +34,6 @@ import numpy as np
 
 from gjax.models import attention
 from gjax.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401 (decoders import it)
-from gjax.models.attention import dense_mask as attention_mask
-from gjax.models.attention import xla as dot_attention
 from gjax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -357,19 +355,22 @@ def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment
 
     Returns `(hidden_PxSxD, k_LxPxKxSxDh, v_LxPxKxSxDh)`; keys are stored after RoPE, so a
     decode step never re-rotates the cache. The cache is laid out [.., K, S, Dh] so decode
-    attention is a plain batched matmul over (P, K). Same math as `Transformer` (tested).
+    attention is a plain batched matmul over (P, K). Same math as `Transformer` (tested), and
+    the same attention implementation (`cfg.attention`, resolved as the forward resolves it),
+    so prefill and the training forward round alike.
     """
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
     x = jnp.take(params["embed"]["embedding"], tokens_PxS, axis=0).astype(dtype)
     cos, sin = rope_cos_sin(positions_PxS, cfg)
-    mask = attention_mask(segment_ids_PxS)
+    impl = attention.platform_impl(cfg.attention)
+    attn_in = attention.layer_input(impl, segment_ids_PxS)
 
     def layer(x, lp):
         h = rms_norm(x, lp["input_norm"]["scale"], eps)
         q, k, v = _qkv(lp["attn"], h, cfg, dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        att = dot_attention(q, k, v, mask)
+        att = attention.attend(impl, q, k, v, attn_in)
         x = x + _linear(lp["attn"]["o"], att.reshape(*att.shape[:2], -1), dtype)
         h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
         x = x + _mlp(lp["mlp"], h, dtype)

@@ -157,7 +157,9 @@ def _prefill_chunk(params, cfg, layers, state: SlotState, tokens_AxC, start_A, m
     padding side) into their regions: each column attends the region's earlier columns and
     itself under one softmax, and its K/V are written there. A prompt's next-token logits are
     written by the chunk holding its last real column. Chunks in order give the whole
-    prompt's `_prefill` (chunked prefill: a long prompt does not stall the decode slots)."""
+    prompt's `_prefill` (chunked prefill: a long prompt does not stall the decode slots), to
+    rounding: C queries at a traced offset against the region's keys are not a layout
+    `attention.attend` takes, so this runs its own dense softmax whatever `model.attention`."""
     dtype, f32 = cfg.jnp_dtype, jnp.float32
     a_, c_ = tokens_AxC.shape
     sp_ = mask_AxSp.shape[1]
