@@ -6,8 +6,10 @@
 Each run trains in OUT/STUDY/VARIANT/seed_S (metrics.jsonl, summary.json, checkpoints),
 then writes passk.json (held-out pass@k, k = 1..64, final vs base params) and done.json.
 A run with done.json for the same steps is skipped; an unfinished one resumes from its last
-checkpoint. Ctrl-C stops every worker at the end of its step, checkpoint saved; rerun the
-same command to go on. Each worker's output is in its workdir's worker.log.
+checkpoint. Ctrl-C stops every worker at the end of its step, checkpoint saved; so does
+SIGTERM to the runner (`kill PID`: it passes the signal on; a runner started in the background
+by a script ignores Ctrl-C's SIGINT, as do its workers). Rerun the same command to go on.
+Each worker's output is in its workdir's worker.log.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -69,21 +72,29 @@ def run_study(args) -> int:
           f"with {args.workers} workers", flush=True)  # fmt: skip
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # workers share an accelerator
-    lock, finished, failed = threading.Lock(), [0], []
+    lock, finished, failed, live, stopping = threading.Lock(), [0], [], set(), threading.Event()
 
     def one(run) -> None:
         variant, seed, wd, _ = run
+        if stopping.is_set():
+            return
         os.makedirs(wd, exist_ok=True)
         t0 = time.time()
         with open(os.path.join(wd, "worker.log"), "a") as log:
-            code = subprocess.call(
-                worker_command(study.name, variant, seed, args),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                env=env,
-            )
+            with lock:  # no worker starts after a stop (`stop` below holds the lock)
+                if stopping.is_set():
+                    return
+                proc = subprocess.Popen(
+                    worker_command(study.name, variant, seed, args),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=ROOT,
+                    env=env,
+                )
+                live.add(proc)
+            code = proc.wait()
         with lock:
+            live.discard(proc)
             finished[0] += 1
             if code == 0:
                 status = "done"
@@ -96,14 +107,25 @@ def run_study(args) -> int:
             print(f"[{finished[0]}/{len(todo)}] {variant} seed {seed}: {status} in "
                   f"{time.time() - t0:.0f} s", flush=True)  # fmt: skip
 
+    def stop(signum, frame):  # SIGTERM (`kill PID`): the workers are told, unlike Ctrl-C's
+        with lock:
+            stopping.set()
+            for proc in live:
+                proc.send_signal(signal.SIGTERM)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=args.workers)
     try:
         for f in [pool.submit(one, r) for r in todo]:
             f.result()
-    except KeyboardInterrupt:  # the workers got it too: each saves a checkpoint and exits
+    except KeyboardInterrupt:  # Ctrl-C reached the workers too: each saves a checkpoint
+        stopping.set()
         pool.shutdown(wait=True, cancel_futures=True)
         print("interrupted: rerun the same command to resume", file=sys.stderr, flush=True)
         return len(todo)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     pool.shutdown()
     if failed:
         print(f"{len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr, flush=True)

@@ -3,12 +3,15 @@ table and figures (synthetic runs in the trainer's formats), and one real smoke 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -216,3 +219,37 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     res = aggregate.aggregate("smoke", out, str(tmp_path / "results"))
     md = pathlib.Path(res, "results.md").read_text()
     assert "| grpo | 1 | 1 |" in md and "| dr_grpo | 1 | 1 |" in md
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_runner_stops_its_workers_with_a_checkpoint(tmp_path):
+    """`kill RUNNER` (a runner started by a script in the background, where Ctrl-C's SIGINT is
+    ignored): it passes SIGTERM on, the worker's trainer saves a checkpoint at the end of its
+    step and exits 143, no further run starts, and nothing is left running."""
+    out = str(tmp_path / "runs")
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "experiments.run", "smoke", "--seeds", "2", "--steps", "500",
+           "--smoke", "--workers", "1", "--variants", "grpo", "--out", out]  # fmt: skip
+    runner = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    wd = worker.workdir_of(out, "smoke", "grpo", 0)
+    metrics = pathlib.Path(wd, "metrics.jsonl")
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and runner.poll() is None:
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.5)
+        assert runner.poll() is None, "the runner ended before training"
+        runner.send_signal(signal.SIGTERM)
+        stdout, _ = runner.communicate(timeout=180)
+    finally:
+        runner.kill()
+    assert runner.returncode == 1, stdout
+    assert "grpo seed 0: stopped (checkpoint saved" in stdout, stdout
+    assert not os.path.exists(worker.workdir_of(out, "smoke", "grpo", 1))  # never started
+    assert worker.read_done(wd) is None
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert last < 500 and str(last) in os.listdir(os.path.join(wd, "checkpoints"))
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # the worker is gone too
+        with contextlib.suppress(OSError):
+            assert out not in pathlib.Path(f"/proc/{pid}/cmdline").read_text(), pid

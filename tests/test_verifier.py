@@ -434,6 +434,30 @@ def test_worker_loop_reports_exceptions(monkeypatch):
     assert not t.is_alive()
 
 
+def test_worker_exits_quietly_when_its_owner_is_gone():
+    """An owner that dies with the worker's reply unread resets the connection: the worker
+    ends without a traceback (seen when a study worker was stopped mid pass@k)."""
+    import multiprocessing
+
+    from gjax.rewards import verifier as vmod
+
+    parent, child = multiprocessing.Pipe()
+    raised = []
+
+    def run():
+        try:
+            vmod._worker_main(child, VerifierConfig(worker_memory_mb=None))
+        except BaseException as e:  # noqa: BLE001 (the assertion reports it)
+            raised.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    assert parent.poll(30)  # "ready" is waiting, unread
+    parent.close()
+    t.join(timeout=10)
+    assert not t.is_alive() and raised == []
+
+
 def test_item_error_is_a_counted_crash_and_recycles(monkeypatch):
     from gjax.rewards import verifier as vmod
 

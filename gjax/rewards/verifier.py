@@ -356,7 +356,7 @@ def _worker_main(
             except Exception as e:  # noqa: BLE001 (an item must never kill the loop)
                 out = (ERROR, f"{type(e).__name__}: {str(e)[:300]}")
             conn.send(out)
-    except (EOFError, BrokenPipeError, KeyboardInterrupt):
+    except (EOFError, ConnectionError, KeyboardInterrupt):  # the owner closed or died: quietly
         pass
     finally:
         conn.close()
