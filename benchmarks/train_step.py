@@ -136,7 +136,7 @@ figure); the same 5 timed batches, 3541 real tokens median:
 
 Batch by batch over auto_ffd, CPU time, median of 5 (four runs at load 6-7): auto 0.93-0.97x,
 auto_blocked 0.93-0.95x; losses agree to 3e-8. `model.attention='xla_blocked'` meets the
-<= 1.1 target (1.05-1.08 per batch); the default then (dense) was 1.11 (1.09-1.12): empty bin slots +0.02
+<= 1.1 target (1.05-1.08 per batch); the default (dense) was 1.11 (1.09-1.12): empty bin slots +0.02
 (1.018 tokens run per real token; the ladder rounds J up to even: 44 for 43 used), the dense
 [W x W] scores +0.08, the head +0.01. The bin length (`--pack-lengths 96,160`): W = 96 gives
 1.115 (xla) and 1.069 (xla_blocked) at the same wall time as 80; W = 160 gives 1.17 and 1.10,
@@ -147,8 +147,8 @@ pairs faster than they save empty slots, so W stays S (`train.pack_length=0`).
 runs the forward's implementation, so prefill == forward holds at 1e-6 under it):
 `--compare-packing --length-dist pareto --skip-trl` (default modes, 3 timed batches,
 3525-3614 real tokens), load 7.7-7.9.
-Padding waste: auto_blocked (now the default) 1.05 (1.047-1.072 per batch), auto (dense `xla`)
-1.09 (1.085-1.11), padded 3.14; us per real token 61 vs 63 (padded 199); auto_blocked over
+Padding waste: auto_blocked (`xla_blocked`, opt-in) 1.05 (1.047-1.072 per batch), auto (dense
+`xla`, the default) 1.09 (1.085-1.11), padded 3.14; us per real token 61 vs 63 (padded 199); auto_blocked over
 auto batch by batch 0.86-0.97x wall, 0.94-0.98x CPU time.
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
@@ -502,8 +502,7 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
     auto_blocked at other W too); "packed": J per minibatch the most that any of the batches
     needs (`packing.pack_rows`, rounded up to a multiple of microbatches), one static shape;
     "auto" (`train.pack_bins=0`, the default): J per batch on `packing.auto_bins`' ladder,
-    dense `xla` attention; "auto_blocked": the same with `xla_blocked` (CPU's default since
-    2026-11-26, what `model.attention='auto'` runs here);
+    dense `xla` attention (CPU's default); "auto_blocked": the same with `xla_blocked`;
     "auto_quarter": the first auto (J rounded up to a quarter of the rows); "*_ffd": packed by
     first-fit decreasing alone (the packer before minimum bin slack). Every batch runs once
     untimed in every mode first, so each shape's compile is outside the timings (the compiles
@@ -541,8 +540,8 @@ def compare_packing(args, config, path: str, verifier: Verifier, data) -> None:
         "packed": (packed_cfg, "xla", None, None, None),
         "auto_quarter": (auto_cfg, "xla", "quarter", None, "mbs"),
         "auto_coarse": (auto_cfg, "xla", "ladder", COARSE_STEPS, "mbs"),
-        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # dense attention (CPU's default before)
-        # The same with the causal-blocked XLA attention: the default on CPU.
+        "auto": (auto_cfg, "xla", *ladder, "mbs"),  # the default on CPU
+        # The same with the causal-blocked XLA attention (`model.attention='xla_blocked'`).
         "auto_blocked": (auto_cfg, "xla_blocked", *ladder, "mbs"),
         # Both with the packer before 2026-11-26 (first-fit decreasing alone).
         "auto_ffd": (auto_cfg, "xla", *ladder, "ffd"),

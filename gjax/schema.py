@@ -119,9 +119,9 @@ SCHEMA: dict[str, Any] = {
         ),
         "attention": Field(
             "auto",
-            "attention implementation: auto (cpu: xla_blocked, gpu: pallas_gpu, tpu: splash) | "
-            "xla (dense masked) | xla_blocked (xla in causal query chunks) | pallas_gpu | splash "
-            "| cudnn (gjax.models.attention; the training forward and the sampler's prefill)",
+            "attention implementation: auto (cpu: xla, gpu: pallas_gpu, tpu: splash) | xla "
+            "(dense masked) | xla_blocked (xla in causal query chunks) | pallas_gpu | splash | "
+            "cudnn (gjax.models.attention; the training forward and the sampler's prefill)",
         ),
     },
     "mesh": {

@@ -83,7 +83,7 @@ def test_kernel_equals_xla_reference_forward_and_grad(name):
 
 def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
     assert [attention.resolve("auto", p) for p in ("cpu", "gpu", "tpu")] == [
-        "xla_blocked",  # CPU's default: padding waste 1.07 vs dense's 1.11 (issue 22)
+        "xla",
         "pallas_gpu",
         "splash",
     ]
@@ -91,7 +91,6 @@ def test_resolve_chooses_per_platform_and_refuses_the_wrong_one():
         assert attention.resolve(name, "gpu") == name
     assert attention.resolve("splash", "tpu") == "splash"
     assert attention.resolve("xla", "tpu") == "xla"
-    assert attention.resolve("xla", "cpu") == "xla"  # dense stays selectable
     assert [attention.resolve("xla_blocked", p) for p in ("cpu", "gpu")] == ["xla_blocked"] * 2
     assert attention.resolve("cudnn", "gpu", "bfloat16") == "cudnn"
     with pytest.raises(ConfigError, match="model.dtype='bfloat16'"):  # was: a traceback

@@ -10,15 +10,17 @@ round alike. Decode steps (one query against a KV cache) and the decoder's chunk
 Implementations (`model.attention`):
 
 - "xla": dense masked attention; builds the [B, T, T] mask and the f32 [B, H, T, T] scores.
-  The reference.
+  The reference, and CPU's default.
 - "xla_blocked": the same in `XLA_BLOCKS` static query chunks, chunk i only against keys
   [0, end of chunk i) (the causal mask empties the rest): T^2 (n + 1) / (2n) scores instead
-  of T^2, static shapes, same mask. CPU's default, where no flash kernel runs: padding waste
-  1.07 vs dense's 1.11 on the packed update, 0.93-0.97x its time (benchmarks/train_step.py).
-  Its rounding differs from "xla"'s (about 2e-6 in hidden states: summation lengths differ),
-  and fully masked (padding) queries average fewer keys. Its programs take longer to compile
+  of T^2, static shapes, same mask. CPU's opt-in, where no flash kernel runs: padding waste
+  1.05-1.07 vs dense's 1.09-1.11 on the packed update, 0.94-0.98x its CPU time per step
+  (benchmarks/train_step.py). Not the default: its programs take longer to compile
   (a_grae.py:tiny, 120 steps, one run each at load 5-6: learner dispatch, mostly compiles,
-  194 s vs 143 s; the run 290 s vs 241 s wall; steady steps 0.61 vs 0.56 s).
+  194 s vs 143 s; the run 290 s vs 241 s wall; steady steps 0.61 vs 0.56 s), which short CPU
+  runs and the test suite feel more than the few % per step. Its rounding differs from
+  "xla"'s (about 2e-6 in hidden states: summation lengths differ), and fully masked
+  (padding) queries average fewer keys.
 - "pallas_gpu": the Pallas Triton flash kernel (`jax.experimental.pallas.ops.gpu.attention
   .mha`, FlashAttention-2) with segment ids: [block x block] tiles, no [T x T] array; it
   skips the tiles above the diagonal (causal), not the ones masked by segment ids alone. KV
@@ -31,7 +33,7 @@ Implementations (`model.attention`):
   bias (so a [T x T] array in HBM, though not the per-head f32 scores); `is_causal` lets it
   skip the upper tiles. bf16/f16 only. The packed ragged layout (q_offsets / kv_offsets) is
   only in jax's private cuDNN module, not used here.
-- "auto": `AUTO` by platform (cpu: xla_blocked, gpu: pallas_gpu, tpu: splash).
+- "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
 
 The Pallas kernels are custom calls XLA cannot split: on a multi-device context mesh
 (`jax.set_mesh`) `attend` runs them in a `jax.shard_map`, batch and heads split as
@@ -53,7 +55,7 @@ from gjax import sharding
 from gjax.errors import ConfigError
 from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
-AUTO = {"cpu": "xla_blocked", "gpu": "pallas_gpu", "tpu": "splash"}
+AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
 XLA_BLOCKS = 4  # "xla_blocked": query chunks per row
 # Platforms each implementation compiles for (xla: any).
 PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}
