@@ -143,13 +143,12 @@ auto_blocked 0.93-0.95x; losses agree to 3e-8. `model.attention='xla_blocked'` m
 1.12-1.15x auto_ffd's wall time with dense attention. Longer bins add cross-row attention
 pairs faster than they save empty slots, so W stays S (`train.pack_length=0`).
 
-2026-11-26, after `model.attention='auto'` became `xla_blocked` on CPU (the sampler's prefill
-runs the forward's implementation, so prefill == forward holds at 1e-6 under it):
-`--compare-packing --length-dist pareto --skip-trl` (default modes, 3 timed batches,
-3525-3614 real tokens), load 7.7-7.9.
-Padding waste: auto_blocked (`xla_blocked`, opt-in) 1.05 (1.047-1.072 per batch), auto (dense
-`xla`, the default) 1.09 (1.085-1.11), padded 3.14; us per real token 61 vs 63 (padded 199); auto_blocked over
-auto batch by batch 0.86-0.97x wall, 0.94-0.98x CPU time.
+2026-11-26, once the sampler's prefill ran the forward's implementation (prefill == forward
+at 1e-6 under `xla_blocked` too): `--compare-packing --length-dist pareto --skip-trl`
+(default modes, 3 timed batches, 3525-3614 real tokens), load 7.7-7.9. Padding waste:
+auto_blocked (`xla_blocked`, opt-in) 1.05 (1.047-1.072 per batch), auto (dense `xla`, the
+default) 1.09 (1.085-1.11), padded 3.14; us per real token 61 vs 63 (padded 199); auto_blocked
+over auto batch by batch 0.86-0.97x wall, 0.94-0.98x CPU time.
 
 Prints one JSON line per measurement; the LAST line is a JSON summary with `gjax_step_s`,
 `trl_step_s`, `speedup` (TRL time / gjax time), the FLOP / MFU figures and the settings.

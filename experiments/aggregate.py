@@ -173,7 +173,7 @@ def pass1_at_tokens(run: dict, budget: float) -> float | None:
     evaluations around it (None past the run's last evaluation)."""
     cum = sampled_tokens(run)
     pts = pass1_points(run)
-    x = np.asarray([cum[s - 1] if s > 0 else 0.0 for s, _ in pts])
+    x = np.asarray([cum[min(s, len(cum)) - 1] if s > 0 else 0.0 for s, _ in pts])
     if not len(pts) or budget > x[-1]:
         return None
     return float(np.interp(budget, x, [v for _, v in pts]))
@@ -181,19 +181,22 @@ def pass1_at_tokens(run: dict, budget: float) -> float | None:
 
 def equal_tokens_table(runs: dict[str, list[dict]], figs: dict[str, list[dict]]) -> str:
     """Held-out pass@1 of every variant at the budget every run reached (the fewest tokens
-    any run sampled, so every seed counts): a comparison at equal cost; "" when the variants'
-    mean budgets are within 10 % of each other (the final pass@1 already compares them)."""
+    any run sampled, so every finished seed counts; `seeds` says how many did: a run that
+    stopped before its summary may end its evaluations short of it): a comparison at equal
+    cost; "" when the variants' mean budgets are within 10 % of each other (the final pass@1
+    already compares them)."""
     spent = {name: np.mean([f["sampled_tokens"] for f in figs[name]]) for name in runs}
-    budget = min(f["sampled_tokens"] for name in runs for f in figs[name])
-    if max(spent.values()) < EQUAL_TOKENS_SPREAD * budget:
+    if max(spent.values()) < EQUAL_TOKENS_SPREAD * min(spent.values()):
         return ""
+    budget = min(f["sampled_tokens"] for name in runs for f in figs[name])
     lines = [
-        f"| variant | sampled tokens (mean) / {budget:.3g} | held-out pass@1 at {budget:.3g} tokens |",
-        "| --- | --- | --- |",
+        f"| variant | seeds | sampled tokens (mean) / {budget:.3g} "
+        f"| held-out pass@1 at {budget:.3g} tokens |",
+        "| --- | --- | --- | --- |",
     ]
     for name, rs in runs.items():
-        m, h, _ = mean_ci([pass1_at_tokens(r, budget) for r in rs])
-        lines.append(f"| {name} | {spent[name] / budget:.2f} | {fmt_ci(m, h)} |")
+        m, h, n = mean_ci([pass1_at_tokens(r, budget) for r in rs])
+        lines.append(f"| {name} | {n} | {spent[name] / budget:.2f} | {fmt_ci(m, h)} |")
     return "\n".join(lines) + "\n"
 
 

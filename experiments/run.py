@@ -100,6 +100,8 @@ def run_study(args) -> int:
                 status = "done"
             elif code in (130, 143):  # SIGINT / SIGTERM: the trainer saved a checkpoint
                 status = "stopped (checkpoint saved; rerun to resume)"
+            elif code in (-signal.SIGINT, -signal.SIGTERM):  # before training, or in pass@k
+                status = "stopped (rerun to resume from its last checkpoint)"
             else:
                 status = f"FAILED (exit {code}; see {wd}/worker.log)"
             if code != 0:
@@ -121,6 +123,9 @@ def run_study(args) -> int:
             f.result()
     except KeyboardInterrupt:  # Ctrl-C reached the workers too: each saves a checkpoint
         stopping.set()
+        # The workers were told once; a second `kill` must not make them exit unsaved (the
+        # trainer's "again: at once"): ignored while they save (SIGKILL ends the runner).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         pool.shutdown(wait=True, cancel_futures=True)
         print("interrupted: rerun the same command to resume", file=sys.stderr, flush=True)
         return len(todo)

@@ -173,7 +173,8 @@ def first_fit_decreasing(length_R: np.ndarray, bins: int, width: int):
 def min_bin_slack(length_R: np.ndarray, bins: int, width: int):
     """(bin_R, offset_R, bins used) by minimum bin slack (Gupta & Ho 1999, as in Fleszar &
     Hindi 2002's MBS'): bin by bin, the longest row left, then the subset of the rows left
-    that fills the rest of the bin most (`_fullest_subset`); bin -1 where a row fits nowhere.
+    that fills the rest of the bin most (`_fullest_subset`); bin -1 for every row left once the
+    longest of them fits no bin (`pack_rows` then keeps first-fit's plan where that fits).
     Where first-fit decreasing leaves a gap no single short row fills (rows of ~27 tokens:
     two to a bin of 80), this finds the combinations that do. Deterministic (ties keep row
     order); at most one subset-sum pass over the rows left per bin (about 60 ms for 1024

@@ -187,10 +187,11 @@ def test_pass1_at_equal_sampled_tokens():
         "b": [{"sampled_tokens": 200.0}, {"sampled_tokens": 240.0}],
     }
     md = aggregate.equal_tokens_table(runs, figs)
-    assert "| a | 2.00 | 0.500 |" in md  # one seed: no interval
+    assert "| a | 1 | 2.00 | 0.500 |" in md  # one seed: no interval
     # b: 0.6 at 200 tokens, and 0.4 + 0.2 x (200 - 120) / 120 = 0.5333 (evaluations at 120
     # and 240 tokens) -> mean 0.5667, sd 0.0471, half-width 12.706205 x 0.0471 / sqrt(2) = 0.424
-    assert "| b | 1.10 | 0.567 ± 0.424 |" in md
+    assert "| b | 2 | 1.10 | 0.567 ± 0.424 |" in md
+    # Equal mean budgets, seeds 20 % apart: no table (the spread is between variants).
     assert aggregate.equal_tokens_table(runs, {"a": figs["b"], "b": figs["b"]}) == ""
     assert "sampled tokens (mean) / 200 " in md
 
