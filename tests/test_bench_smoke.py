@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -199,6 +200,7 @@ def test_engine_step_benchmark_smoke():
         *("--new-tokens", "9", "--tokens-per-dispatch", "4", "--repeats", "1"),
     )
     assert (rec["rows"], rec["new_tokens"]) == (4, 9)
-    assert rec["static_cpu_s_per_token"] > 0
-    for name in ("engine_k1_over_static", "engine_k4_over_static"):
-        assert 0 < rec[name] < float("inf"), rec
+    # The static cost per token is a difference of two CPU timings (9 tokens minus 1): at this
+    # size it is timer noise and can come out negative (-2.5e-6 s seen), so only finiteness.
+    for name in ("static_cpu_s_per_token", "engine_k1_over_static", "engine_k4_over_static"):
+        assert math.isfinite(rec[name]) and rec[name] != 0, rec
