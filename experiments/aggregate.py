@@ -168,15 +168,22 @@ def pass1_points(run: dict) -> list[tuple[int, float]]:
     return sorted(pts.items())
 
 
+def pass1_vs_tokens(run: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(completion tokens sampled by each evaluation, its held-out pass@1): `pass1_points`
+    on the token axis (`pass1_vs_tokens.png`, the equal-cost table)."""
+    tokens = np.concatenate([[0.0], sampled_tokens(run)])
+    pts = [(tokens[min(s, len(tokens) - 1)], v) for s, v in pass1_points(run)]
+    x, y = zip(*pts) if pts else ((), ())
+    return np.asarray(x, float), np.asarray(y, float)
+
+
 def pass1_at_tokens(run: dict, budget: float) -> float | None:
     """Held-out pass@1 when the run had sampled `budget` completion tokens: linear between the
     evaluations around it (None past the run's last evaluation)."""
-    cum = sampled_tokens(run)
-    pts = pass1_points(run)
-    x = np.asarray([cum[min(s, len(cum)) - 1] if s > 0 else 0.0 for s, _ in pts])
-    if not len(pts) or budget > x[-1]:
+    x, y = pass1_vs_tokens(run)
+    if not len(x) or budget > x[-1]:
         return None
-    return float(np.interp(budget, x, [v for _, v in pts]))
+    return float(np.interp(budget, x, y))
 
 
 def equal_tokens_table(runs: dict[str, list[dict]], figs: dict[str, list[dict]]) -> str:
@@ -368,12 +375,7 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
 
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for i, (name, rs) in enumerate(runs.items()):
-        series = []
-        for r in rs:
-            tokens = np.concatenate([[0.0], sampled_tokens(r)])
-            pts = [(tokens[min(s, len(tokens) - 1)], v) for s, v in pass1_points(r)]
-            if pts:
-                series.append(tuple(map(np.asarray, zip(*pts))))
+        series = [xy for xy in map(pass1_vs_tokens, rs) if len(xy[0])]
         if not series:
             continue
         grid = np.linspace(0, min(x[-1] for x, _ in series), 40)

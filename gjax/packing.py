@@ -3,8 +3,8 @@
 Padded, every row runs at the batch's full length S; packed, each row's span (its first real
 token up to the position that predicts its last loss token) is copied into one of J bins of
 W tokens by minimum bin slack (`pack_rows`), so the model runs on [J, W] instead of [B, S].
-J and W are static (`Packing`); a batch whose rows do not fit is a clear error (`plan`). With J = 0 (auto,
-the default) each batch takes the fewest bins it needs rounded up on a ladder of
+J and W are static (`Packing`); a batch whose rows do not fit is a clear error (`plan`).
+With J = 0 (auto, the default) each batch takes the fewest bins it needs rounded up on a ladder of
 `AUTO_STEPS` values per doubling (`auto_bins`: at most 1/16 of the bins empty; a run
 compiles once per J it meets); the update reads the chosen J from the shape of the batch's
 `pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin

@@ -46,8 +46,8 @@ same order, and two threads that both issued them would interleave differently o
 process. So the producer thread issues none: `push` (on the learner's thread, at a fixed
 point of the loop) copies the params onto this process's own devices (`sharding.process_mesh`:
 the train mesh's PartitionSpecs, an axis the processes split sharded over this process's
-part of it, which takes an all-gather across processes) and, with `mesh.rollout_devices`, on to this process's rollout devices (a
-`jax.device_put` within the host), and the thread samples, decodes and scores this
+part of it, which takes an all-gather across processes) and, with `mesh.rollout_devices`,
+on to this process's rollout devices (a `jax.device_put` within the host), and the thread samples, decodes and scores this
 process's block of rows there (`Rollout.process_local`: each row's random draws are its row's of the whole batch).
 Where the processes split only `data` (the usual layout) every device runs the program it
 runs in one process, so the run equals one process's with the same devices; where they
