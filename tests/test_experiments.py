@@ -83,6 +83,18 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
+def test_workers_share_one_compilation_cache_unless_one_is_chosen(tmp_path):
+    env = run.worker_env({"PATH": "/bin"}, str(tmp_path))
+    assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / ".jax_cache")
+    assert env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0"
+    assert int(env["JAX_COMPILATION_CACHE_MAX_SIZE"]) > 0  # the file lock for parallel writers
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == run.ROOT
+    mine = {"JAX_COMPILATION_CACHE_DIR": "/elsewhere"}
+    env = run.worker_env(mine, str(tmp_path))
+    assert env["JAX_COMPILATION_CACHE_DIR"] == "/elsewhere"
+    assert "JAX_COMPILATION_CACHE_MAX_SIZE" not in env  # the caller's cache, the caller's rules
+
+
 def test_sampled_tokens_are_the_logged_ones_else_estimated():
     cfg = {"rollout": {"prompts_per_step": 2, "num_samples": 4}}
     old = {"response/length_mean": 10.0, "sampling/rollouts": 2.0}  # 2 rounds x 8 x 10
