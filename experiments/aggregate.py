@@ -228,6 +228,14 @@ def run_figures(run: dict) -> dict[str, float]:
     g = np.asarray([r["optim/grad_norm"] for r in rows if r.get("optim/grad_norm") is not None])
     out["grad_spikes"] = int(np.sum(g > SPIKE_FACTOR * np.median(g))) if len(g) else None
     out["sampled_tokens"] = float(sampled_tokens(run)[-1])
+    # A-GRAE App. D.3's collapse signature: training groups with no correct sample, and the
+    # held-out pass@1's largest fall below its best so far (0 for a run that never falls).
+    vals = [
+        r["reward/all_unsolved_frac"] for r in tail if r.get("reward/all_unsolved_frac") is not None
+    ]
+    out["unsolved"] = float(np.mean(vals)) if vals else None
+    pts = np.asarray([v for _, v in pass1_points(run)], float)
+    out["pass1_drop"] = float(np.max(np.maximum.accumulate(pts) - pts)) if len(pts) else None
     for key in ("tw/cov_mean", "tw/cov_std", "adv/masked_fraction"):
         vals = [r[key] for r in tail if r.get(key) is not None]
         if vals:
@@ -252,6 +260,12 @@ def table(study, figures: dict[str, list[dict]]) -> str:
     cols = [("greedy_after", "greedy acc")]
     cols += [(f"pass@{k}", f"pass@{k}") for k in ks]
     cols += [("entropy", "entropy"), ("length", "length"), ("grad_spikes", "gnorm spikes")]
+    cols += (
+        [("unsolved", "unsolved groups")]
+        if any(f.get("unsolved") is not None for f in every)
+        else []
+    )
+    cols += [("pass1_drop", "pass@1 drop")]
     cols += [(k, k) for k in ("tw/cov_mean", "adv/masked_fraction") if any(k in f for f in every)]
     cols += [("sampled_tokens", "sampled tokens")]
     head = ["variant", "seeds", "steps", *(title for _, title in cols)]
@@ -421,7 +435,9 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
         "held-out problem at the end of training (the base policy: the same samples' seeds "
         "with the initial params); greedy acc: one greedy completion per problem; entropy, "
         f"length: mean over the last {TAIL:.0%} of steps; gnorm spikes: steps with a grad norm "
-        f"above {SPIKE_FACTOR:g} x the run's median; sampled tokens: "
+        f"above {SPIKE_FACTOR:g} x the run's median; unsolved groups: the share of training "
+        f"groups with no correct sample, last {TAIL:.0%} of steps; pass@1 drop: the held-out "
+        "pass@1's largest fall below its best so far during training; sampled tokens: "
         "`response/sampled_tokens` summed (runs before it: rounds x P x G x mean length).\n\n"
         + table(study, figs)
     )

@@ -103,7 +103,7 @@ def test_sampled_tokens_are_the_logged_ones_else_estimated():
     assert got.tolist() == [160.0, 283.0, 443.0]
 
 
-def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False):
+def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False, evals=None):
     """A run's files as the trainer and the worker write them (`cov`: with `cov/*`, |c|
     percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1))."""
     wd = worker.workdir_of(out, "smoke", variant, seed)
@@ -111,8 +111,12 @@ def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False):
     for step, g in enumerate(grad_norms, 1):
         row = {"optim/grad_norm": g, "policy/entropy": 0.2, "response/length_mean": 10.0,
                "sampling/rollouts": 1.0}  # fmt: skip
-        if step % 2 == 0:
+        if evals is not None and step in evals:
+            row["eval/heldout_pass@1"] = evals[step]
+        elif evals is None and step % 2 == 0:
             row["eval/heldout_pass@1"] = 0.4 + 0.01 * step
+        if cov:  # fully unsolved training groups: grpo's runs log them, dr_grpo's do not
+            row["reward/all_unsolved_frac"] = 0.25
         if cov:
             for p, scale in (("p50", 1), ("p90", 2), ("p99", 5), ("p99.9", 20)):
                 row[f"cov/abs_{p}"] = float(step * scale * (seed + 1))
@@ -136,8 +140,9 @@ def test_aggregate_table_and_figures(tmp_path):
     # grpo's final pass@1 over 5 problems x 4 samples: 10/20, 12/20, 14/20 -> 0.5, 0.6, 0.7
     for seed, counts in enumerate(([2, 2, 2, 2, 2], [4, 2, 2, 2, 2], [4, 4, 2, 2, 2])):
         _fake_run(runs, "grpo", seed, final_counts=counts, grad_norms=[1, 1, 10, 1, 1, 1], cov=True)
-    for seed in range(2):
-        _fake_run(runs, "dr_grpo", seed, final_counts=[4, 4, 4, 4, 4], grad_norms=[1.0] * 6)
+    # dr_grpo seed 0 falls from 0.5 to 0.3 (drop 0.2) and recovers to 0.4 but not its best.
+    for seed, evals in enumerate(({2: 0.5, 4: 0.3, 6: 0.4}, None)):
+        _fake_run(runs, "dr_grpo", seed, final_counts=[4] * 5, grad_norms=[1.0] * 6, evals=evals)
     out = aggregate.aggregate("smoke", runs, results)
     md = pathlib.Path(out, "results.md").read_text()
     head = next(line for line in md.splitlines() if line.startswith("| variant"))
@@ -157,6 +162,12 @@ def test_aggregate_table_and_figures(tmp_path):
     # base: counts 1,1,2,2,0 of 4 -> pass@1 0.3 for every seed
     assert rows["base policy"]["pass@1"] == "0.300 ± 0.000"
     assert rows["grpo"]["sampled tokens"].startswith("480")  # 6 steps x 2 x 4 x 10 tokens
+    assert rows["grpo"]["unsolved groups"] == "0.250 ± 0.000"
+    assert rows["dr_grpo"]["unsolved groups"] == "–"  # logged none
+    # grpo: 0.3 before, then 0.42, 0.44, 0.46: never falls. dr_grpo: 0.2 and 0: mean 0.1,
+    # sd 0.141421, se 0.1, t(1) = 12.706205 -> half-width 1.271
+    assert rows["grpo"]["pass@1 drop"] == "0.000 ± 0.000"
+    assert rows["dr_grpo"]["pass@1 drop"] == "0.100 ± 1.271"
     for name in ("curves.png", "passk.png", "pass1_vs_tokens.png"):
         assert os.path.getsize(os.path.join(out, name)) > 10_000
     per_run = json.loads(pathlib.Path(out, "runs.json").read_text())
