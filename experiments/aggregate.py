@@ -271,8 +271,12 @@ def table(study, figures: dict[str, list[dict]]) -> str:
     head = ["variant", "seeds", "steps", *(title for _, title in cols)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     base = {"greedy_after": "greedy_before", **{f"pass@{k}": f"base_pass@{k}" for k in ks}}
-    per_seed = {f["seed"]: f for f in every}  # the base policy's figures depend on the seed only
-    base_vals = {col: mean_ci([f.get(src) for f in per_seed.values()]) for col, src in base.items()}
+    # The base policy's figures depend on the seed only: one value per seed, from any run of
+    # it that has one (a run still training has none yet).
+    per_seed = {
+        src: {f["seed"]: f[src] for f in every if f.get(src) is not None} for src in base.values()
+    }
+    base_vals = {col: mean_ci(per_seed[src].values()) for col, src in base.items()}
     if any(v[2] for v in base_vals.values()):
         cells = ["base policy", str(max(v[2] for v in base_vals.values())), "0"]
         cells += [fmt_ci(*base_vals[c][:2]) if c in base_vals else "" for c, _ in cols]

@@ -191,6 +191,16 @@ def test_aggregate_table_and_figures(tmp_path):
     assert "| v | – -> 2 | – -> 2 | – -> 2 | – -> 2 | 1 |" in aggregate.cov_table(late)
 
 
+def test_base_row_takes_each_seed_from_a_run_that_has_it():
+    """A run still training (no pass@k yet) listed after a finished one of the same seed."""
+    done = {"seed": 0, "steps": 200, "pass@1": 0.5, "base_pass@1": 0.3, "greedy_before": 0.2}
+    figs = {"grpo": [done], "dr_grpo": [{"seed": 0, "steps": 120}]}
+    md = aggregate.table(studies.get("smoke"), figs)
+    base = next(line for line in md.splitlines() if line.startswith("| base policy"))
+    assert base.split("|")[2:5] == [" 1 ", " 0 ", " 0.200 "]  # seeds, steps, greedy acc
+    assert " 0.300 " in base.split("|")  # pass@1
+
+
 def test_pass1_at_equal_sampled_tokens():
     """Variant a spends 100 tokens a step, b 50: at b's budget (200) a is read at its step 2."""
 
