@@ -91,6 +91,18 @@ _STUDIES = (
             _agrae("ddas_only", "ddas", "none", "Table 5: sample level only (eq. (12))"),
             _agrae("ass_only", "none", "ass", "Table 5: group level only (eq. (13))"),
             _agrae("a_grae", "ddas", "ass", "A-GRAE: DDAS + ASS"),
+            # A check, not the paper's: with A+ x 10 the global-norm clip at 1.0 cuts every
+            # step (grad norm ~3.6 where GRPO's is ~0.8); this arm lifts the clip.
+            Variant(
+                "positive_dominant_no_clip",
+                "a_grae",
+                "positive-dominant without the grad-norm clip (optim.clip_norm 1e9)",
+                overrides={
+                    "objective.advantage_kwargs.sample_level": "none",
+                    "objective.advantage_kwargs.group_level": "positive_dominant",
+                    "optim.clip_norm": 1e9,
+                },
+            ),
         ),
     ),
     Study(
