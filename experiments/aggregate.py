@@ -5,9 +5,9 @@ over seeds (Student t, n - 1 degrees of freedom) per variant.
 
 Reads each run's metrics.jsonl, summary.json and passk.json (OUT of `experiments.run`) and
 writes RESULTS/STUDY/: results.md (the table), runs.json (every run's final figures),
-curves.png (held-out pass@1, entropy, response length, grad norm over steps), passk.png
-(pass@k against k, final and base policy) and pass1_vs_tokens.png (held-out pass@1 against
-the sampled completion tokens: see `sampled_tokens`).
+curves.png (held-out pass@1, entropy, response length, grad norm and the training reward over
+steps), passk.png (pass@k against k, final and base policy) and pass1_vs_tokens.png (held-out
+pass@1 against the sampled completion tokens: see `sampled_tokens`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ CURVES = (  # (metrics key, title, log axis, smoothed)
     ("policy/entropy", "entropy (nats/token)", False, True),
     ("response/length_mean", "response length (tokens)", False, True),
     ("optim/grad_norm", "grad norm", True, True),
+    ("reward/mean", "training reward (mean)", False, True),  # A-GRAE Fig. 5's learning speed
 )
 SMOOTH = 0.6  # EMA weight of the training curves (gjax.plot's default)
 TAIL = 0.1  # "final" training figures: the mean over the last 10 % of steps
