@@ -348,8 +348,12 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
     import matplotlib.pyplot as plt  # deferred with matplotlib
 
     written = []
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4), squeeze=False)
-    for ax, (key, title, log_axis, smooth) in zip(axes[0], CURVES):
+    ncols = 3
+    nrows = -(-len(CURVES) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False)
+    for ax in axes.flat[len(CURVES) :]:
+        ax.set_visible(False)
+    for ax, (key, title, log_axis, smooth) in zip(axes.flat, CURVES):
         for i, (name, rs) in enumerate(runs.items()):
             series = []
             for r in rs:
