@@ -39,10 +39,13 @@ def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
     }
 
 
-def evaluate(config, workdir: str, *, num_samples: int, cache_dir: str) -> dict:
+def evaluate(
+    config, workdir: str, *, num_samples: int, cache_dir: str, step: int | None = None
+) -> dict:
     """Samples `num_samples` completions per held-out problem (the run's eval temperature and
-    top-p) with the base params and with the last checkpoint's; writes and returns passk.json."""
-    n = num_samples
+    top-p) with the base params and with the last checkpoint's (or `step`'s); writes and
+    returns passk.json (`passk_file(step)`)."""
+    n, wanted = num_samples, step
     data_cfg = data_builders.run_data_config(config)
     base_key = {
         "model": [config.model.path, config.model.dtype, config.model.param_dtype],
@@ -64,7 +67,7 @@ def evaluate(config, workdir: str, *, num_samples: int, cache_dir: str) -> dict:
         )
         ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
         try:
-            step, final = ckpt.restore_params(abstract)
+            step, final = ckpt.restore_params(abstract, step=step)
         finally:
             ckpt.close()
         eos, pad_id = stop_and_pad(model_cfg, tok)
@@ -101,8 +104,13 @@ def evaluate(config, workdir: str, *, num_samples: int, cache_dir: str) -> dict:
         top_p=config.eval.top_p,
         seed=config.seed,
     )
-    _write(os.path.join(workdir, PASSK_FILE), out)
+    _write(os.path.join(workdir, passk_file(None if wanted is None else step)), out)
     return out
+
+
+def passk_file(step: int | None) -> str:
+    """The run's own pass@k (its last checkpoint) or that of an earlier checkpoint."""
+    return PASSK_FILE if step is None else f"passk_step{step}.json"
 
 
 def result(base_counts, final_counts, *, n: int, **settings) -> dict:
@@ -131,3 +139,41 @@ def _write(path: str, obj: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    """pass@k of an earlier checkpoint of a study's finished runs: e.g. to ask whether one arm
+    ends where another was at that step."""
+    import argparse
+
+    from experiments import aggregate, studies
+    from experiments.worker import workdir_of
+
+    p = argparse.ArgumentParser(prog="python -m experiments.passk", description=main.__doc__)
+    p.add_argument("study")
+    p.add_argument("variant")
+    p.add_argument("--step", type=int, required=True, help="a checkpoint step of the runs")
+    p.add_argument("--seeds", type=int, default=5)
+    p.add_argument("--out", default="experiments/runs", help="the runs' root (experiments.run's)")
+    args = p.parse_args(argv)
+    variant = studies.get(args.study).variant(args.variant)
+    n = studies.passk_samples(False)
+    got = []
+    for seed in range(args.seeds):
+        wd = workdir_of(args.out, args.study, args.variant, seed)
+        path = os.path.join(wd, passk_file(args.step))
+        res = _read(path) or evaluate(
+            studies.build_config(variant, seed), wd, num_samples=n,
+            cache_dir=os.path.join(args.out, "_base"), step=args.step,
+        )  # fmt: skip
+        got.append(res["final"])
+    summary = {
+        f"pass@{k}": aggregate.fmt_ci(*aggregate.mean_ci([g[f"pass@{k}"] for g in got])[:2])
+        for k in aggregate.TABLE_KS
+    }
+    print(json.dumps({"study": args.study, "variant": args.variant, "step": args.step,
+                      "seeds": len(got), **summary}))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -15,9 +15,10 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from experiments import aggregate, passk, run, studies, worker
+from experiments import aggregate, outcome_logp, passk, run, studies, worker
 from gjax import schema
 from gjax import train as train_lib
 from gjax.config import validate
@@ -199,6 +200,23 @@ def test_base_row_takes_each_seed_from_a_run_that_has_it():
     base = next(line for line in md.splitlines() if line.startswith("| base policy"))
     assert base.split("|")[2:5] == [" 1 ", " 0 ", " 0.200 "]  # seeds, steps, greedy acc
     assert " 0.300 " in base.split("|")  # pass@1
+
+
+def test_outcome_stats_by_hand():
+    """Two groups of 2: (correct, wrong) and (correct, correct); x: past a row's length."""
+    x = 9.0
+    logps = np.array([[-0.1, -0.3, x], [-1.0, x, x], [-0.2, -0.2, -0.2], [-0.5, x, x]])
+    got = outcome_logp.outcome_stats(logps, np.array([2, 1, 3, 1]), np.array([1, 0, 1, 1.0]), 2)
+    assert got["accuracy"] == 0.75 and got["mixed_groups"] == 1
+    assert got["token_logp_correct"] == pytest.approx(-0.3)  # rows' means -0.2, -0.2, -0.5
+    assert got["token_logp_wrong"] == pytest.approx(-1.0)
+    assert (got["length_correct"], got["length_wrong"]) == (2.0, 1.0)
+    # Group 1 only: tokens -0.1, -0.3 (A = +a), -1.0 (A = -a), a = 0.5 / (0.5 + 1e-6);
+    # log-prob mean -1.4/3, A mean a/3: terms 0.24444a, 0.11111a, 0.71111a, mean 0.35556a.
+    a = 0.5 / (0.5 + 1e-6)
+    assert got["cov_logp_adv"] == pytest.approx(1.06667 * a / 3, rel=1e-4)
+    assert got["cov_from_positive_adv"] == pytest.approx(0.35556 * a / 3, rel=1e-4)
+    assert got["cov_from_negative_adv"] == pytest.approx(0.71111 * a / 3, rel=1e-4)
 
 
 def test_pass1_at_equal_sampled_tokens():
