@@ -292,6 +292,38 @@ def table(study, figures: dict[str, list[dict]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PAIRED_COLS = (("greedy_after", "greedy acc"), ("pass@1", "pass@1"), ("pass@4", "pass@4"),
+               ("pass@64", "pass@64"), ("entropy", "entropy"))  # fmt: skip
+
+
+def paired_table(figures: dict[str, list[dict]]) -> str:
+    """Each variant minus the first (the study's baseline), seed by seed: a seed fixes the data
+    order and the sampling keys, so runs of one seed share their first rollouts and differ only
+    by the variant. Mean difference ± 95 % t half-width over the seeds both have (a cell whose
+    interval excludes 0 gets a *); '' when there is nothing to pair."""
+    names = list(figures)
+    if len(names) < 2:
+        return ""
+    ref = {f["seed"]: f for f in figures[names[0]]}
+    cols = [(k, t) for k, t in PAIRED_COLS if any(k in f for f in ref.values())]
+    head = ["variant", "seeds", *(t for _, t in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name in names[1:]:
+        cells, seeds = [], set()
+        for key, _ in cols:
+            d = [
+                f[key] - ref[f["seed"]][key]
+                for f in figures[name]
+                if f.get(key) is not None and ref.get(f["seed"], {}).get(key) is not None
+            ]
+            seeds |= {f["seed"] for f in figures[name] if f["seed"] in ref}
+            m, h, n = mean_ci(d)
+            cell = "–" if n == 0 else f"{m:+.3f}" if n == 1 else f"{m:+.3f} ± {h:.3f}"
+            cells.append(cell + ("*" if n > 1 and abs(m) > h else ""))
+        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def cov_table(figures: dict[str, list[dict]]) -> str:
     """CW-GRPO Table 1's form: per variant, each |covariance| percentile at the start -> at
     the end of training (means over the first / last 10 % of steps, then over seeds), and the
@@ -450,6 +482,14 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
         "`response/sampled_tokens` summed (runs before it: rounds x P x G x mean length).\n\n"
         + table(study, figs)
     )
+    paired = paired_table(figs)
+    if paired:
+        md += (
+            f"\nPaired by seed against `{next(iter(figs))}` (one seed: the same data order and "
+            "first rollouts in every arm): the mean difference ± 95 % t half-width over the "
+            "seeds both have; * where the interval excludes 0 (no correction for the number "
+            "of comparisons).\n\n" + paired
+        )
     cov = cov_table(figs)
     if cov:
         md += (

@@ -17,24 +17,26 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 
 from experiments import studies
-from gjax import sharding
+from gjax import config_record, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.data.prompts import left_pad
 from gjax.embedded import resolve_model_path
+from gjax.errors import UserError, format_user_error
 from gjax.models import hf_import
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
 
 
-def outcome_stats(logps_BxN, lengths_B, correct_B, group: int) -> dict:
+def outcome_stats(logps_BxN, lengths_B, correct_B, *, group: int) -> dict:
     """The figures from sampled rows (prompt-major: G rows per prompt): per-token log-probs
     (entries past a row's length ignored), lengths and 0/1 correctness."""
     mask = np.arange(logps_BxN.shape[1])[None] < lengths_B[:, None]
@@ -63,6 +65,24 @@ def outcome_stats(logps_BxN, lengths_B, correct_B, group: int) -> dict:
     return out
 
 
+def _check_same_setup(config, workdir: str) -> None:
+    """The run in `workdir` must have trained with the model, data and sampling this probe
+    uses (those of --study/--variant/--seed): else its figures would describe another setup."""
+    run = config_record.recorded(workdir)
+    if run is None:
+        raise UserError(f"{workdir} holds no run (no config.json): give a study run's workdir")
+    keys = ("model.", "data.", "rollout.temperature", "rollout.top_p", "rollout.num_samples",
+            "rollout.max_new_tokens")  # fmt: skip
+    differ = sorted(
+        k for k in config_record.changes(run, config_record.flat(config)) if k.startswith(keys)
+    )
+    if differ:
+        raise UserError(
+            f"the run in {workdir} trained with other settings than --study/--variant/--seed "
+            f"give ({', '.join(differ[:5])}): pass the run's own study, variant and seed"
+        )
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--study", default="a_grae_variants")
@@ -78,6 +98,7 @@ def main(argv=None) -> None:
             resolve_model_path(config.model.path), config.model, mesh
         )
         if args.workdir:
+            _check_same_setup(config, args.workdir)
             abstract = jax.tree.map(
                 lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
             )
@@ -109,9 +130,13 @@ def main(argv=None) -> None:
         r = config.reward
         with Verifier(timeout_s=r.timeout_s, num_workers=r.workers) as verifier:
             correct = np.asarray(verifier.score(texts, golds), np.float64)
-    stats = outcome_stats(logps, lengths, correct, g)
+    stats = outcome_stats(logps, lengths, correct, group=g)
     print(json.dumps({"params": args.workdir or "base", "prompts": n, **stats}, indent=1))
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        print(format_user_error(e), file=sys.stderr)
+        sys.exit(2)

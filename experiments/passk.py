@@ -1,6 +1,6 @@
 """Held-out pass@k at the end of a run against the base policy: n samples per held-out
 problem with the final params and with the initial (base) params, k = 1..n (A-GRAE eq. (37)),
-written to WORKDIR/passk.json.
+written to WORKDIR/passk.json (an earlier checkpoint's: passk_stepN.json, `passk_at_step`).
 
 The base policy's figures depend only on the model, the held-out set and the sampling, not on
 the variant; they are kept in `cache_dir` under a hash of those, so a study evaluates the base
@@ -45,7 +45,7 @@ def evaluate(
     """Samples `num_samples` completions per held-out problem (the run's eval temperature and
     top-p) with the base params and with the last checkpoint's (or `step`'s); writes and
     returns passk.json (`passk_file(step)`)."""
-    n, wanted = num_samples, step
+    n = num_samples
     data_cfg = data_builders.run_data_config(config)
     base_key = {
         "model": [config.model.path, config.model.dtype, config.model.param_dtype],
@@ -67,7 +67,7 @@ def evaluate(
         )
         ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
         try:
-            step, final = ckpt.restore_params(abstract, step=step)
+            restored_step, final = ckpt.restore_params(abstract, step=step)
         finally:
             ckpt.close()
         eos, pad_id = stop_and_pad(model_cfg, tok)
@@ -99,12 +99,12 @@ def evaluate(
         base["correct_counts"],
         final_counts,
         n=n,
-        step=int(step),
+        step=int(restored_step),
         temperature=config.eval.temperature,
         top_p=config.eval.top_p,
         seed=config.seed,
     )
-    _write(os.path.join(workdir, passk_file(None if wanted is None else step)), out)
+    _write(os.path.join(workdir, passk_file(step)), out)
     return out
 
 
@@ -139,41 +139,3 @@ def _write(path: str, obj: dict) -> None:
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
-
-
-def main(argv=None) -> None:
-    """pass@k of an earlier checkpoint of a study's finished runs: e.g. to ask whether one arm
-    ends where another was at that step."""
-    import argparse
-
-    from experiments import aggregate, studies
-    from experiments.worker import workdir_of
-
-    p = argparse.ArgumentParser(prog="python -m experiments.passk", description=main.__doc__)
-    p.add_argument("study")
-    p.add_argument("variant")
-    p.add_argument("--step", type=int, required=True, help="a checkpoint step of the runs")
-    p.add_argument("--seeds", type=int, default=5)
-    p.add_argument("--out", default="experiments/runs", help="the runs' root (experiments.run's)")
-    args = p.parse_args(argv)
-    variant = studies.get(args.study).variant(args.variant)
-    n = studies.passk_samples(False)
-    got = []
-    for seed in range(args.seeds):
-        wd = workdir_of(args.out, args.study, args.variant, seed)
-        path = os.path.join(wd, passk_file(args.step))
-        res = _read(path) or evaluate(
-            studies.build_config(variant, seed), wd, num_samples=n,
-            cache_dir=os.path.join(args.out, "_base"), step=args.step,
-        )  # fmt: skip
-        got.append(res["final"])
-    summary = {
-        f"pass@{k}": aggregate.fmt_ci(*aggregate.mean_ci([g[f"pass@{k}"] for g in got])[:2])
-        for k in aggregate.TABLE_KS
-    }
-    print(json.dumps({"study": args.study, "variant": args.variant, "step": args.step,
-                      "seeds": len(got), **summary}))  # fmt: skip
-
-
-if __name__ == "__main__":
-    main()

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from experiments import aggregate, outcome_logp, passk, run, studies, worker
-from gjax import schema
+from gjax import config_record, schema
 from gjax import train as train_lib
 from gjax.config import validate
-from gjax.errors import ConfigError
+from gjax.errors import ConfigError, UserError
 from gjax.metrics import MetricsWriter
 from gjax.objective.advantages import ADVANTAGES
 
@@ -106,7 +106,9 @@ def test_sampled_tokens_are_the_logged_ones_else_estimated():
 
 def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False, evals=None):
     """A run's files as the trainer and the worker write them (`cov`: with `cov/*`, |c|
-    percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1))."""
+    percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1), and
+    `reward/all_unsolved_frac` 0.25; `evals`: {step: held-out pass@1}, default 0.4 + 0.01 s
+    at even steps)."""
     wd = worker.workdir_of(out, "smoke", variant, seed)
     w = MetricsWriter(wd, total_steps=len(grad_norms), tensorboard=False, progress=False)
     for step, g in enumerate(grad_norms, 1):
@@ -116,9 +118,8 @@ def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False, e
             row["eval/heldout_pass@1"] = evals[step]
         elif evals is None and step % 2 == 0:
             row["eval/heldout_pass@1"] = 0.4 + 0.01 * step
-        if cov:  # fully unsolved training groups: grpo's runs log them, dr_grpo's do not
+        if cov:  # `cov` also adds unsolved groups (a test device: runs with and without)
             row["reward/all_unsolved_frac"] = 0.25
-        if cov:
             for p, scale in (("p50", 1), ("p90", 2), ("p99", 5), ("p99.9", 20)):
                 row[f"cov/abs_{p}"] = float(step * scale * (seed + 1))
         w.write(step, row)
@@ -150,7 +151,7 @@ def test_aggregate_table_and_figures(tmp_path):
     cols = [c.strip() for c in head.strip("|").split("|")]
     rows = {
         cells[0]: dict(zip(cols, cells))
-        for line in md.split("Table 1's form")[0].splitlines()
+        for line in md.split("Paired by seed")[0].splitlines()
         if line.startswith("| ") and not line.startswith("| variant")
         for cells in [[c.strip() for c in line.strip("|").split("|")]]
     }
@@ -206,7 +207,9 @@ def test_outcome_stats_by_hand():
     """Two groups of 2: (correct, wrong) and (correct, correct); x: past a row's length."""
     x = 9.0
     logps = np.array([[-0.1, -0.3, x], [-1.0, x, x], [-0.2, -0.2, -0.2], [-0.5, x, x]])
-    got = outcome_logp.outcome_stats(logps, np.array([2, 1, 3, 1]), np.array([1, 0, 1, 1.0]), 2)
+    got = outcome_logp.outcome_stats(
+        logps, np.array([2, 1, 3, 1]), np.array([1, 0, 1, 1.0]), group=2
+    )
     assert got["accuracy"] == 0.75 and got["mixed_groups"] == 1
     assert got["token_logp_correct"] == pytest.approx(-0.3)  # rows' means -0.2, -0.2, -0.5
     assert got["token_logp_wrong"] == pytest.approx(-1.0)
@@ -217,6 +220,41 @@ def test_outcome_stats_by_hand():
     assert got["cov_logp_adv"] == pytest.approx(1.06667 * a / 3, rel=1e-4)
     assert got["cov_from_positive_adv"] == pytest.approx(0.35556 * a / 3, rel=1e-4)
     assert got["cov_from_negative_adv"] == pytest.approx(0.71111 * a / 3, rel=1e-4)
+
+
+def test_paired_differences_by_seed():
+    """b - a on the seeds both have (0 and 1; b's seed 2 has no partner)."""
+    figs = {
+        "a": [{"seed": 0, "pass@1": 0.5, "pass@64": 0.7}, {"seed": 1, "pass@1": 0.6}],
+        "b": [
+            {"seed": 0, "pass@1": 0.55, "pass@64": 0.8},
+            {"seed": 1, "pass@1": 0.6, "pass@64": 0.9},
+            {"seed": 2, "pass@1": 0.9},
+        ],
+        "c": [{"seed": s, "pass@1": 0.5 + 0.1 * s + 0.2 + 0.01 * (-1) ** s} for s in (0, 1)],
+    }
+    md = aggregate.paired_table(figs)
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in md.splitlines()[2:]}
+    # b: diffs 0.05, 0.0: mean 0.025, sd 0.035355, se 0.025, t(1) = 12.706205 -> 0.318
+    assert [c.strip() for c in rows["b"]] == ["2", "+0.025 ± 0.318", "+0.100"]
+    # c: diffs 0.21, 0.19: mean 0.2, se 0.01, half-width 0.127 < 0.2: starred
+    assert rows["c"][1].strip() == "+0.200 ± 0.127*"
+    assert aggregate.paired_table({"a": figs["a"]}) == ""
+
+
+def test_outcome_probe_refuses_a_run_of_another_sampling_setup(tmp_path):
+    variant = studies.get("a_grae_variants").variant("grpo")
+    config = studies.build_config(variant, 0)
+    run = studies.build_config(variant, 0)
+    run.objective.advantage_kwargs.group_level = "ass"  # not a sampling setting: accepted
+    config_record.write(str(tmp_path), run)
+    outcome_logp._check_same_setup(config, str(tmp_path))
+    run.rollout.temperature = 1.0
+    config_record.write(str(tmp_path), run)
+    with pytest.raises(UserError, match="rollout.temperature"):
+        outcome_logp._check_same_setup(config, str(tmp_path))
+    with pytest.raises(UserError, match="no config.json"):
+        outcome_logp._check_same_setup(config, str(tmp_path / "none"))
 
 
 def test_pass1_at_equal_sampled_tokens():
