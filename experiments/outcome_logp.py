@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 import numpy as np
 
 from experiments import studies
+from experiments.passk import restore_run_params
 from gjax import config_record, sharding
-from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.data.prompts import left_pad
@@ -99,14 +98,7 @@ def main(argv=None) -> None:
         )
         if args.workdir:
             _check_same_setup(config, args.workdir)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-            )
-            ckpt = Checkpointer(os.path.join(args.workdir, "checkpoints"))
-            try:
-                _, params = ckpt.restore_params(abstract)
-            finally:
-                ckpt.close()
+            _, params = restore_run_params(params, args.workdir)
         data = data_builders.build_prompt_data(data_builders.run_data_config(config), tok)
         n = min(args.prompts, len(data))
         n -= n % jax.device_count()

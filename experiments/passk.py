@@ -62,14 +62,7 @@ def evaluate(
             resolve_model_path(config.model.path), config.model, mesh
         )
         heldout = data_builders.build_prompt_data(data_cfg, tok, heldout=True)
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
-        )
-        ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
-        try:
-            restored_step, final = ckpt.restore_params(abstract, step=step)
-        finally:
-            ckpt.close()
+        restored_step, final = restore_run_params(params, workdir, step=step)
         eos, pad_id = stop_and_pad(model_cfg, tok)
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
@@ -106,6 +99,18 @@ def evaluate(
     )
     _write(os.path.join(workdir, passk_file(step)), out)
     return out
+
+
+def restore_run_params(like, workdir: str, *, step: int | None = None) -> tuple[int, object]:
+    """(step, params) of a run's last checkpoint (or `step`'s), on the shardings of `like`."""
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
+    )
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+        return ckpt.restore_params(abstract, step=step)
+    finally:
+        ckpt.close()
 
 
 def passk_file(step: int | None) -> str:
