@@ -2,6 +2,7 @@
 over seeds (Student t, n - 1 degrees of freedom) per variant.
 
     python -m experiments.aggregate STUDY [--runs experiments/runs] [--out experiments/results]
+        [--readme README.md]
 
 Reads each run's metrics.jsonl, summary.json and passk.json (OUT of `experiments.run`) and
 writes RESULTS/STUDY/: results.md (the table), runs.json (every run's final figures),
@@ -254,8 +255,9 @@ def run_figures(run: dict) -> dict[str, float]:
 # --------------------------------------------------------------------------- table
 
 
-def table(study, figures: dict[str, list[dict]]) -> str:
-    """The markdown table: one row per variant (and the base policy), mean ± 95 % CI."""
+def table(study, figures: dict[str, list[dict]], *, only: tuple[str, ...] | None = None) -> str:
+    """The markdown table: one row per variant (and the base policy), mean ± 95 % CI; `only`:
+    these columns (keys of `run_figures`) of the full table, e.g. `HEADLINE_COLS`."""
     every = [f for runs in figures.values() for f in runs]
     ks = [k for k in TABLE_KS if any(f"pass@{k}" in f for f in every)]
     cols = [("greedy_after", "greedy acc")]
@@ -269,6 +271,8 @@ def table(study, figures: dict[str, list[dict]]) -> str:
     cols += [("pass1_drop", "pass@1 drop")]
     cols += [(k, k) for k in ("tw/cov_mean", "adv/masked_fraction") if any(k in f for f in every)]
     cols += [("sampled_tokens", "sampled tokens")]
+    if only is not None:
+        cols = [c for c in cols if c[0] in only]
     head = ["variant", "seeds", "steps", *(title for _, title in cols)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     base = {"greedy_after": "greedy_before", **{f"pass@{k}": f"base_pass@{k}" for k in ks}}
@@ -290,6 +294,30 @@ def table(study, figures: dict[str, list[dict]]) -> str:
             cells.append(fmt_ci(m, h, FORMATS.get(col, ".3f")))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+# The README's results table: a study's table with these columns (`--readme`).
+HEADLINE_COLS = ("greedy_after", "pass@1", "pass@16", "pass@64", "entropy", "sampled_tokens")
+
+
+def write_readme_block(path: str, study_name: str, block: str) -> None:
+    """Replaces what lies between `<!-- results:STUDY:begin -->` and `<!-- results:STUDY:end
+    -->` in the markdown file `path` with `block`."""
+    begin, end = f"<!-- results:{study_name}:begin -->", f"<!-- results:{study_name}:end -->"
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise UserError(f"cannot read {path} for --readme: {e.strerror}") from None
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise UserError(
+            f"{path} has no single `{begin}` ... `{end}` block for --readme to fill: put "
+            "the two markers, each on a line of its own, where the table belongs"
+        )
+    head, rest = text.split(begin)
+    text = head + begin + "\n" + block + rest[rest.index(end) :]
+    with open(path, "w") as f:
+        f.write(text)
 
 
 PAIRED_COLS = (("greedy_after", "greedy acc"), ("pass@1", "pass@1"), ("pass@4", "pass@4"),
@@ -460,8 +488,9 @@ def _save(fig, plt, path: str) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
-    """Writes RESULTS/STUDY/{results.md, runs.json, *.png}; returns that directory."""
+def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | None = None) -> str:
+    """Writes RESULTS/STUDY/{results.md, runs.json, *.png}; returns that directory. `readme`:
+    a markdown file whose `results:STUDY` block gets the table's `HEADLINE_COLS`."""
     study = studies.get(study_name)
     runs = load_runs(runs_dir, study)
     figs = {name: [{"seed": r["seed"], **run_figures(r)} for r in rs] for name, rs in runs.items()}
@@ -507,6 +536,8 @@ def aggregate(study_name: str, runs_dir: str, out_root: str) -> str:
     with open(os.path.join(out_dir, "results.md"), "w") as f:
         f.write(md)
     figures(runs, out_dir)
+    if readme is not None:
+        write_readme_block(readme, study.name, table(study, figs, only=HEADLINE_COLS))
     return out_dir
 
 
@@ -517,9 +548,14 @@ def main(argv=None) -> None:
     p.add_argument("study", help=f"one of: {', '.join(studies.STUDIES)}")
     p.add_argument("--runs", default="experiments/runs", help="runs dir (default: %(default)s)")
     p.add_argument("--out", default="experiments/results", help="default: %(default)s")
+    p.add_argument(
+        "--readme",
+        help="also fill this markdown file's <!-- results:STUDY:begin/end --> block with the "
+        "table's headline columns (the README's Results section)",
+    )
     args = p.parse_args(argv)
     try:
-        out = aggregate(args.study, args.runs, args.out)
+        out = aggregate(args.study, args.runs, args.out, readme=args.readme)
     except UserError as e:
         print(format_user_error(e), file=sys.stderr, flush=True)
         sys.exit(2)

@@ -257,6 +257,26 @@ def test_outcome_probe_refuses_a_run_of_another_sampling_setup(tmp_path):
         outcome_logp._check_same_setup(config, str(tmp_path / "none"))
 
 
+def test_readme_block_gets_the_headline_columns(tmp_path):
+    runs = str(tmp_path / "runs")
+    for seed in range(2):
+        _fake_run(runs, "grpo", seed, final_counts=[2, 2, 2, 2, 2], grad_norms=[1.0] * 4)
+    readme = tmp_path / "README.md"
+    text = "# R\n\n<!-- results:smoke:begin -->\nold table\n<!-- results:smoke:end -->\ntail\n"
+    readme.write_text(text)
+    aggregate.aggregate("smoke", runs, str(tmp_path / "results"), readme=str(readme))
+    got = readme.read_text()
+    assert "old table" not in got and got.endswith("<!-- results:smoke:end -->\ntail\n")
+    block = got.split("begin -->\n")[1].split("<!--")[0].splitlines()
+    assert block[0] == (
+        "| variant | seeds | steps | greedy acc | pass@1 | entropy | sampled tokens |"
+    )  # not pass@4 (not a headline column), nor pass@16/64 (the fake runs have n = 4)
+    assert block[3].startswith("| grpo | 2 | 4 | 0.500 ± 0.000 | 0.500 ± 0.000 |")
+    readme.write_text("# R without markers\n")
+    with pytest.raises(UserError, match="results:smoke:begin"):
+        aggregate.aggregate("smoke", runs, str(tmp_path / "results"), readme=str(readme))
+
+
 def test_pass1_at_equal_sampled_tokens():
     """Variant a spends 100 tokens a step, b 50: at b's budget (200) a is read at its step 2."""
 
