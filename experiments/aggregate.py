@@ -337,14 +337,13 @@ def paired_table(figures: dict[str, list[dict]]) -> str:
     head = ["variant", "seeds", *(t for _, t in cols)]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name in names[1:]:
-        cells, seeds = [], set()
+        cells, seeds = [], {f["seed"] for f in figures[name] if f["seed"] in ref}
         for key, _ in cols:
             d = [
                 f[key] - ref[f["seed"]][key]
                 for f in figures[name]
                 if f.get(key) is not None and ref.get(f["seed"], {}).get(key) is not None
             ]
-            seeds |= {f["seed"] for f in figures[name] if f["seed"] in ref}
             m, h, n = mean_ci(d)
             cell = "–" if n == 0 else f"{m:+.3f}" if n == 1 else f"{m:+.3f} ± {h:.3f}"
             cells.append(cell + ("*" if n > 1 and abs(m) > h else ""))
