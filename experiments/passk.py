@@ -83,7 +83,7 @@ def evaluate(
                 )  # fmt: skip
                 return s.correct_PxN.sum(-1).astype(int).tolist()
 
-            base = _read(base_path)
+            base = read_result(base_path)
             if base is None:
                 base = {"correct_counts": correct_counts(params), "key": base_key}
                 _write(base_path, base)
@@ -129,7 +129,7 @@ def result(base_counts, final_counts, *, n: int, **settings) -> dict:
     }
 
 
-def _read(path: str) -> dict | None:
+def read_result(path: str) -> dict | None:
     try:
         with open(path) as f:
             return json.load(f)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from experiments import aggregate, passk, studies
 from experiments.worker import workdir_of
+from gjax.errors import UserError, format_user_error
 
 
 def main(argv=None) -> None:
@@ -29,7 +31,7 @@ def main(argv=None) -> None:
     got = []
     for seed in range(args.seeds):
         wd = workdir_of(args.out, args.study, args.variant, seed)
-        res = passk._read(os.path.join(wd, passk.passk_file(args.step))) or passk.evaluate(
+        res = passk.read_result(os.path.join(wd, passk.passk_file(args.step))) or passk.evaluate(
             studies.build_config(variant, seed),
             wd,
             num_samples=studies.passk_samples(False),
@@ -46,4 +48,8 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:
+        print(format_user_error(e), file=sys.stderr)
+        sys.exit(2)
