@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
 import jax
 import numpy as np
@@ -28,7 +27,7 @@ from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.data.prompts import left_pad
 from gjax.embedded import resolve_model_path
-from gjax.errors import UserError, format_user_error
+from gjax.errors import UserError, run_cli
 from gjax.models import hf_import
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
@@ -127,8 +126,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(format_user_error(e), file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

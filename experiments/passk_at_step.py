@@ -12,11 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 from experiments import aggregate, passk, studies
 from experiments.worker import workdir_of
-from gjax.errors import UserError, format_user_error
+from gjax.errors import run_cli
 
 
 def main(argv=None) -> None:
@@ -48,8 +47,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(format_user_error(e), file=sys.stderr)
-        sys.exit(2)
+    run_cli(main)

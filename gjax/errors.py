@@ -9,6 +9,7 @@ own kinds (`DataError`, `CheckpointError`, ...) next to the code that raises the
 
 from __future__ import annotations
 
+import sys
 import textwrap
 
 
@@ -32,3 +33,13 @@ def format_user_error(err: BaseException) -> str:
         lines[0], width=100, subsequent_indent="  ", break_on_hyphens=False, break_long_words=False
     )
     return "\n".join([f"gjax: {head}", *lines[1:]])
+
+
+def run_cli(main) -> None:
+    """Runs a command's `main()`; a user error ends it with its one paragraph on stderr and
+    exit status 2, never a traceback (tracebacks are for bugs)."""
+    try:
+        main()
+    except UserError as e:
+        print(format_user_error(e), file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from gjax import cli, schema
+from gjax.errors import ConfigError, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs gjax.train as `python -m` would, on a machine without torch (as a fresh `pip install
@@ -213,3 +214,14 @@ def test_jetstream_missing_fails_before_the_model_loads(module, args, tmp_path):
     assert flat.count("pip install") == 2  # the one hint (two commands joined by &&)
     assert "mesh" not in proc.stderr and not (tmp_path / "wd").exists()  # nothing set up
     assert elapsed < 60, elapsed
+
+
+def test_run_cli_turns_a_user_error_into_one_paragraph_and_status_2(capsys):
+    def main():
+        raise ConfigError("no study 'x'; the studies: a, b")
+
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(main)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "gjax: no study 'x'; the studies: a, b\n"
+    run_cli(lambda: None)  # a command that succeeds returns
