@@ -30,8 +30,8 @@ from gjax.embedded import resolve_model_path
 from gjax.errors import UserError, run_cli
 from gjax.models import hf_import
 from gjax.rewards.verifier import Verifier
-from gjax.rollout import LocalSampler, SamplingParams
-from gjax.rollout.backend import stop_and_pad
+from gjax.rollout import LocalSampler
+from gjax.rollout.backend import rollout_sampling
 
 
 def outcome_stats(logps_BxN, lengths_B, correct_B, *, group: int) -> dict:
@@ -69,8 +69,8 @@ def _check_same_setup(config, workdir: str) -> None:
     run = config_record.recorded(workdir)
     if run is None:
         raise UserError(f"{workdir} holds no run (no config.json): give a study run's workdir")
-    keys = ("model.", "data.", "rollout.temperature", "rollout.top_p", "rollout.num_samples",
-            "rollout.max_new_tokens")  # fmt: skip
+    keys = ("model.", "data.", "rollout.temperature", "rollout.top_k", "rollout.top_p",
+            "rollout.num_samples", "rollout.max_new_tokens")  # fmt: skip
     differ = sorted(
         k for k in config_record.changes(run, config_record.flat(config)) if k.startswith(keys)
     )
@@ -102,14 +102,7 @@ def main(argv=None) -> None:
         n = min(args.prompts, len(data))
         n -= n % jax.device_count()
         g = config.rollout.num_samples
-        eos, pad_id = stop_and_pad(model_cfg, tok)
-        sampling = SamplingParams(
-            max_new_tokens=config.rollout.max_new_tokens,
-            temperature=config.rollout.temperature,
-            top_p=config.rollout.top_p,
-            stop_token_ids=eos,
-            pad_token_id=pad_id,
-        )
+        sampling = rollout_sampling(config, model_cfg, tok)  # the training rollout's
         ids, mask = left_pad(data.prompt_ids[:n], config.data.max_prompt_len, data.pad_id)
         out = LocalSampler(model_cfg).generate(
             params, ids, mask, jax.random.key(args.seed), num_samples=g, sampling=sampling
