@@ -89,7 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", help="a run: its last checkpoint's params instead of the base")
     args = ap.parse_args(argv)
-    config = studies.build_config(studies.get(args.study).variant(args.variant), args.seed)
+    study = studies.get(args.study)
+    config = studies.build_config(study, study.variant(args.variant), args.seed)
     mesh = sharding.make_mesh(resolve_mesh_shape(config.mesh, jax.device_count()))
     with jax.set_mesh(mesh), sharding.use_rules():
         model_cfg, params, tok = hf_import.load_policy(

@@ -26,12 +26,13 @@ def main(argv=None) -> None:
     p.add_argument("--seeds", type=int, default=5)
     p.add_argument("--out", default="experiments/runs", help="the runs' root (experiments.run's)")
     args = p.parse_args(argv)
-    variant = studies.get(args.study).variant(args.variant)
+    study = studies.get(args.study)
+    variant = study.variant(args.variant)
     got = []
     for seed in range(args.seeds):
         wd = workdir_of(args.out, args.study, args.variant, seed)
         res = passk.read_result(os.path.join(wd, passk.passk_file(args.step))) or passk.evaluate(
-            studies.build_config(variant, seed),
+            studies.build_config(study, variant, seed),
             wd,
             num_samples=studies.passk_samples(False),
             cache_dir=os.path.join(args.out, "_base"),

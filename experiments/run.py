@@ -35,7 +35,7 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
     runs = []
     for v in chosen:
-        want = studies.build_config(v, 0, steps=steps, smoke=smoke).train.steps
+        want = studies.build_config(study, v, 0, steps=steps, smoke=smoke).train.steps
         for seed in range(seeds):
             wd = workdir_of(out, study.name, v.name, seed)
             marker = read_done(wd)

@@ -39,6 +39,8 @@ class Study:
     name: str
     claim: str  # what the paper says, in one line (the README states it in full)
     variants: tuple[Variant, ...]
+    # Overrides every variant of the study shares, applied before each variant's own.
+    overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
@@ -77,6 +79,9 @@ _STUDIES = (
             Variant("cispo", "cispo", "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)"),
             Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
         ),
+        # Off-policy, as A-GRAE App. C.2 and GSPO Sec. 5 (four mini-batch updates per rollout
+        # batch): the ratios leave 1 and the clips act (experiments/README.md, "Off-policy").
+        overrides={"train.minibatches": 4},
     ),
     Study(
         "a_grae_variants",
@@ -151,6 +156,8 @@ _STUDIES = (
                 for a in (2, 4)
             ),
         ),
+        # DaGRPO's own setup (000_* Sec. 5): two updates per rollout batch.
+        overrides={"train.minibatches": 2},
     ),
     Study(
         "gpg",
@@ -212,6 +219,7 @@ def passk_samples(smoke: bool) -> int:
 
 
 def build_config(
+    study: Study,
     variant: Variant,
     seed: int,
     *,
@@ -219,7 +227,8 @@ def build_config(
     eval_every: int | None = None,
     smoke: bool = False,
 ) -> ml_collections.ConfigDict:
-    """The run config of (variant, seed): the preset, the variant's overrides, the seed (of the
+    """The run config of a study's (variant, seed): the preset, the study's overrides then the
+    variant's, the seed (of the
     model's randomness and of the data order; the held-out set stays fixed), and the study's
     logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
     c = importlib.import_module(f"configs.{variant.config}").get_config(variant.arg)
@@ -228,7 +237,7 @@ def build_config(
         c.objective = schema.objective(variant.objective)
         c.objective.covariance_metrics = covariance_metrics
     c.lock()  # an override of a missing field raises instead of adding one
-    for path, value in variant.overrides.items():
+    for path, value in {**study.overrides, **variant.overrides}.items():
         _set(c, path, value, variant.name)
     c.seed = seed
     c.data.shuffle_seed = seed

@@ -34,7 +34,7 @@ def run_one(args) -> int:
     study = studies.get(args.study)
     variant = study.variant(args.variant)
     config = studies.build_config(
-        variant, args.seed, steps=args.steps, eval_every=args.eval_every, smoke=args.smoke
+        study, variant, args.seed, steps=args.steps, eval_every=args.eval_every, smoke=args.smoke
     )
     workdir = workdir_of(args.out, study.name, variant.name, args.seed)
     t0 = time.time()

@@ -44,8 +44,9 @@ def test_t_quantile_and_interval_by_hand():
 def test_every_variant_builds_a_valid_config():
     for study in studies.STUDIES.values():
         for v in study.variants:
-            c = studies.build_config(v, seed=3, steps=7)
+            c = studies.build_config(study, v, seed=3, steps=7)
             assert (c.seed, c.data.shuffle_seed, c.train.steps) == (3, 3, 7)
+            assert c.train.minibatches == study.overrides.get("train.minibatches", 1)
             # every arm logs cov/* (on :headroom), a variant's own objective preset included
             assert c.objective.covariance_metrics == (study.name != "smoke"), (study.name, v)
             validate(c, 1, checks=train_lib.CONFIG_CHECKS)
@@ -59,14 +60,27 @@ def test_every_variant_builds_a_valid_config():
                 f32, b, f32, b,
             )  # fmt: skip
     agrae = studies.get("a_grae_variants").variant("negative_dominant")
-    kw = studies.build_config(agrae, 0).objective.advantage_kwargs
+    kw = studies.build_config(studies.get("a_grae_variants"), agrae, 0).objective.advantage_kwargs
     assert (kw.sample_level, kw.group_level) == ("none", "negative_dominant")
+
+
+def test_a_variant_override_wins_over_the_study_s():
+    v = studies.Variant("x", "grpo", "doc", overrides={"train.minibatches": 8})
+    study = studies.Study("s", "claim", (v,), overrides={"train.minibatches": 4, "seed": 9})
+    c = studies.build_config(study, v, 0)
+    assert (c.train.minibatches, c.seed) == (8, 0)  # the seed is the run's, set last
+    assert (
+        studies.build_config(study, studies.get("smoke").variant("grpo"), 0).train.minibatches == 4
+    )
 
 
 def test_an_override_of_a_missing_field_is_refused():
     v = studies.Variant("x", "grpo", "doc", overrides={"objective.advantage_kwargs.nope": 1})
     with pytest.raises(ConfigError, match="advantage_kwargs.nope"):
-        studies.build_config(v, 0)
+        studies.build_config(studies.Study("s", "claim", (v,)), v, 0)
+    bad_study = studies.Study("s", "claim", (v,), overrides={"train.nope": 1})
+    with pytest.raises(ConfigError, match="train.nope"):
+        studies.build_config(bad_study, studies.get("smoke").variant("grpo"), 0)
     with pytest.raises(ConfigError, match="no variant"):
         studies.get("smoke").variant("gpg")
 
@@ -243,9 +257,9 @@ def test_paired_differences_by_seed():
 
 
 def test_outcome_probe_refuses_a_run_of_another_sampling_setup(tmp_path):
-    variant = studies.get("a_grae_variants").variant("grpo")
-    config = studies.build_config(variant, 0)
-    run = studies.build_config(variant, 0)
+    study = studies.get("a_grae_variants")
+    config = studies.build_config(study, study.variant("grpo"), 0)
+    run = studies.build_config(study, study.variant("grpo"), 0)
     run.objective.advantage_kwargs.group_level = "ass"  # not a sampling setting: accepted
     config_record.write(str(tmp_path), run)
     outcome_logp._check_same_setup(config, str(tmp_path))
