@@ -25,26 +25,39 @@ import time
 
 from experiments import studies
 from experiments.worker import read_done, workdir_of
-from gjax.errors import UserError, format_user_error
+from gjax import config_record
+from gjax.errors import ConfigError, UserError, format_user_error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variants=None):
-    """(variant, seed, workdir, done) of every run; done: finished for these settings."""
+    """(variant, seed, workdir, done) of every run; done: finished for these settings.
+    Raises ConfigError where OUT holds a run of one (variant, seed) trained with another
+    config (the study's definition changed since): neither skipped as done nor overwritten."""
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
-    runs = []
+    runs, stale = [], []
     for v in chosen:
-        want = studies.build_config(study, v, 0, steps=steps, smoke=smoke).train.steps
         for seed in range(seeds):
+            config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
             wd = workdir_of(out, study.name, v.name, seed)
+            if diff := config_record.training_changes(wd, config):
+                stale.append(
+                    f"{wd} ({'; '.join(f'{p}: {a!r} -> {b!r}' for p, (a, b) in diff.items())})"
+                )
             marker = read_done(wd)
             done = (
                 marker is not None
-                and marker["steps"] == want
+                and marker["steps"] == config.train.steps
                 and (marker["passk_samples"] == studies.passk_samples(smoke))
             )
             runs.append((v.name, seed, wd, done))
+    if stale:
+        raise ConfigError(
+            f"{len(stale)} run(s) under {out} were trained with another config than study "
+            f"{study.name!r} now gives them: {stale[0]}{' and others' if len(stale) > 1 else ''}. "
+            "Move them away (or pass another --out) to rerun them with this config."
+        )
     return runs
 
 

@@ -128,6 +128,16 @@ def check(
     return diff
 
 
+def training_changes(workdir: str, config: ml_collections.ConfigDict) -> dict[str, tuple]:
+    """{path: (recorded, config's)} of the fields that would train differently from the run
+    recorded in `workdir` (none when it has no record): what `check` refuses on a resume."""
+    saved = recorded(workdir)
+    if saved is None:
+        return {}
+    diff = changes(saved, flat(config))
+    return {p: diff[p] for p in _training_changes(diff, config)}
+
+
 def _training_changes(diff: dict, config: ml_collections.ConfigDict) -> list[str]:
     """The changed fields that change how the next steps train. `train.steps` is the length
     a cosine learning-rate schedule decays over (gjax.learner.make_optimizer): longer or

@@ -98,6 +98,23 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
+def test_plan_refuses_runs_trained_with_another_config(tmp_path):
+    """A study whose definition changed (all_algorithms went off-policy) must neither count
+    its old finished runs as done nor overwrite them."""
+    study, out = studies.get("smoke"), str(tmp_path)
+    wd = worker.workdir_of(out, "smoke", "grpo", 1)
+    os.makedirs(wd)
+    worker.write_done(wd, steps=2, passk_samples=studies.passk_samples(True))
+    config = studies.build_config(study, study.variant("grpo"), 1, steps=2, smoke=True)
+    config.log.eval_every = 7  # cadences may differ
+    config_record.write(wd, config)
+    assert run.plan(study, 2, out=out, steps=2, smoke=True)[1][3]  # (grpo, 1) done
+    config.train.minibatches = 1 if config.train.minibatches != 1 else 2
+    config_record.write(wd, config)
+    with pytest.raises(ConfigError, match=r"smoke/grpo/seed_1 \(train.minibatches"):
+        run.plan(study, 2, out=out, steps=2, smoke=True)
+
+
 def test_workers_share_one_compilation_cache_unless_one_is_chosen(tmp_path):
     env = run.worker_env({"PATH": "/bin"}, str(tmp_path))
     assert env["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / ".jax_cache")
