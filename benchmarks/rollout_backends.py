@@ -220,10 +220,21 @@ def main():
     st = dec.stats  # the last timed run's counters
     got = np.asarray(cont_out.tokens_BxN)
     assert np.array_equal(np.asarray(cont_out.lengths_B), lengths)
+    # The two decoders' greedy tokens are identical where a row's rounding cannot depend on
+    # what it is batched with: float32 on the CPU (the smoke test's setting), asserted. In
+    # bfloat16, or on a GPU (TF32 matmuls), it can: a near-tie then goes the other way and the
+    # row's rest differs (seen on an H200 with the 1.5B shape in bf16). The lengths are forced,
+    # so the counted figures do not depend on the tokens; the agreement is reported.
+    identical_rows = agreeing_tokens = 0
     for (_, rows, _), out in zip(batches, static_out):
         ref = np.asarray(out.tokens_BxN)
         for i, b in enumerate(range(rows.start, rows.stop)):
-            assert np.array_equal(got[b, : lengths[b]], ref[i, : lengths[b]]), b
+            differ = got[b, : lengths[b]] != ref[i, : lengths[b]]
+            first = int(np.argmax(differ)) if differ.any() else int(lengths[b])
+            identical_rows += first == lengths[b]
+            agreeing_tokens += first
+    if jax.default_backend() == "cpu" and args.dtype == "float32":
+        assert identical_rows == p_ * g_, f"{p_ * g_ - identical_rows} rows differ"
 
     summary = {
         "what": "summary",
@@ -236,6 +247,10 @@ def main():
         "static_row_steps_per_request": static_rows * static_steps / (p_ * g_),
         "continuous_row_steps_per_request": slots * st["decode_steps"] / (p_ * g_),
         "continuous_slot_occupancy": st["slot_steps_live"] / (slots * st["decode_steps"]),
+        # static vs continuous greedy tokens: rows identical, tokens before a row's first
+        # difference (1.0 and 1.0 where asserted above)
+        "greedy_rows_identical": identical_rows / (p_ * g_),
+        "greedy_tokens_agreeing": agreeing_tokens / useful,
         "static_seconds": static_s,
         "continuous_seconds": cont_s,
         "static_useful_tokens_per_s": useful / static_s,

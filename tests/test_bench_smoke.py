@@ -181,6 +181,7 @@ def test_rollout_backends_benchmark_smoke():
     assert setup["what"] == "setup" and s["what"] == "summary"
     assert (setup["static_rows"], setup["continuous_slots"]) == (4, 4)
     assert s["continuous_decode_steps"] >= setup["length_max"]
+    assert (s["greedy_rows_identical"], s["greedy_tokens_agreeing"]) == (1.0, 1.0)
     assert s["static_useful_tokens_per_step"] == s["useful_tokens"] / s["static_decode_steps"]
     assert s["useful_per_step_continuous_over_static"] == pytest.approx(
         s["static_decode_steps"] / s["continuous_decode_steps"]
