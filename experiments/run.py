@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import os
 import signal
 import subprocess
@@ -89,6 +90,24 @@ def worker_env(environ, out: str) -> dict[str, str]:
     return env
 
 
+def repair_cache(cache_dir: str) -> list[str]:
+    """Removes the entries of a size-limited jax compilation cache that have a `-cache` file
+    but no `-atime` file, and returns their names. jax's size limit scans every entry's atime
+    before each write, and one missing atime file makes every later write in the directory
+    fail (a warning only): each run then compiles everything again, 1.5-2x its time. Such an
+    entry is left by a process killed between its two writes, or by one that shared the
+    directory without a size limit (no atime files). Call it while no worker writes."""
+    removed = []
+    with contextlib.suppress(FileNotFoundError):
+        names = set(os.listdir(cache_dir))
+        for name in sorted(names):
+            key = name.removesuffix("-cache")
+            if key != name and f"{key}-atime" not in names:
+                os.remove(os.path.join(cache_dir, name))
+                removed.append(name)
+    return removed
+
+
 def run_study(args) -> int:
     """Runs what is not done; returns the number of runs that failed."""
     study = studies.get(args.study)
@@ -100,6 +119,9 @@ def run_study(args) -> int:
     print(f"{study.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to run "
           f"with {args.workers} workers", flush=True)  # fmt: skip
     env = worker_env(os.environ, args.out)
+    if removed := repair_cache(env["JAX_COMPILATION_CACHE_DIR"]):
+        print(f"compilation cache: removed {len(removed)} entries without an atime file (they "
+              "would stop every later write to it)", flush=True)  # fmt: skip
     lock, finished, failed, live, stopping = threading.Lock(), [0], [], set(), threading.Event()
 
     def one(run) -> None:

@@ -127,6 +127,23 @@ def test_workers_share_one_compilation_cache_unless_one_is_chosen(tmp_path):
     assert "JAX_COMPILATION_CACHE_MAX_SIZE" not in env  # the caller's cache, the caller's rules
 
 
+def test_a_cache_entry_without_its_atime_is_removed_before_workers_start(tmp_path):
+    """jax's size-limited cache reads every entry's atime file before each write: one missing
+    (a worker killed between its two writes) made every later write fail, so every run of a
+    study compiled everything again."""
+    from jax._src import lru_cache
+
+    cache = lru_cache.LRUCache(str(tmp_path), max_size=1 << 20)
+    cache.put("jit_a-1", b"x" * 10)
+    (tmp_path / "jit_b-2-cache").write_bytes(b"y" * 10)  # no jit_b-2-atime
+    with pytest.raises(FileNotFoundError):
+        cache.put("jit_c-3", b"z" * 10)  # jax's own behaviour: the write is lost
+    assert run.repair_cache(str(tmp_path)) == ["jit_b-2-cache"]
+    cache.put("jit_c-3", b"z" * 10)
+    assert cache.get("jit_c-3") == b"z" * 10 and cache.get("jit_a-1") == b"x" * 10
+    assert run.repair_cache(str(tmp_path / "absent")) == []
+
+
 def test_sampled_tokens_are_the_logged_ones_else_estimated():
     cfg = {"rollout": {"prompts_per_step": 2, "num_samples": 4}}
     old = {"response/length_mean": 10.0, "sampling/rollouts": 2.0}  # 2 rounds x 8 x 10
