@@ -38,7 +38,8 @@ CURVES = (  # (metrics key, title, log axis, smoothed)
 )
 SMOOTH = 0.6  # EMA weight of the training curves (gjax.plot's default)
 TAIL = 0.1  # "final" training figures: the mean over the last 10 % of steps
-FORMATS = {"length": ".1f", "grad_spikes": ".1f", "sampled_tokens": ".3g"}
+FORMATS = {"length": ".1f", "grad_spikes": ".1f", "sampled_tokens": ".3g", "clipped_pct": ".3g"}
+CLIP_KEYS = ("policy/clip_frac_low", "policy/clip_frac_high", "policy/clip_frac_dual")
 # CW-GRPO Table 1's form: percentiles of |Cov(log-prob, advantage)| per token (`cov/*`,
 # `objective.covariance_metrics`), at the start and at the end of training.
 COV_PERCENTILES = ("p50", "p90", "p99", "p99.9")
@@ -230,6 +231,10 @@ def run_figures(run: dict) -> dict[str, float]:
     g = np.asarray([r["optim/grad_norm"] for r in rows if r.get("optim/grad_norm") is not None])
     out["grad_spikes"] = int(np.sum(g > SPIKE_FACTOR * np.median(g))) if len(g) else None
     out["sampled_tokens"] = float(sampled_tokens(run)[-1])
+    # The share of loss tokens the objective's clip cut (PPO's, GSPO's sequence clip counted
+    # per token, CISPO's weight clip), mean over steps, in %: 0 for every on-policy update.
+    clipped = [sum(r.get(k, 0.0) for k in CLIP_KEYS) for r in rows if CLIP_KEYS[0] in r]
+    out["clipped_pct"] = 100.0 * float(np.mean(clipped)) if clipped else None
     # A-GRAE App. D.3's collapse signature: training groups with no correct sample, and the
     # held-out pass@1's largest fall below its best so far (0 for a run that never falls).
     vals = [
@@ -269,6 +274,7 @@ def table(study, figures: dict[str, list[dict]], *, only: tuple[str, ...] | None
         else []
     )
     cols += [("pass1_drop", "pass@1 drop")]
+    cols += [("clipped_pct", "clipped %")] if any(f.get("clipped_pct") for f in every) else []
     cols += [(k, k) for k in ("tw/cov_mean", "adv/masked_fraction") if any(k in f for f in every)]
     cols += [("sampled_tokens", "sampled tokens")]
     if only is not None:

@@ -154,8 +154,8 @@ def test_sampled_tokens_are_the_logged_ones_else_estimated():
 
 def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False, evals=None):
     """A run's files as the trainer and the worker write them (`cov`: with `cov/*`, |c|
-    percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1), and
-    `reward/all_unsolved_frac` 0.25; `evals`: {step: held-out pass@1}, default 0.4 + 0.01 s
+    percentile p at step s = s x {50: 1, 90: 2, 99: 5, 99.9: 20}[p] x (seed + 1),
+    `reward/all_unsolved_frac` 0.25 and clip fractions 0.001 s (low) and 0.002 (high); `evals`: {step: held-out pass@1}, default 0.4 + 0.01 s
     at even steps)."""
     wd = worker.workdir_of(out, "smoke", variant, seed)
     w = MetricsWriter(wd, total_steps=len(grad_norms), tensorboard=False, progress=False)
@@ -168,6 +168,7 @@ def _fake_run(out, variant, seed, *, final_counts, grad_norms, n=4, cov=False, e
             row["eval/heldout_pass@1"] = 0.4 + 0.01 * step
         if cov:  # `cov` also adds unsolved groups (a test device: runs with and without)
             row["reward/all_unsolved_frac"] = 0.25
+            row["policy/clip_frac_low"], row["policy/clip_frac_high"] = 0.001 * step, 0.002
             for p, scale in (("p50", 1), ("p90", 2), ("p99", 5), ("p99.9", 20)):
                 row[f"cov/abs_{p}"] = float(step * scale * (seed + 1))
         w.write(step, row)
@@ -214,6 +215,9 @@ def test_aggregate_table_and_figures(tmp_path):
     assert rows["grpo"]["sampled tokens"].startswith("480")  # 6 steps x 2 x 4 x 10 tokens
     assert rows["grpo"]["unsolved groups"] == "0.250 ± 0.000"
     assert rows["dr_grpo"]["unsolved groups"] == "–"  # logged none
+    # clipped: mean over steps 1..6 of 0.001 s + 0.002 = 0.0055 -> 0.55 %
+    assert rows["grpo"]["clipped %"] == "0.55 ± 0"
+    assert rows["dr_grpo"]["clipped %"] == "–"
     # grpo: 0.3 before, then 0.42, 0.44, 0.46: never falls. dr_grpo: 0.2 and 0: mean 0.1,
     # sd 0.141421, se 0.1, t(1) = 12.706205 -> half-width 1.271
     assert rows["grpo"]["pass@1 drop"] == "0.000 ± 0.000"
