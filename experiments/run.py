@@ -34,19 +34,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variants=None):
     """(variant, seed, workdir, done) of every run; done: finished for these settings.
-    Raises ConfigError where OUT holds a run of one (variant, seed) trained with another
-    config (the study's definition changed since): neither skipped as done nor overwritten."""
+    Raises ConfigError where OUT holds a run of one (variant, seed) trained (finished or
+    checkpointed) with another config, in any field but `config_record.HARMLESS` (the study's
+    definition changed since): neither skipped as done nor overwritten. A workdir with neither
+    starts afresh, as the trainer would."""
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
     runs, stale = [], []
     for v in chosen:
         for seed in range(seeds):
             config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
             wd = workdir_of(out, study.name, v.name, seed)
-            if diff := config_record.training_changes(wd, config):
-                stale.append(
-                    f"{wd} ({'; '.join(f'{p}: {a!r} -> {b!r}' for p, (a, b) in diff.items())})"
-                )
             marker = read_done(wd)
+            trained = marker is not None or _has_checkpoint(wd)
+            if trained and (diff := config_record.training_changes(wd, config)):
+                stale.append((wd, "; ".join(f"{p}: {a!r} -> {b!r}" for p, (a, b) in diff.items())))
             done = (
                 marker is not None
                 and marker["steps"] == config.train.steps
@@ -56,10 +57,19 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     if stale:
         raise ConfigError(
             f"{len(stale)} run(s) under {out} were trained with another config than study "
-            f"{study.name!r} now gives them: {stale[0]}{' and others' if len(stale) > 1 else ''}. "
-            "Move them away (or pass another --out) to rerun them with this config."
+            f"{study.name!r} now gives them ({stale[0][0]}: {stale[0][1]}): "
+            f"{', '.join(os.path.relpath(wd, out) for wd, _ in stale)}. Move them away (or pass "
+            "another --out) to rerun them with this config."
         )
     return runs
+
+
+def _has_checkpoint(workdir: str) -> bool:
+    """Whether the trainer saved a step there (it resumes from it; else it starts afresh)."""
+    try:
+        return any(n.isdigit() for n in os.listdir(os.path.join(workdir, "checkpoints")))
+    except OSError:
+        return False
 
 
 def worker_command(study: str, variant: str, seed: int, args) -> list[str]:
@@ -90,15 +100,22 @@ def worker_env(environ, out: str) -> dict[str, str]:
     return env
 
 
-def repair_cache(cache_dir: str) -> list[str]:
-    """Removes the entries of a size-limited jax compilation cache that have a `-cache` file
-    but no `-atime` file, and returns their names. jax's size limit scans every entry's atime
-    before each write, and one missing atime file makes every later write in the directory
-    fail (a warning only): each run then compiles everything again, 1.5-2x its time. Such an
-    entry is left by a process killed between its two writes, or by one that shared the
-    directory without a size limit (no atime files). Call it while no worker writes."""
+def repair_cache(env) -> list[str]:
+    """Removes the entries of the workers' compilation cache (`env`'s) that have a `-cache`
+    file but no `-atime` file, and returns their names; only where the cache has a size limit
+    (without one jax writes no atime files at all). jax's size limit scans every entry's
+    atime before each write, and one missing atime file makes every later write in the
+    directory fail (a warning only): each run then compiles everything again, 1.5-2x its
+    time. Such an entry is left by a process killed between its two writes, or by one that
+    shared the directory without a size limit. Holds jax's lock on the directory."""
+    cache_dir = env.get("JAX_COMPILATION_CACHE_DIR")
+    if not cache_dir or int(env.get("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")) <= 0:
+        return []
+    import filelock  # jax's own lock for a size-limited cache (jax/_src/lru_cache.py)
+
     removed = []
-    with contextlib.suppress(FileNotFoundError):
+    lock = filelock.FileLock(os.path.join(cache_dir, ".lockfile"), timeout=60)
+    with contextlib.suppress(FileNotFoundError), lock:
         names = set(os.listdir(cache_dir))
         for name in sorted(names):
             key = name.removesuffix("-cache")
@@ -119,7 +136,7 @@ def run_study(args) -> int:
     print(f"{study.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to run "
           f"with {args.workers} workers", flush=True)  # fmt: skip
     env = worker_env(os.environ, args.out)
-    if removed := repair_cache(env["JAX_COMPILATION_CACHE_DIR"]):
+    if removed := repair_cache(env):
         print(f"compilation cache: removed {len(removed)} entries without an atime file (they "
               "would stop every later write to it)", flush=True)  # fmt: skip
     lock, finished, failed, live, stopping = threading.Lock(), [0], [], set(), threading.Event()

@@ -1,4 +1,5 @@
-"""The studies: each a list of variants, each variant a config preset plus overrides.
+"""The studies: each a list of variants, each variant a config preset plus overrides (a
+study's own overrides, shared by its variants, go first).
 
 A variant names a `configs/<module>.py` and its argument (`headroom`: the embedded task with
 room to learn, `configs.common.headroom`; `tiny`: the fast embedded task), an
@@ -228,17 +229,18 @@ def build_config(
     smoke: bool = False,
 ) -> ml_collections.ConfigDict:
     """The run config of a study's (variant, seed): the preset, the study's overrides then the
-    variant's, the seed (of the
-    model's randomness and of the data order; the held-out set stays fixed), and the study's
-    logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
+    variant's, the seed (of the model's randomness and of the data order; the held-out set
+    stays fixed), and the study's logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
     c = importlib.import_module(f"configs.{variant.config}").get_config(variant.arg)
     if variant.objective is not None:  # the preset's objective; the task's logging stays
         covariance_metrics = c.objective.covariance_metrics
         c.objective = schema.objective(variant.objective)
         c.objective.covariance_metrics = covariance_metrics
     c.lock()  # an override of a missing field raises instead of adding one
-    for path, value in {**study.overrides, **variant.overrides}.items():
-        _set(c, path, value, variant.name)
+    for path, value in study.overrides.items():
+        _set(c, path, value, f"study {study.name!r}")
+    for path, value in variant.overrides.items():
+        _set(c, path, value, f"variant {variant.name!r}")
     c.seed = seed
     c.data.shuffle_seed = seed
     c.algo = variant.name
@@ -267,6 +269,6 @@ def _set(c: ml_collections.ConfigDict, path: str, value, where: str) -> None:
         node[leaf] = value
     except (KeyError, AttributeError, TypeError) as e:
         raise ConfigError(
-            f"variant {where!r}: cannot set config.{path} = {value!r} ({e}); a study may only "
+            f"{where}: cannot set config.{path} = {value!r} ({e}); a study may only "
             "set fields the config has (gjax/schema.py)"
         ) from e

@@ -76,10 +76,12 @@ def test_a_variant_override_wins_over_the_study_s():
 
 def test_an_override_of_a_missing_field_is_refused():
     v = studies.Variant("x", "grpo", "doc", overrides={"objective.advantage_kwargs.nope": 1})
-    with pytest.raises(ConfigError, match="advantage_kwargs.nope"):
+    with pytest.raises(
+        ConfigError, match="variant .x.: cannot set config.objective.advantage_kwargs.nope"
+    ):
         studies.build_config(studies.Study("s", "claim", (v,)), v, 0)
     bad_study = studies.Study("s", "claim", (v,), overrides={"train.nope": 1})
-    with pytest.raises(ConfigError, match="train.nope"):
+    with pytest.raises(ConfigError, match="study .s.: cannot set config.train.nope"):
         studies.build_config(bad_study, studies.get("smoke").variant("grpo"), 0)
     with pytest.raises(ConfigError, match="no variant"):
         studies.get("smoke").variant("gpg")
@@ -111,7 +113,16 @@ def test_plan_refuses_runs_trained_with_another_config(tmp_path):
     assert run.plan(study, 2, out=out, steps=2, smoke=True)[1][3]  # (grpo, 1) done
     config.train.minibatches = 1 if config.train.minibatches != 1 else 2
     config_record.write(wd, config)
-    with pytest.raises(ConfigError, match=r"smoke/grpo/seed_1 \(train.minibatches"):
+    with pytest.raises(ConfigError, match=r"smoke/grpo/seed_1: train.minibatches"):
+        run.plan(study, 2, out=out, steps=2, smoke=True)
+    # a workdir that never trained (no marker, no checkpoint) starts afresh, as the trainer
+    # would: its config.json is no reason to refuse
+    wd0 = worker.workdir_of(out, "smoke", "grpo", 0)
+    config_record.write(wd0, config)
+    os.remove(os.path.join(wd, worker.DONE_FILE))
+    assert not any(d for *_, d in run.plan(study, 2, out=out, steps=2, smoke=True))
+    os.makedirs(os.path.join(wd0, "checkpoints", "1"))  # a saved step: trained
+    with pytest.raises(ConfigError, match=r"1 run\(s\) .*seed_0: .*train.minibatches"):
         run.plan(study, 2, out=out, steps=2, smoke=True)
 
 
@@ -138,10 +149,14 @@ def test_a_cache_entry_without_its_atime_is_removed_before_workers_start(tmp_pat
     (tmp_path / "jit_b-2-cache").write_bytes(b"y" * 10)  # no jit_b-2-atime
     with pytest.raises(FileNotFoundError):
         cache.put("jit_c-3", b"z" * 10)  # jax's own behaviour: the write is lost
-    assert run.repair_cache(str(tmp_path)) == ["jit_b-2-cache"]
+    env = run.worker_env({"JAX_COMPILATION_CACHE_DIR": str(tmp_path)}, "unused")
+    assert run.repair_cache(env) == []  # the caller's cache without a size limit: untouched
+    assert (tmp_path / "jit_b-2-cache").exists()
+    env["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(1 << 20)
+    assert run.repair_cache(env) == ["jit_b-2-cache"]
     cache.put("jit_c-3", b"z" * 10)
     assert cache.get("jit_c-3") == b"z" * 10 and cache.get("jit_a-1") == b"x" * 10
-    assert run.repair_cache(str(tmp_path / "absent")) == []
+    assert run.repair_cache({**env, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "absent")}) == []
 
 
 def test_sampled_tokens_are_the_logged_ones_else_estimated():
