@@ -80,8 +80,8 @@ _STUDIES = (
             Variant("cispo", "cispo", "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)"),
             Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
         ),
-        # Off-policy, as A-GRAE App. C.2 and GSPO Sec. 5 (four mini-batch updates per rollout
-        # batch): the ratios leave 1 and the clips act (experiments/README.md, "Off-policy").
+        # Off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout batch):
+        # the ratios leave 1 and the clips act (experiments/README.md, "Off-policy updates").
         overrides={"train.minibatches": 4},
     ),
     Study(
@@ -157,7 +157,7 @@ _STUDIES = (
                 for a in (2, 4)
             ),
         ),
-        # DaGRPO's own setup (000_* Sec. 5): two updates per rollout batch.
+        # DaGRPO's own setup (000_* Sec. 6, configs/dagrpo.py): two updates per rollout batch.
         overrides={"train.minibatches": 2},
     ),
     Study(
@@ -230,7 +230,8 @@ def build_config(
 ) -> ml_collections.ConfigDict:
     """The run config of a study's (variant, seed): the preset, the study's overrides then the
     variant's, the seed (of the model's randomness and of the data order; the held-out set
-    stays fixed), and the study's logging. `smoke` shrinks the evaluations to seconds (16 held-out problems, greedy)."""
+    stays fixed), and the study's logging. `smoke` shrinks the evaluations to seconds (16
+    held-out problems, greedy)."""
     c = importlib.import_module(f"configs.{variant.config}").get_config(variant.arg)
     if variant.objective is not None:  # the preset's objective; the task's logging stays
         covariance_metrics = c.objective.covariance_metrics
