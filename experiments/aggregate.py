@@ -17,13 +17,12 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import numpy as np
 
 from experiments import studies
 from experiments.passk import PASSK_FILE
-from gjax.errors import UserError, format_user_error
+from gjax.errors import UserError, run_cli
 from gjax.metrics import read_jsonl
 from gjax.plot import ema
 
@@ -559,12 +558,7 @@ def main(argv=None) -> None:
         "table's headline columns (the README's Results section)",
     )
     args = p.parse_args(argv)
-    try:
-        out = aggregate(args.study, args.runs, args.out, readme=args.readme)
-    except UserError as e:
-        print(format_user_error(e), file=sys.stderr, flush=True)
-        sys.exit(2)
-    print(out)
+    run_cli(lambda: print(aggregate(args.study, args.runs, args.out, readme=args.readme)))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import time
 from experiments import studies
 from experiments.worker import read_done, workdir_of
 from gjax import config_record
-from gjax.errors import ConfigError, UserError, format_user_error
+from gjax.errors import ConfigError, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -219,12 +219,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.workers < 1 or args.seeds < 1 or (args.steps is not None and args.steps < 1):
         p.error("--workers, --seeds and --steps must be >= 1")
-    try:
-        failed = run_study(args)
-    except UserError as e:
-        print(format_user_error(e), file=sys.stderr, flush=True)
-        sys.exit(2)
-    sys.exit(1 if failed else 0)
+    run_cli(lambda: sys.exit(1 if run_study(args) else 0))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import time
 
 from experiments import passk, studies
 from gjax import train as train_lib
-from gjax.errors import UserError, format_user_error
+from gjax.errors import run_cli
 
 DONE_FILE = "done.json"
 
@@ -73,12 +73,7 @@ def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     for name in ("absl", "jax", "datasets", "orbax"):  # their INFO lines (as gjax.cli quiets)
         logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        code = run_one(args)
-    except UserError as e:
-        print(format_user_error(e), file=sys.stderr, flush=True)
-        code = 2
-    sys.exit(code)
+    run_cli(lambda: sys.exit(run_one(args)))
 
 
 if __name__ == "__main__":

@@ -18,11 +18,10 @@ import argparse
 import json
 import math
 import os
-import sys
 
 import numpy as np
 
-from gjax.errors import UserError, format_user_error
+from gjax.errors import UserError, run_cli
 from gjax.metrics import read_jsonl
 
 PANELS = (
@@ -175,11 +174,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if not 0 <= args.smooth < 1:
         parser.error(f"--smooth must be in [0, 1), got {args.smooth}")
-    try:
-        print(plot_runs(args.workdirs, args.out, args.smooth))
-    except UserError as err:
-        print(format_user_error(err), file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_cli(lambda: print(plot_runs(args.workdirs, args.out, args.smooth)))
 
 
 if __name__ == "__main__":

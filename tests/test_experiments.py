@@ -100,6 +100,15 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
+@pytest.mark.parametrize("command", [run.main, aggregate.main])
+def test_a_command_s_user_error_is_one_paragraph_and_status_2(command, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        command(["no_such_study"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("gjax: unknown study 'no_such_study'") and "Traceback" not in err
+
+
 def test_plan_refuses_runs_trained_with_another_config(tmp_path):
     """A study whose definition changed (all_algorithms went off-policy) must neither count
     its old finished runs as done nor overwrite them."""
