@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from experiments.passk import PASSK_FILE
 from gjax.errors import UserError, run_cli
 from gjax.metrics import read_jsonl
 from gjax.plot import ema
+from gjax.rewards.rule_judge import find_expression
 
 TABLE_KS = (1, 4, 16, 64)
 PASS1 = "eval/heldout_pass@1"
@@ -43,6 +45,7 @@ CLIP_KEYS = ("policy/clip_frac_low", "policy/clip_frac_high", "policy/clip_frac_
 # `objective.covariance_metrics`), at the start and at the end of training.
 COV_PERCENTILES = ("p50", "p90", "p99", "p99.9")
 SPIKE_FACTOR = 3.0  # a grad-norm spike: a step above 3 x the run's median grad norm
+_BY_OPS = re.compile(r"pass@(\d+)\|ops=(\d+)$")  # `difficulty_figures`' keys
 EQUAL_TOKENS_SPREAD = 1.1  # variants whose sampled tokens differ more get an equal-cost table
 
 
@@ -254,6 +257,66 @@ def run_figures(run: dict) -> dict[str, float]:
             if vals:
                 out[f"{key}@{when}"] = float(np.mean(vals))
     return out
+
+
+def heldout_difficulty(config: dict) -> np.ndarray | None:
+    """Each held-out problem's number of operations, in passk.json's order, for a run on the
+    synthetic task (the held-out set rebuilt as the run built it: its data config, its
+    tokenizer's prompt filter); None for any other data."""
+    if config.get("data", {}).get("source") != "synthetic":
+        return None
+    import ml_collections
+    from transformers import AutoTokenizer
+
+    from gjax.data import builders
+    from gjax.data.synthetic import solution_steps
+    from gjax.embedded import resolve_model_path
+
+    c = ml_collections.ConfigDict(config)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(c.model.path))
+    heldout = builders.build_prompt_data(builders.run_data_config(c), tok, heldout=True)
+    return np.asarray([len(solution_steps(find_expression(q))) for q in heldout.problems])
+
+
+def difficulty_figures(run: dict, ops_P: np.ndarray | None) -> dict[str, float]:
+    """pass@1 and pass@n by the held-out problems' number of operations, final and base:
+    {"pass@1|ops=2": ..., "base_pass@64|ops=2": ...}."""
+    pk = run["passk"]
+    if pk is None or ops_P is None or len(ops_P) != pk["problems"]:
+        return {}
+    n, out = pk["n"], {}
+    for when, prefix in (("final", ""), ("base", "base_")):
+        c_P = np.asarray(pk[when]["correct_counts"], float)
+        for ops in np.unique(ops_P):
+            sel = c_P[ops_P == ops]
+            out[f"problems|ops={ops}"] = len(sel)
+            out[f"{prefix}pass@1|ops={ops}"] = float(np.mean(sel / n))
+            out[f"{prefix}pass@{n}|ops={ops}"] = float(np.mean(sel > 0))
+    return out
+
+
+def difficulty_table(figures: dict[str, list[dict]]) -> str:
+    """pass@1 and pass@n per number of operations (columns, with the number of problems),
+    base policy first; '' when no run has them."""
+    every = [f for fs in figures.values() for f in fs]
+    cols = sorted(  # (k, ops) of every "pass@K|ops=OPS" key
+        {tuple(map(int, m.groups())) for f in every for key in f if (m := _BY_OPS.match(key))}
+    )
+    if not cols:
+        return ""
+    count = {ops: max(f.get(f"problems|ops={ops}", 0) for f in every) for _, ops in cols}
+    head = ["variant", *(f"pass@{k}, {ops} ops ({count[ops]})" for k, ops in cols)]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    # The base policy's figures depend on the seed only: one per seed, as in `table`.
+    k0, ops0 = cols[0]
+    base = {f["seed"]: f for f in every if f"base_pass@{k0}|ops={ops0}" in f}
+    rows = [("base policy", list(base.values()), "base_")]
+    rows += [(name, fs, "") for name, fs in figures.items()]
+    for name, fs, prefix in rows:
+        keys = [f"{prefix}pass@{k}|ops={ops}" for k, ops in cols]
+        cells = [fmt_ci(*mean_ci([f.get(key) for f in fs])[:2]) for key in keys]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # --------------------------------------------------------------------------- table
@@ -497,7 +560,19 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
     a markdown file whose `results:STUDY` block gets the table's `HEADLINE_COLS`."""
     study = studies.get(study_name)
     runs = load_runs(runs_dir, study)
-    figs = {name: [{"seed": r["seed"], **run_figures(r)} for r in rs] for name, rs in runs.items()}
+    ops = {}  # the held-out set's difficulty per data config (one per study in practice)
+    for r in (r for rs in runs.values() for r in rs):
+        key = json.dumps([r["config"].get("data"), r["config"].get("model", {}).get("path")])
+        if key not in ops:
+            ops[key] = heldout_difficulty(r["config"])
+        r["difficulty"] = ops[key]
+    figs = {
+        name: [
+            {"seed": r["seed"], **run_figures(r), **difficulty_figures(r, r["difficulty"])}
+            for r in rs
+        ]
+        for name, rs in runs.items()
+    }
     out_dir = os.path.join(out_root, study.name)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "runs.json"), "w") as f:
@@ -529,6 +604,13 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
             "\nCovariance of log-prob and advantage per token (CW-GRPO Table 1's form, "
             "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of steps -> over the last "
             "10 % (± over seeds).\n\n" + cov
+        )
+    by_ops = difficulty_table(figs)
+    if by_ops:
+        md += (
+            "\nBy difficulty: held-out pass@k at the end of training over the problems with "
+            "the same number of operations (the synthetic task's chain length; the base "
+            "policy's from its own samples), mean ± 95 % t half-width over seeds.\n\n" + by_ops
         )
     equal = equal_tokens_table(runs, figs)
     if equal:

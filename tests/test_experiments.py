@@ -279,6 +279,45 @@ def test_base_row_takes_each_seed_from_a_run_that_has_it():
     assert " 0.300 " in base.split("|")  # pass@1
 
 
+def test_pass_at_k_by_difficulty_by_hand():
+    ops_P = np.array([2, 2, 3, 4])
+    pk = passk.result([4, 0, 1, 0], [4, 2, 0, 1], n=4, step=6, seed=0)
+    got = aggregate.difficulty_figures({"passk": pk}, ops_P)
+    # final: 2 ops -> counts 4, 2 of 4: pass@1 (1 + 0.5) / 2; pass@4 both solved once
+    assert got["pass@1|ops=2"] == pytest.approx(0.75) and got["pass@4|ops=2"] == 1.0
+    assert got["pass@1|ops=3"] == 0.0 and got["pass@4|ops=3"] == 0.0
+    assert got["pass@1|ops=4"] == pytest.approx(0.25) and got["pass@4|ops=4"] == 1.0
+    assert got["base_pass@1|ops=2"] == pytest.approx(0.5) and got["base_pass@4|ops=2"] == 0.5
+    assert got["problems|ops=2"] == 2 and got["problems|ops=4"] == 1
+    # A held-out set that does not match the counts (another data config): nothing.
+    assert aggregate.difficulty_figures({"passk": pk}, ops_P[:3]) == {}
+    assert aggregate.difficulty_figures({"passk": pk}, None) == {}
+    # Two seeds of one arm; the base row takes one figure per seed however many arms.
+    b = {"seed": 1, **aggregate.difficulty_figures({"passk": pk}, ops_P), "pass@1|ops=2": 0.25}
+    a = {"seed": 0, **got}
+    md = aggregate.difficulty_table({"grpo": [a, b], "dapo": [a]})
+    lines = md.splitlines()
+    assert lines[0].startswith("| variant | pass@1, 2 ops (2) | pass@1, 3 ops (1) |")
+    assert lines[0].endswith("| pass@4, 4 ops (1) |")
+    # grpo pass@1, 2 ops: 0.75 and 0.25: mean 0.5, sd 0.353553, t(1) 12.706205 -> 3.177
+    assert lines[3].startswith("| grpo | 0.500 ± 3.177 | 0.000 ± 0.000 |")
+    assert lines[2].startswith("| base policy | 0.500 ± 0.000 |")  # seeds 0 and 1, once each
+    assert aggregate.difficulty_table({"grpo": [{"seed": 0, "pass@1": 0.5}]}) == ""
+
+
+def test_heldout_difficulty_is_each_problem_s_chain_length():
+    """The held-out set rebuilt from a run's config, in its order: the generator's own num_ops."""
+    from gjax.data import synthetic
+
+    cfg = studies.build_config(studies.get("smoke"), studies.get("smoke").variants[0], 0)
+    ops_P = aggregate.heldout_difficulty(cfg.to_dict())
+    task = synthetic.SyntheticConfig(**cfg.data.synthetic.to_dict())
+    want = [p.num_ops for p in synthetic.generate(len(ops_P), "test", seed=0, config=task)]
+    assert len(ops_P) == cfg.data.heldout_size and ops_P.tolist() == want
+    assert len(set(want)) > 1  # a check that can fail: several difficulties
+    assert aggregate.heldout_difficulty({"data": {"source": "gsm8k"}}) is None
+
+
 def test_outcome_stats_by_hand():
     """Two groups of 2: (correct, wrong) and (correct, correct); x: past a row's length."""
     x = 9.0
