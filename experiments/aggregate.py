@@ -266,14 +266,14 @@ def heldout_difficulty(config: dict) -> np.ndarray | None:
     if config.get("data", {}).get("source") != "synthetic":
         return None
     import ml_collections
-    from transformers import AutoTokenizer
 
     from gjax.data import builders
     from gjax.data.synthetic import solution_steps
     from gjax.embedded import resolve_model_path
+    from gjax.models.hf_import import load_tokenizer
 
     c = ml_collections.ConfigDict(config)
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(c.model.path))
+    tok = load_tokenizer(resolve_model_path(c.model.path))
     heldout = builders.build_prompt_data(builders.run_data_config(c), tok, heldout=True)
     return np.asarray([len(solution_steps(find_expression(q))) for q in heldout.problems])
 
@@ -609,8 +609,9 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
     if by_ops:
         md += (
             "\nBy difficulty: held-out pass@k at the end of training over the problems with "
-            "the same number of operations (the synthetic task's chain length; the base "
-            "policy's from its own samples), mean ± 95 % t half-width over seeds.\n\n" + by_ops
+            "the same number of operations (the synthetic task's chain length; in brackets: "
+            "how many held-out problems have it; the base policy's from its own samples), "
+            "mean ± 95 % t half-width over seeds.\n\n" + by_ops
         )
     equal = equal_tokens_table(runs, figs)
     if equal:

@@ -122,7 +122,7 @@ _STUDIES = (
     ),
     Study(
         "dagrpo",
-        "DaGRPO Sec. 5-6: masking indistinct pairs removes conflicting gradients (fewer grad-norm "
+        "DaGRPO Sec. 5 and 7: masking indistinct pairs removes conflicting gradients (fewer grad-norm "
         "spikes) and prevents length / entropy collapse; ablations on delta, anchors, ratio",
         (
             Variant(

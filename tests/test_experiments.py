@@ -294,6 +294,7 @@ def test_pass_at_k_by_difficulty_by_hand():
     assert aggregate.difficulty_figures({"passk": pk}, None) == {}
     # Two seeds of one arm; the base row takes one figure per seed however many arms.
     b = {"seed": 1, **aggregate.difficulty_figures({"passk": pk}, ops_P), "pass@1|ops=2": 0.25}
+    b["base_pass@1|ops=2"] = 0.25
     a = {"seed": 0, **got}
     md = aggregate.difficulty_table({"grpo": [a, b], "dapo": [a]})
     lines = md.splitlines()
@@ -301,7 +302,9 @@ def test_pass_at_k_by_difficulty_by_hand():
     assert lines[0].endswith("| pass@4, 4 ops (1) |")
     # grpo pass@1, 2 ops: 0.75 and 0.25: mean 0.5, sd 0.353553, t(1) 12.706205 -> 3.177
     assert lines[3].startswith("| grpo | 0.500 ± 3.177 | 0.000 ± 0.000 |")
-    assert lines[2].startswith("| base policy | 0.500 ± 0.000 |")  # seeds 0 and 1, once each
+    # base, 2 ops: seed 0 0.5, seed 1 0.25 once each (not seed 0 twice): mean 0.375,
+    # sd 0.176777, se 0.125, t(1) 12.706205 -> 1.588
+    assert lines[2].startswith("| base policy | 0.375 ± 1.588 |")
     assert aggregate.difficulty_table({"grpo": [{"seed": 0, "pass@1": 0.5}]}) == ""
 
 
@@ -312,7 +315,8 @@ def test_heldout_difficulty_is_each_problem_s_chain_length():
     cfg = studies.build_config(studies.get("smoke"), studies.get("smoke").variants[0], 0)
     ops_P = aggregate.heldout_difficulty(cfg.to_dict())
     task = synthetic.SyntheticConfig(**cfg.data.synthetic.to_dict())
-    want = [p.num_ops for p in synthetic.generate(len(ops_P), "test", seed=0, config=task)]
+    seed = cfg.data.synthetic_seed
+    want = [p.num_ops for p in synthetic.generate(len(ops_P), "test", seed=seed, config=task)]
     assert len(ops_P) == cfg.data.heldout_size and ops_P.tolist() == want
     assert len(set(want)) > 1  # a check that can fail: several difficulties
     assert aggregate.heldout_difficulty({"data": {"source": "gsm8k"}}) is None
@@ -444,6 +448,11 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     res = aggregate.aggregate("smoke", out, str(tmp_path / "results"))
     md = pathlib.Path(res, "results.md").read_text()
     assert "| grpo | 1 | 1 |" in md and "| dr_grpo | 1 | 1 |" in md
+    # The real runs' held-out set, rebuilt from their config.json, lines up with passk.json.
+    by_ops = md.split("By difficulty")[1].splitlines()
+    head = next(line for line in by_ops if line.startswith("| variant"))
+    counts = [int(c.split("(")[1].rstrip(") ")) for c in head.split("|")[2:-1] if "pass@1," in c]
+    assert sum(counts) == 16 and len(counts) > 1
 
 
 @pytest.mark.slow
