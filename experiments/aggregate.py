@@ -284,12 +284,12 @@ def difficulty_figures(run: dict, ops_P: np.ndarray | None) -> dict[str, float]:
     pk = run["passk"]
     if pk is None or ops_P is None or len(ops_P) != pk["problems"]:
         return {}
-    n, out = pk["n"], {}
+    n = pk["n"]
+    out = {f"problems|ops={ops}": int(np.sum(ops_P == ops)) for ops in np.unique(ops_P)}
     for when, prefix in (("final", ""), ("base", "base_")):
         c_P = np.asarray(pk[when]["correct_counts"], float)
         for ops in np.unique(ops_P):
             sel = c_P[ops_P == ops]
-            out[f"problems|ops={ops}"] = len(sel)
             out[f"{prefix}pass@1|ops={ops}"] = float(np.mean(sel / n))
             out[f"{prefix}pass@{n}|ops={ops}"] = float(np.mean(sel > 0))
     return out
