@@ -22,8 +22,9 @@ import re
 import numpy as np
 
 from experiments import studies
-from experiments.passk import PASSK_FILE
+from experiments.passk import PASSK_FILE, heldout_prompts
 from gjax.errors import UserError, run_cli
+from gjax.evaluation.metrics import pass_at_k
 from gjax.metrics import read_jsonl
 from gjax.plot import ema
 from gjax.rewards.rule_judge import find_expression
@@ -267,14 +268,12 @@ def heldout_difficulty(config: dict) -> np.ndarray | None:
         return None
     import ml_collections
 
-    from gjax.data import builders
     from gjax.data.synthetic import solution_steps
     from gjax.embedded import resolve_model_path
     from gjax.models.hf_import import load_tokenizer
 
     c = ml_collections.ConfigDict(config)
-    tok = load_tokenizer(resolve_model_path(c.model.path))
-    heldout = builders.build_prompt_data(builders.run_data_config(c), tok, heldout=True)
+    heldout = heldout_prompts(c, load_tokenizer(resolve_model_path(c.model.path)))
     return np.asarray([len(solution_steps(find_expression(q))) for q in heldout.problems])
 
 
@@ -287,11 +286,11 @@ def difficulty_figures(run: dict, ops_P: np.ndarray | None) -> dict[str, float]:
     n = pk["n"]
     out = {f"problems|ops={ops}": int(np.sum(ops_P == ops)) for ops in np.unique(ops_P)}
     for when, prefix in (("final", ""), ("base", "base_")):
-        c_P = np.asarray(pk[when]["correct_counts"], float)
+        c_P = np.asarray(pk[when]["correct_counts"])
         for ops in np.unique(ops_P):
-            sel = c_P[ops_P == ops]
-            out[f"{prefix}pass@1|ops={ops}"] = float(np.mean(sel / n))
-            out[f"{prefix}pass@{n}|ops={ops}"] = float(np.mean(sel > 0))
+            for k in (1, n):
+                est = [pass_at_k(n, int(c), k) for c in c_P[ops_P == ops]]
+                out[f"{prefix}pass@{k}|ops={ops}"] = float(np.mean(est))
     return out
 
 

@@ -61,7 +61,7 @@ def evaluate(
         model_cfg, params, tok = hf_import.load_policy(
             resolve_model_path(config.model.path), config.model, mesh
         )
-        heldout = data_builders.build_prompt_data(data_cfg, tok, heldout=True)
+        heldout = heldout_prompts(config, tok)
         restored_step, final = restore_run_params(params, workdir, step=step)
         eos, pad_id = stop_and_pad(model_cfg, tok)
         sampling = SamplingParams(
@@ -99,6 +99,13 @@ def evaluate(
     )
     _write(os.path.join(workdir, passk_file(step)), out)
     return out
+
+
+def heldout_prompts(config, tokenizer):
+    """The run's held-out prompts, in the order `correct_counts` lists them."""
+    return data_builders.build_prompt_data(
+        data_builders.run_data_config(config), tokenizer, heldout=True
+    )
 
 
 def restore_run_params(like, workdir: str, *, step: int | None = None) -> tuple[int, object]:
