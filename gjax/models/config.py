@@ -17,6 +17,8 @@ SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # gjax.models.attention.IMPLEMENTATIONS (kept here: config imports no jax modules of its own).
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "xla_blocked", "cudnn", "pallas_gpu", "splash")
+# The projections LoRA can adapt (gjax.models.lora), by the names the param tree gives them.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -59,6 +61,13 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype
     remat: str = "none"
     attention: str = "auto"  # gjax.models.attention.IMPLEMENTATIONS
+    # LoRA (gjax.models.lora; not part of the HF file): rank 0 is full fine-tuning. Each
+    # projection named in `lora_targets` computes x W + (alpha / rank) (x A) B, A [in, rank]
+    # and B [rank, out] (B starts at zero) stored in `lora_dtype` beside the frozen W.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_dtype: str = "float32"
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # keep the config hashable
@@ -93,6 +102,15 @@ class ModelConfig:
             )
         dtype_from_name(self.param_dtype)
         dtype_from_name(self.dtype)
+        dtype_from_name(self.lora_dtype)
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        if not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise ValueError(f"ModelConfig.lora_rank must be an int >= 0, got {self.lora_rank!r}")
+        unknown = sorted(set(self.lora_targets) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown LoRA target(s) {unknown}; valid: {LORA_TARGETS}")
+        if self.lora_rank and not self.lora_targets:
+            raise ValueError("ModelConfig.lora_rank > 0 needs at least one of lora_targets")
 
     @property
     def jnp_dtype(self):
@@ -101,6 +119,15 @@ class ModelConfig:
     @property
     def jnp_param_dtype(self):
         return dtype_from_name(self.param_dtype)
+
+    @property
+    def lora_scale(self) -> float:
+        """alpha / rank, the factor of every adapter's product (0 without LoRA)."""
+        return self.lora_alpha / self.lora_rank if self.lora_rank else 0.0
+
+    def without_lora(self) -> ModelConfig:
+        """The base model's config: the same architecture with no adapters (the reference)."""
+        return dataclasses.replace(self, lora_rank=0, lora_alpha=0.0, lora_targets=())
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:

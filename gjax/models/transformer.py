@@ -34,7 +34,7 @@ import numpy as np
 
 from gjax.models import attention
 from gjax.models.attention import MASK_VALUE as _MASK_VALUE  # noqa: F401 (decoders import it)
-from gjax.models.config import ModelConfig
+from gjax.models.config import ModelConfig, dtype_from_name
 
 Params = dict[str, Any]
 
@@ -96,8 +96,26 @@ def apply_rope(x, cos, sin):
     return out.astype(dtype)
 
 
-def _linear(p, x, dtype):
+def lora_delta(x_NxI, a_IxR, b_RxO, scale: float, dtype):
+    """LoRA's low-rank term (alpha / r) (x A) B (Hu et al. 2021, eq. (3)); x is [..., in]."""
+    xa = jnp.dot(x_NxI, a_IxR.astype(dtype))
+    return jnp.dot(xa, b_RxO.astype(dtype)) * jnp.asarray(scale, dtype)
+
+
+def merged_kernel(p, cfg: ModelConfig):
+    """A projection's effective kernel W + (alpha / r) A B (W alone without adapters), in
+    W's dtype: what a decode step (and an export) uses instead of the two extra matmuls."""
+    if "lora_a" not in p:
+        return p["kernel"]
+    delta = jnp.matmul(p["lora_a"].astype(jnp.float32), p["lora_b"].astype(jnp.float32))
+    return (p["kernel"].astype(jnp.float32) + cfg.lora_scale * delta).astype(p["kernel"].dtype)
+
+
+def _linear(p, x, cfg: ModelConfig):
+    dtype = cfg.jnp_dtype
     y = jnp.dot(x, p["kernel"].astype(dtype))
+    if "lora_a" in p:
+        y = y + lora_delta(x, p["lora_a"], p["lora_b"], cfg.lora_scale, dtype)
     if "bias" in p:
         y = y + p["bias"].astype(dtype)
     return y
@@ -132,11 +150,28 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, self.cfg, _normal)
-        dtype = self.cfg.jnp_dtype
+        cfg = self.cfg
+        kernel = _param(self, "kernel", (x.shape[-1], self.features), self.axes, cfg, _normal)
+        dtype = cfg.jnp_dtype
         # Tokens flattened to one axis: a plain 2-D matmul, whose backward XLA:CPU runs ~1.7x
         # faster than the [B, T, D] form's (measured on the MLP; same math everywhere).
-        y_NxF = jnp.dot(x.reshape(-1, x.shape[-1]).astype(dtype), kernel.astype(dtype))
+        x_NxI = x.reshape(-1, x.shape[-1]).astype(dtype)
+        y_NxF = jnp.dot(x_NxI, kernel.astype(dtype))
+        if self.name in cfg.lora_targets:  # LoRA: adapters beside the frozen kernel
+            init_a = nn.initializers.he_uniform()  # B = 0: the adapted model starts as the base
+            a = self.param(
+                "lora_a",
+                nn.with_logical_partitioning(init_a, (self.axes[0], None)),
+                (x.shape[-1], cfg.lora_rank),
+                dtype_from_name(cfg.lora_dtype),
+            )
+            b = self.param(
+                "lora_b",
+                nn.with_logical_partitioning(nn.initializers.zeros, (None, self.axes[1])),
+                (cfg.lora_rank, self.features),
+                dtype_from_name(cfg.lora_dtype),
+            )
+            y_NxF = y_NxF + lora_delta(x_NxI, a, b, cfg.lora_scale, dtype)
         y = y_NxF.reshape(*x.shape[:-1], self.features)
         if self.use_bias:
             bias = _param(
@@ -330,18 +365,18 @@ def forward(params: Params, cfg: ModelConfig, tokens_BxT, positions_BxT, segment
 # --------------------------------------------------------------------------------------------
 
 
-def _qkv(attn_p, h, cfg: ModelConfig, dtype):
+def _qkv(attn_p, h, cfg: ModelConfig):
     lead = h.shape[:-1]
-    q = _linear(attn_p["q"], h, dtype).reshape(*lead, cfg.num_heads, cfg.head_dim)
-    k = _linear(attn_p["k"], h, dtype).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
-    v = _linear(attn_p["v"], h, dtype).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    q = _linear(attn_p["q"], h, cfg).reshape(*lead, cfg.num_heads, cfg.head_dim)
+    k = _linear(attn_p["k"], h, cfg).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    v = _linear(attn_p["v"], h, cfg).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     return q, k, v
 
 
-def _mlp(mlp_p, h, dtype):
-    gate = _linear(mlp_p["gate"], h, dtype)
-    up = _linear(mlp_p["up"], h, dtype)
-    return _linear(mlp_p["down"], jax.nn.silu(gate) * up, dtype)
+def _mlp(mlp_p, h, cfg: ModelConfig):
+    gate = _linear(mlp_p["gate"], h, cfg)
+    up = _linear(mlp_p["up"], h, cfg)
+    return _linear(mlp_p["down"], jax.nn.silu(gate) * up, cfg)
 
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden_xD):
@@ -368,12 +403,12 @@ def prefill(params: Params, cfg: ModelConfig, tokens_PxS, positions_PxS, segment
 
     def layer(x, lp):
         h = rms_norm(x, lp["input_norm"]["scale"], eps)
-        q, k, v = _qkv(lp["attn"], h, cfg, dtype)
+        q, k, v = _qkv(lp["attn"], h, cfg)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         att = attention.attend(impl, q, k, v, attn_in)
-        x = x + _linear(lp["attn"]["o"], att.reshape(*att.shape[:2], -1), dtype)
+        x = x + _linear(lp["attn"]["o"], att.reshape(*att.shape[:2], -1), cfg)
         h = rms_norm(x, lp["post_attn_norm"]["scale"], eps)
-        x = x + _mlp(lp["mlp"], h, dtype)
+        x = x + _mlp(lp["mlp"], h, cfg)
         return x, (k.swapaxes(1, 2), v.swapaxes(1, 2))
 
     x, (k_cache, v_cache) = jax.lax.scan(layer, x, params["layers"])
@@ -394,20 +429,22 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
     layer's weights in place (a scan over stacked weights copies each layer's slice every
     step); fusing q|k|v and gate|up into one kernel each gives two wide matmuls instead of
     five narrow ones per layer (the decode batch is small, so matmul count matters on CPU).
+    LoRA adapters are merged into their kernels here (W + (alpha / r) A B, once per call:
+    a decode step then costs what the base model's does).
     """
     dtype = cfg.jnp_dtype
     out = []
     for lp in split_layers(params["layers"]):
         attn, mlp = lp["attn"], lp["mlp"]
+        w = {n: merged_kernel(attn[n], cfg) for n in "qkvo"}
+        w.update({n: merged_kernel(mlp[n], cfg) for n in ("gate", "up", "down")})
         layer = {
             "input_norm": lp["input_norm"]["scale"],
             "post_attn_norm": lp["post_attn_norm"]["scale"],
-            "qkv": jnp.concatenate([attn[n]["kernel"] for n in "qkv"], axis=-1).astype(dtype),
-            "o": attn["o"]["kernel"].astype(dtype),
-            "gate_up": jnp.concatenate([mlp["gate"]["kernel"], mlp["up"]["kernel"]], -1).astype(
-                dtype
-            ),
-            "down": mlp["down"]["kernel"].astype(dtype),
+            "qkv": jnp.concatenate([w[n] for n in "qkv"], axis=-1).astype(dtype),
+            "o": w["o"].astype(dtype),
+            "gate_up": jnp.concatenate([w["gate"], w["up"]], -1).astype(dtype),
+            "down": w["down"].astype(dtype),
         }
         if cfg.attention_bias:
             layer["qkv_bias"] = jnp.concatenate([attn[n]["bias"] for n in "qkv"]).astype(dtype)

@@ -1,0 +1,132 @@
+"""LoRA: low-rank adapters beside a frozen base (Hu et al. 2021, "LoRA", eq. (3)).
+
+A targeted projection (`ModelConfig.lora_targets`, names in `LORA_TARGETS`: q, k, v, o, gate,
+up, down) computes
+
+    y = x W + (alpha / r) (x A) B,     A [in, r] (he_uniform), B [r, out] (zeros)
+
+so the adapted model starts as the base exactly. The adapters live in the param tree beside
+the kernel they adapt (`layers/attn/q/{kernel, lora_a, lora_b}`, stacked on the `layers` axis
+like every layer param; logical axes: A as W's rows, B as W's columns, `gjax.sharding`).
+The training forward (`transformer.Linear`) and the sampler's prefill run the low-rank form;
+a decode step merges them into its kernels once per call (`transformer.merged_kernel`).
+
+A run with LoRA keeps two trees: the frozen `base` (the loaded checkpoint, never donated,
+stored once) and the trained `adapters` (what the optimizer, its state and checkpoints
+hold). `merge(base, adapters)` is the policy's whole tree (a dict union: no copy), and the
+KL reference is the base itself under `cfg.without_lora()` (no second copy of the weights).
+
+Why not a library: qwix (Tunix's choice) adds LoRA by intercepting a Flax module's matmuls
+and finding the weight by the identity of the param array. gjax's projections cast their
+kernel to the compute dtype before the matmul (a bf16 run has another array, so qwix finds
+no weight) and its decode step is a pure function over fused per-layer kernels, outside any
+module: qwix would reach neither. The adapter itself is these two lines; what a library
+would add here (quantized bases) is what QLoRA takes from one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from gjax.models import transformer
+from gjax.models.config import LORA_TARGETS, ModelConfig
+
+Params = dict[str, Any]
+ADAPTER_LEAVES = ("lora_a", "lora_b")
+# Where each target sits in the param tree, and its Hugging Face (PEFT) module name.
+TARGET_PATHS = {
+    "q": ("attn", "q"),
+    "k": ("attn", "k"),
+    "v": ("attn", "v"),
+    "o": ("attn", "o"),
+    "gate": ("mlp", "gate"),
+    "up": ("mlp", "up"),
+    "down": ("mlp", "down"),
+}
+HF_MODULES = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+assert set(TARGET_PATHS) == set(LORA_TARGETS) == set(HF_MODULES)
+
+
+def enabled(cfg: ModelConfig) -> bool:
+    return cfg.lora_rank > 0
+
+
+def split(params: Params) -> tuple[Params, Params]:
+    """A tree with adapters -> `(base, adapters)`, each with only its own leaves."""
+
+    def walk(tree):
+        base, adapters = {}, {}
+        for key, value in tree.items():
+            if key in ADAPTER_LEAVES:
+                adapters[key] = value
+            elif isinstance(value, dict):
+                b, a = walk(value)
+                if b:
+                    base[key] = b
+                if a:
+                    adapters[key] = a
+            else:
+                base[key] = value
+        return base, adapters
+
+    return walk(params)
+
+
+def merge(base: Params | None, adapters: Params) -> Params:
+    """The policy's whole tree from the frozen base and the adapters (a dict union, no array
+    is copied); `base` None (full fine-tuning): `adapters` is already the whole tree."""
+    if base is None:
+        return adapters
+
+    def walk(b, a):
+        out = dict(b)
+        for key, value in a.items():
+            out[key] = walk(b[key], value) if isinstance(value, dict) else value
+        return out
+
+    return walk(base, adapters)
+
+
+def abstract_adapters(cfg: ModelConfig) -> Params:
+    """The adapters of `cfg` as `jax.ShapeDtypeStruct`s (no allocation)."""
+    return split(transformer.abstract_params(cfg))[1]
+
+
+def adapter_logical_axes(cfg: ModelConfig) -> Params:
+    return split(transformer.param_logical_axes(cfg))[1]
+
+
+def init_adapters(cfg: ModelConfig, rng, shardings=None) -> Params:
+    """Fresh adapters (A he_uniform, B zeros), created in place with `shardings` (a tree like
+    the adapters', e.g. `gjax.sharding.param_shardings(abstract_adapters(cfg), mesh)`).
+    Only the adapters are computed: the base's initializers are dead code to XLA."""
+    init = jax.jit(lambda key: split(transformer.init_params(cfg, key))[1], out_shardings=shardings)
+    return init(rng)
+
+
+def merged(params: Params, cfg: ModelConfig) -> Params:
+    """The base tree with every adapted kernel replaced by W + (alpha / r) A B (W's dtype):
+    a plain model of `cfg.without_lora()` (what a merged export writes)."""
+    base, _ = split(params)
+    out = jax.tree.map(lambda x: x, base)  # new dicts, same arrays
+    for name in cfg.lora_targets:
+        group, proj = TARGET_PATHS[name]
+        p = params["layers"][group][proj]
+        out["layers"][group][proj]["kernel"] = transformer.merged_kernel(p, cfg)
+    return out
+
+
+def count(tree: Params) -> int:
+    """Number of scalars in a tree (parameter counts in tests, logs and the planner)."""
+    return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
