@@ -19,7 +19,7 @@ import ml_collections
 from gjax import packing, schema
 from gjax.errors import ConfigError
 from gjax.models import hf_format, hf_import
-from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES
+from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, parse_lora_targets
 from gjax.schema import FIELDS, unknown_field, walk
 
 # A subsystem's config check: raises ConfigError naming the field (e.g.
@@ -107,11 +107,45 @@ def check_ranges(config: ml_collections.ConfigDict, reference: ml_collections.Co
             )
 
 
+def check_lora(config: ml_collections.ConfigDict) -> None:
+    """`model.lora`: its targets name modules, its dtype exists, its backend takes adapters."""
+    lora_cfg = config.model.lora
+    _require(
+        isinstance(lora_cfg.rank, int),
+        "model.lora.rank",
+        f"must be an integer (0: no LoRA), got {lora_cfg.rank!r}",
+    )
+    _require(
+        lora_cfg.dtype in DTYPES,
+        "model.lora.dtype",
+        f"must be one of {DTYPES}, got {lora_cfg.dtype!r}",
+    )
+    if lora_cfg.rank == 0:
+        return
+    try:
+        targets = parse_lora_targets(lora_cfg.targets)
+    except ValueError as e:
+        raise ConfigError(f"config.model.lora.targets={lora_cfg.targets!r} {e}.") from None
+    _require(
+        bool(targets),
+        "model.lora.targets",
+        f"is empty, so rank {lora_cfg.rank} adapts nothing: list the projections to adapt "
+        "(e.g. q,k,v,o,gate,up,down) or set model.lora.rank=0 for full fine-tuning",
+    )
+    _require(
+        config.rollout.backend != "jetstream_grpc",
+        "rollout.backend",
+        "jetstream_grpc hands full weights to gjax.serve replicas, which do not take LoRA "
+        "adapters yet: use rollout.backend=local or jetstream with model.lora.rank > 0",
+    )
+
+
 def check_names(config: ml_collections.ConfigDict) -> None:
     """The core's names: dtypes, remat policy, rollout backend, objective parts."""
     m = config.model
     for name in ("dtype", "param_dtype"):
         _require(m[name] in DTYPES, f"model.{name}", f"must be one of {DTYPES}, got {m[name]!r}")
+    check_lora(config)
     _require(
         m.remat in REMAT_POLICIES,
         "model.remat",

@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from gjax import multihost, packing, sharding
 from gjax import objective as obj
 from gjax.experience import Groups, to_model_inputs
+from gjax.models import lora
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import forward, lm_head_kernel
 from gjax.objective.aggregation import minibatch_scale_MxB
@@ -246,6 +247,7 @@ def update(
     state: TrainState,
     batch: dict[str, jax.Array],
     rng: jax.Array,
+    frozen=None,
     *,
     cfg: ModelConfig,
     obj_cfg: obj.ObjectiveConfig,
@@ -261,6 +263,8 @@ def update(
     `schedule` (the optimizer's learning-rate schedule) only adds `optim/lr` to the metrics,
     computed here so the host never waits on the device for it. `pack`: the rows run packed
     into bins (`gjax.packing`; the plan is in the batch); same loss, metrics and gradients.
+    `frozen`: LoRA's base (`gjax.models.lora`): `state.params` are then the adapters, the
+    only leaves differentiated, updated and given optimizer state; None: full fine-tuning.
     """
     prep, prep_metrics = obj.prepare(batch, obj_cfg, rng)  # reads only the keys it needs
     keys = _MODEL_KEYS + _BATCH_KEYS_FOR_LOSS + (packing.PLAN_KEYS if pack else ())
@@ -278,13 +282,15 @@ def update(
         scale_M = minibatch_weight_scale(prep_M["mask_BxT"], obj_cfg.aggregation)
         prep_M["weight_BxT"] = prep_M["weight_BxT"] * scale_M[:, None, None]
 
-    def loss_fn(params, micro):
+    def loss_fn(trained, micro):
         mb, mprep = micro
+        params = lora.merge(frozen, trained)
         hidden_BxTxD = completion_hidden(params, cfg, mb)
         return obj.micro_batch_loss(hidden_BxTxD, lm_head_kernel(params, cfg), mb, mprep, obj_cfg)
 
-    def packed_loss_fn(params, micro):
+    def packed_loss_fn(trained, micro):
         inputs, mb, mprep = micro
+        params = lora.merge(frozen, trained)
         hidden_JxWxD = forward(
             params, cfg, inputs["input_ids"], inputs["positions"], inputs["segment_ids"]
         )
@@ -375,6 +381,10 @@ class Learner:
     logps: Callable
     update: Callable
     transfer: multihost.RowTransfer
+    # LoRA: the frozen base (never donated) and the reference's log-probs (the base with
+    # adapters off); None: full fine-tuning (the reference is a copy, `logps` scores it).
+    frozen: Any = None
+    ref_logps: Callable | None = None
     anchors: bool = False  # DaGRPO: groups end in teacher-forced demonstrations
     recompute_old: bool = False
     behaviour_logps: bool = True  # the backend returns the sampler's log-probs
@@ -383,8 +393,13 @@ class Learner:
     minibatches: int = 1
     microbatches: int = 1
 
+    def policy(self, trained):
+        """The policy's whole param tree from the trained one (LoRA: base + adapters)."""
+        return lora.merge(self.frozen, trained)
+
     def batch(self, groups: Groups, params, ref_params) -> dict[str, jax.Array]:
-        """The update's device batch; `ref_params` None: no KL term, no reference pass."""
+        """The update's device batch; `params` the whole policy (`policy(state.params)`),
+        `ref_params` the reference's (LoRA: `frozen`), None: no KL term, no reference pass."""
         host = to_model_inputs(groups, drop_truncated=self.overlong_filter)
         if self.pack is not None:  # one plan from every process's rows, the same everywhere
             spans_Bx2 = self.transfer.gather_rows(
@@ -407,7 +422,7 @@ class Learner:
             host.update(packing.markers(host))
         batch = self.transfer.put_batch(host)
         if ref_params is not None:
-            batch["ref_logps_BxT"] = self.logps(ref_params, batch)
+            batch["ref_logps_BxT"] = (self.ref_logps or self.logps)(ref_params, batch)
         if self.anchors or self.recompute_old:
             old_BxT = self.logps(params, batch)
             # The whole batch's anchor flags are on the devices already (all-gathered, B rows
@@ -430,10 +445,12 @@ def build_learner(
     model_cfg: ModelConfig,
     obj_cfg: obj.ObjectiveConfig,
     params,
+    frozen=None,
     behaviour_logps: bool = True,
 ) -> tuple[TrainState, Learner]:
     """The fresh train state on `mesh` and the learner of a run's `config`: the optimizer and
     its schedule over `config.train.steps` steps of minibatches x num_iterations updates.
+    `params` are what trains (LoRA: the adapters, with the base as `frozen`).
     `behaviour_logps`: whether the rollout backend returns the sampler's log-probs (if not,
     old log-probs are always recomputed). `gjax.train` builds its learner here, and so do
     the tools that drive a run by hand."""
@@ -454,6 +471,7 @@ def build_learner(
         recompute_old=config.rollout.recompute_old_logps or not behaviour_logps,
         behaviour_logps=behaviour_logps,
         overlong_filter=config.sampling.overlong_filter,
+        frozen=frozen,
     )
     learner.transfer.layout.check_rows(
         config.rollout.prompts_per_step, "config.rollout.prompts_per_step"
@@ -481,17 +499,23 @@ def make_learner(
         packing.check_fixed_bins(
             pack.bins, train_cfg.microbatches, transfer.layout.rows, jax.process_count()
         )
-    logps = jax.jit(
-        functools.partial(
-            policy_logps,
-            cfg=model_cfg,
-            temperature=obj_cfg.temperature,
-            pack=pack,
-            minibatches=train_cfg.minibatches,
-            shards=transfer.layout.rows,
-        ),
-        out_shardings=batch_sharding,
-    )
+
+    def jit_logps(cfg):
+        return jax.jit(
+            functools.partial(
+                policy_logps,
+                cfg=cfg,
+                temperature=obj_cfg.temperature,
+                pack=pack,
+                minibatches=train_cfg.minibatches,
+                shards=transfer.layout.rows,
+            ),
+            out_shardings=batch_sharding,
+        )
+
+    logps = jit_logps(model_cfg)
+    if lora.enabled(model_cfg):  # the reference: the frozen base, adapters off
+        options["ref_logps"] = jit_logps(model_cfg.without_lora())
     upd = jax.jit(
         functools.partial(
             update,

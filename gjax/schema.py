@@ -123,6 +123,20 @@ SCHEMA: dict[str, Any] = {
             "(dense masked) | xla_blocked (xla in causal query chunks) | pallas_gpu | splash | "
             "cudnn (gjax.models.attention; the training forward and the sampler's prefill)",
         ),
+        # gjax.models.lora: adapters beside a frozen base; the reference is the base.
+        "lora": {
+            "rank": Field(
+                0, "LoRA rank: 0 trains every parameter; r > 0 trains rank-r adapters only", _NONNEG
+            ),
+            "alpha": Field(
+                32.0, "LoRA alpha: the adapters' product is scaled by alpha / rank", _POS
+            ),
+            "targets": Field(
+                "q,k,v,o,gate,up,down",
+                "comma list of projections to adapt (q,k,v,o,gate,up,down; PEFT names; all)",
+            ),
+            "dtype": Field("float32", "dtype of the adapters and their optimizer state"),
+        },
     },
     "mesh": {
         "data": Field(-1, "devices on the data axis (-1: all not used by the other axes)", _AXIS),

@@ -53,7 +53,7 @@ from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
-from gjax.models import hf_import
+from gjax.models import hf_import, lora
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
@@ -73,8 +73,13 @@ CONFIG_CHECKS = (
 log = logging.getLogger("gjax")
 
 
-def fingerprint(config: ml_collections.ConfigDict) -> dict:
-    """Config fields a resumed run must share with the checkpoint it resumes."""
+def fingerprint(config: ml_collections.ConfigDict, base_digest: str | None = None) -> dict:
+    """Config fields a resumed run must share with the checkpoint it resumes; with LoRA also
+    the adapters' shape and the frozen base's content (`gjax.models.lora.base_digest`)."""
+    lora_fields = {}
+    if config.model.lora.rank:
+        lora_fields["model.lora"] = json.dumps(lora.as_record(config.model.lora), sort_keys=True)
+        lora_fields["model.base_digest"] = base_digest
     return {
         "model.path": config.model.path,
         "algo": config.algo,
@@ -89,6 +94,7 @@ def fingerprint(config: ml_collections.ConfigDict) -> dict:
         "data.max_prompt_len": config.data.max_prompt_len,
         "anchors.per_group": config.anchors.per_group,
         "seed": config.seed,
+        **lora_fields,
     }
 
 
@@ -155,8 +161,18 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     model_cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
     if multihost.is_primary():
         model_record.save(workdir, model_cfg, model_path)  # WORKDIR/model: what an export needs
-    # A frozen copy of the initial policy, kept only when the objective has a KL term.
-    ref_params = jax.tree.map(lambda x: x.copy(), params) if obj_cfg.kl_beta > 0 else None
+    # LoRA (model.lora.rank > 0): the loaded weights become the frozen base and `params` the
+    # fresh adapters; `policy(params)` is the whole tree that samples and scores (a union).
+    model_cfg, frozen, params = lora.attach(
+        model_cfg, params, config.model.lora, mesh, jax.random.key(config.seed)
+    )
+    policy = functools.partial(lora.merge, frozen)
+    run_fingerprint = fingerprint(config, lora.base_digest(frozen))
+    # The KL reference, kept only when the objective has a KL term: a frozen copy of the
+    # initial policy, or with LoRA the base itself (adapters off, no second copy).
+    ref_params = None
+    if obj_cfg.kl_beta > 0:
+        ref_params = frozen if frozen is not None else jax.tree.map(lambda x: x.copy(), params)
 
     # --- data ---------------------------------------------------------------------------
     train_data, heldout = _load_data(config, tok)
@@ -165,7 +181,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     r = config.reward
     verifier = scope.enter_context(Verifier(timeout_s=r.timeout_s, num_workers=r.workers))
     rewards = scope.enter_context(build_rewards(config, verifier))
-    backend = make_backend(config, model_cfg, params, mesh=mesh, workdir=workdir, tokenizer=tok)
+    backend = make_backend(
+        config, model_cfg, policy(params), mesh=mesh, workdir=workdir, tokenizer=tok
+    )
     scope.callback(backend.close)
     state, learner = build_learner(
         config,
@@ -173,9 +191,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         model_cfg=model_cfg,
         obj_cfg=obj_cfg,
         params=params,
+        frozen=frozen,
         behaviour_logps=backend.returns_logps,
     )
-    state, meta = _restore(config, workdir, checkpointer, state)
+    state, meta = _restore(config, workdir, checkpointer, state, run_fingerprint)
     start = int(state.step)
     if config_diff is not None:
         _write_record(workdir, config_record.resumed, workdir, config, start, config_diff)
@@ -197,7 +216,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     stop = {"signal": None}
     scope.callback(stopping_lib.install(stop))
 
-    _heldout_before(meta, evaluate, state.params)  # evaluated once, printed at each (re)start
+    _heldout_before(
+        meta, evaluate, policy(state.params)
+    )  # evaluated once, printed at each (re)start
 
     # --- the RL loop --------------------------------------------------------------------
     recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
@@ -205,7 +226,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     producer = make_producer(
         rollout=rollout,
         data_iter=data_iter,
-        params=state.params,
+        params=policy(state.params),
         base_key=base_key,
         config=config,
         start=start,
@@ -224,10 +245,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()
-        batch = learner.batch(produced.groups, state.params, ref_params)
+        batch = learner.batch(produced.groups, policy(state.params), ref_params)
         key = jax.random.fold_in(jax.random.fold_in(base_key, step), 10_000)
-        state, metrics = learner.update(state, batch, key)
-        producer.push(state.params, step + 1)
+        state, metrics = learner.update(state, batch, key, frozen)
+        producer.push(policy(state.params), step + 1)
         recorder.write()  # the previous step's row: pulled to the host one step late
         host_metrics = produced.metrics
         host_metrics["time/learner_dispatch_s"] = time.perf_counter() - t_learn
@@ -237,10 +258,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
         last = step + 1 == config.train.steps
         if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
-            host_metrics.update(evaluate(state.params))
+            host_metrics.update(evaluate(policy(state.params)))
             recorder.write()
         if checkpointer.should_save(step + 1) or stopping or last:
-            _save(config, checkpointer, step + 1, state, meta, recorder, producer)
+            _save(checkpointer, step + 1, state, meta, recorder, producer, run_fingerprint)
         if stopping:
             break
     producer.close()
@@ -250,7 +271,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     # --- finish: held-out accuracy after training, or the stop's message -----------------
     signum = (stop["signal"] or signal.SIGTERM) if stopping else None  # a host that saw none
     if signum is None:
-        _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate)
+        after = functools.partial(evaluate, policy(state.params))
+        _finish(config, workdir, checkpointer, state, start, meta, heldout, after)
     else:
         _stopped(signum, checkpointer, int(state.step), start)
     checkpointer.close()
@@ -319,12 +341,12 @@ def _checkpointer(config, workdir: str) -> ckpt_lib.Checkpointer:
     )
 
 
-def _restore(config, workdir: str, checkpointer, state):
+def _restore(config, workdir: str, checkpointer, state, run_fingerprint: dict):
     """The latest intact checkpoint's state and meta (or the fresh state and empty meta)."""
     meta = {"data": None, "history": [], "heldout_accuracy_before": None}
     if checkpointer.latest_step() is not None:
         _, state, meta = checkpointer.restore(
-            state, fingerprint=fingerprint(config), move_damaged=multihost.is_primary()
+            state, fingerprint=run_fingerprint, move_damaged=multihost.is_primary()
         )
         log.info("resumed from step %d in %s", int(state.step), workdir)
     start = int(state.step)
@@ -382,12 +404,10 @@ def _heldout_before(meta: dict, evaluate, params) -> None:
         print(f"held-out before: {_fmt_eval(_before(meta))}", flush=True)
 
 
-def _save(config, checkpointer, step: int, state, meta: dict, recorder, producer) -> None:
+def _save(checkpointer, step: int, state, meta: dict, recorder, producer, run_fingerprint) -> None:
     """The checkpoint of `step` (just trained); its metrics are durable before it is."""
     recorder.flush()
-    meta.update(
-        data=producer.data_state(), history=recorder.history, fingerprint=fingerprint(config)
-    )
+    meta.update(data=producer.data_state(), history=recorder.history, fingerprint=run_fingerprint)
     checkpointer.save(step, state, meta, force=True)
 
 
@@ -396,13 +416,14 @@ def _before(meta: dict) -> dict[str, float]:
 
 
 def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate) -> None:
-    """Held-out accuracy after training (every process samples; process 0 writes)."""
+    """Held-out accuracy after training (every process samples; process 0 writes);
+    `evaluate()` evaluates the trained policy."""
     trained = int(state.step)
     summary_path = os.path.join(workdir, "summary.json")
     summary = _read_json(summary_path) if trained == start else None
     stale = summary is None or summary.get("steps") != trained  # else: still true, kept
     if multihost.any_process(stale):  # every process evaluates, or none
-        after = evaluate(state.params)
+        after = evaluate()
         summary = {
             "algo": config.algo,
             "steps": trained,  # what the model was trained for, whatever train.steps says

@@ -20,6 +20,34 @@ ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "xla_blocked", "cudnn", "pallas_gpu"
 # The projections LoRA can adapt (gjax.models.lora), by the names the param tree gives them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
+# Hugging Face (PEFT) module names, accepted for the same targets.
+_LORA_HF_NAMES = {
+    "q_proj": "q",
+    "k_proj": "k",
+    "v_proj": "v",
+    "o_proj": "o",
+    "gate_proj": "gate",
+    "up_proj": "up",
+    "down_proj": "down",
+}
+
+
+def parse_lora_targets(text: str) -> tuple[str, ...]:
+    """`model.lora.targets` ("q,k,v,o,gate,up,down", PEFT's q_proj... too, or "all") -> the
+    targets in LORA_TARGETS order. Raises ValueError naming an unknown one."""
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if names == ["all"]:
+        return LORA_TARGETS
+    unknown = [n for n in names if n not in LORA_TARGETS and n not in _LORA_HF_NAMES]
+    if unknown:
+        raise ValueError(
+            f"names no module: {unknown}; the projections LoRA can adapt are "
+            f"{','.join(LORA_TARGETS)} (or PEFT's {','.join(_LORA_HF_NAMES)}, or 'all')"
+        )
+    chosen = {_LORA_HF_NAMES.get(n, n) for n in names}
+    return tuple(t for t in LORA_TARGETS if t in chosen)
+
+
 _DTYPES = {
     "float32": jnp.float32,
     "bfloat16": jnp.bfloat16,

@@ -26,13 +26,16 @@ would add here (quantized bases) is what QLoRA takes from one.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
 import numpy as np
 
+from gjax import integrity, sharding
 from gjax.models import transformer
-from gjax.models.config import LORA_TARGETS, ModelConfig
+from gjax.models.config import LORA_TARGETS, ModelConfig, parse_lora_targets
 
 Params = dict[str, Any]
 ADAPTER_LEAVES = ("lora_a", "lora_b")
@@ -113,6 +116,54 @@ def init_adapters(cfg: ModelConfig, rng, shardings=None) -> Params:
     Only the adapters are computed: the base's initializers are dead code to XLA."""
     init = jax.jit(lambda key: split(transformer.init_params(cfg, key))[1], out_shardings=shardings)
     return init(rng)
+
+
+def configure(cfg: ModelConfig, lora_config) -> ModelConfig:
+    """`cfg` with a run's `config.model.lora` (rank 0: unchanged, full fine-tuning)."""
+    if not lora_config.rank:
+        return cfg
+    return cfg.replace(
+        lora_rank=int(lora_config.rank),
+        lora_alpha=float(lora_config.alpha),
+        lora_targets=parse_lora_targets(lora_config.targets),
+        lora_dtype=lora_config.dtype,
+    )
+
+
+def attach(cfg: ModelConfig, params: Params, lora_config, mesh, rng):
+    """A run's trained params: `(cfg, frozen, trained)`. With `config.model.lora.rank` > 0
+    the loaded `params` become the frozen base and `trained` fresh adapters placed on `mesh`
+    by the logical-axis rules; else `(cfg, None, params)` (full fine-tuning)."""
+    cfg = configure(cfg, lora_config)
+    if not enabled(cfg):
+        return cfg, None, params
+    shardings = sharding.param_shardings(abstract_adapters(cfg), mesh)
+    return cfg, params, init_adapters(cfg, rng, shardings)
+
+
+def as_record(lora_config) -> dict:
+    """What a checkpoint records of `config.model.lora` (a resume must match it)."""
+    return {
+        "rank": int(lora_config.rank),
+        "alpha": float(lora_config.alpha),
+        "targets": list(parse_lora_targets(lora_config.targets)),
+        "dtype": lora_config.dtype,
+    }
+
+
+def base_digest(base: Params | None) -> str | None:
+    """A content hash of the frozen base as loaded: sha256 over its arrays' paths, shapes,
+    dtypes and `gjax.integrity` digests (computed on the devices, the same however the base
+    is sharded). A checkpoint's adapters fit only the base they trained on."""
+    if base is None:
+        return None
+    digests, _ = integrity.inspect(base)
+    shapes = {
+        jax.tree_util.keystr(path): [list(x.shape), str(x.dtype)]
+        for path, x in jax.tree_util.tree_leaves_with_path(base)
+    }
+    text = json.dumps({"digests": digests, "shapes": shapes}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def merged(params: Params, cfg: ModelConfig) -> Params:
