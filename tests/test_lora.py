@@ -136,3 +136,137 @@ def test_gradients_reach_only_the_adapters():
 def test_bad_lora_configs_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         BASE_CFG.replace(**bad)
+
+
+# ------------------------------------------------------------------------ the learner
+
+
+def lora_learner_setup():
+    from tests.test_learner import CFG as LCFG
+
+    cfg = LCFG.replace(lora_rank=4, lora_alpha=4.0, lora_targets=ALL)
+    base = random_params(LCFG, seed=5)
+    return LCFG, cfg, base, trained_adapters(cfg, seed=6, scale=0.1)
+
+
+def run_lora_update(cfg, trained, frozen, batch, oc, tx, **kw):
+    import functools
+
+    from gjax.learner import TrainState, update
+
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained))
+    fn = jax.jit(
+        functools.partial(
+            update,
+            cfg=cfg,
+            obj_cfg=oc,
+            tx=tx,
+            minibatches=kw.get("minibatches", 1),
+            microbatches=kw.get("microbatches", 1),
+            num_iterations=1,
+        )
+    )
+    return fn(state, batch, jax.random.key(0), frozen)
+
+
+def test_update_trains_the_adapters_alone_with_the_full_models_gradient():
+    """With the base frozen the update is the full-tree update restricted to the adapters:
+    SGD(1) on (base, adapters) as one tree moves every leaf by its gradient; the LoRA
+    update moves the adapters by the same amount and has no base in its state. Adam's state
+    holds adapter-sized moments only."""
+    import optax
+
+    from gjax import objective as obj
+    from tests.test_learner import batch_for
+
+    base_cfg, cfg, base, adapters = lora_learner_setup()
+    full = lora.merge(base, adapters)
+    batch = batch_for(lora.merged(full, cfg), seed=1)  # old/ref log-probs near the policy
+    oc = obj.ObjectiveConfig.preset("grpo")
+    sgd = optax.sgd(1.0)
+    whole, m_whole = run_lora_update(cfg, full, None, batch, oc, sgd)
+    state, m = run_lora_update(cfg, adapters, base, batch, oc, sgd)
+    assert jax.tree.structure(state.params) == jax.tree.structure(adapters)
+    moved_base, moved_adapters = lora.split(whole.params)
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(moved_adapters)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert any(
+        float(jnp.abs(a - b).max()) > 1e-4
+        for a, b in zip(jax.tree.leaves(moved_base), jax.tree.leaves(base))
+    ), "the full-tree update moves the base: the comparison can tell the two apart"
+    np.testing.assert_allclose(m["loss/total"], m_whole["loss/total"], rtol=1e-6)
+    assert float(m["optim/grad_norm"]) < float(m_whole["optim/grad_norm"])  # adapters only
+    adam = optax.adamw(1e-3)
+    n_adapters = lora.count(adapters)
+    assert lora.count(adam.init(adapters)) == 2 * n_adapters + 1  # mu, nu, count
+    assert n_adapters < lora.count(base) / 4
+
+
+def test_lora_update_is_the_same_for_any_microbatching():
+    import optax
+
+    from gjax import objective as obj
+    from tests.test_learner import batch_for
+
+    _, cfg, base, adapters = lora_learner_setup()
+    batch = batch_for(lora.merged(lora.merge(base, adapters), cfg), seed=2)
+    oc = obj.ObjectiveConfig.preset("dapo")
+    s1, m1 = run_lora_update(cfg, adapters, base, batch, oc, optax.sgd(1.0))
+    s4, m4 = run_lora_update(cfg, adapters, base, batch, oc, optax.sgd(1.0), microbatches=4)
+    np.testing.assert_allclose(m1["optim/grad_norm"], m4["optim/grad_norm"], rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_lora_update_on_a_data_fsdp_tensor_mesh_equals_one_device():
+    """Adapters sharded as their kernels (A's rows, B's columns) on a 2 x 2 x 2 mesh: the
+    update, its log-probs and the reference's equal the single-device ones."""
+    import ml_collections
+    import optax
+
+    from gjax import objective as obj
+    from gjax import sharding
+    from gjax.learner import init_state, make_learner
+    from tests.test_learner import batch_for
+
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    _, cfg, base, adapters = lora_learner_setup()
+    host = {
+        k: np.asarray(v)
+        for k, v in batch_for(lora.merged(lora.merge(base, adapters), cfg), P=8, seed=3).items()
+    }
+    oc = obj.ObjectiveConfig.preset("grpo")
+    train_cfg = ml_collections.ConfigDict(dict(minibatches=2, microbatches=2, num_iterations=1))
+    out = {}
+    for shape in ({"data": 1, "fsdp": 1, "tensor": 1}, {"data": 2, "fsdp": 2, "tensor": 2}):
+        devices = np.asarray(jax.devices()[: int(np.prod(list(shape.values())))])
+        mesh = sharding.make_mesh(shape, devices=devices)
+        with jax.set_mesh(mesh), sharding.use_rules():
+            frozen = sharding.shard_params(jax.device_get(base), mesh)
+            trained = jax.device_put(  # host copies: the update donates its state
+                jax.device_get(adapters),
+                sharding.param_shardings(lora.abstract_adapters(cfg), mesh),
+            )
+            tx = optax.adam(1e-2)
+            state, shardings = init_state(trained, tx, mesh)
+            learner = make_learner(
+                mesh=mesh,
+                model_cfg=cfg,
+                obj_cfg=oc,
+                tx=tx,
+                state_shardings=shardings,
+                train_cfg=train_cfg,
+                frozen=frozen,
+            )
+            batch = learner.transfer.put_batch(host)
+            ref = learner.ref_logps(frozen, batch)
+            state, metrics = learner.update(state, batch, jax.random.key(0), frozen)
+            out[shape["tensor"]] = jax.device_get((state.params, metrics["loss/total"], ref))
+        if shape["tensor"] == 2:
+            q_a = state.params["layers"]["attn"]["q"]["lora_a"]
+            assert q_a.sharding.spec == jax.sharding.PartitionSpec(None, "fsdp", None)
+            q_b = state.params["layers"]["attn"]["q"]["lora_b"]
+            assert q_b.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
+    for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[2])):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
