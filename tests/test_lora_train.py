@@ -1,0 +1,143 @@
+"""LoRA end to end on the embedded policy: the reference is the base (no copy), checkpoints
+hold adapters only, a resume is bit-identical, a changed rank or base is refused by name.
+
+In this process (`gjax.train.train`), on the suite's 8 CPU devices; slow (each run compiles
+the sampler, the log-prob passes and the update), so marked `slow`; CI still runs them.
+"""
+
+import os
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from gjax import learner as learner_lib
+from gjax.checkpoint import CheckpointError
+from gjax.errors import ConfigError
+from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built"),
+]
+
+
+def lora_config(model_path, steps=2, rank=4):
+    c = small_config("grpo")
+    c.model.path = str(model_path)
+    c.model.lora.rank = rank
+    c.model.lora.alpha = 8.0
+    c.train.steps = steps
+    c.checkpoint.every = 1
+    c.objective.kl_beta = 0.04  # the reference pass runs
+    c.eval.num_samples = 0  # greedy held-out only: fewer compiles
+    return c
+
+
+def saved_state(step_dir):
+    """A checkpoint's saved train state, as numpy arrays (orbax reads it without a target)."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as reader:
+        return reader.restore(os.path.abspath(step_dir / "state"))
+
+
+def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch, capsys):
+    from gjax.train import train
+
+    base_dir = tmp_path / "base"
+    shutil.copytree(EMBEDDED, base_dir)
+    seen = []  # (reference leaves' buffers, the policy's base leaves' buffers) per step
+    original = learner_lib.Learner.batch
+
+    def buffers(tree):
+        return [
+            [s.data.unsafe_buffer_pointer() for s in x.addressable_shards]
+            for x in jax.tree.leaves(tree)
+        ]
+
+    def spy(self, groups, params, ref_params):
+        extra = len(jax.tree.leaves(params)) - len(jax.tree.leaves(self.frozen))
+        seen.append((buffers(ref_params), buffers(self.frozen), extra))
+        return original(self, groups, params, ref_params)
+
+    monkeypatch.setattr(learner_lib.Learner, "batch", spy)
+    wd = tmp_path / "run"
+    assert train(lora_config(base_dir), str(wd)) is None
+    got = rows(wd)
+    assert [r["step"] for r in got] == [1, 2]
+    # The reference is the frozen base itself: the same buffers, no second copy; the policy
+    # it scores against is that base plus 2 adapters on each of 7 projections.
+    assert len(seen) == 2 and all(ref == base for ref, base, _ in seen)
+    assert all(extra == 14 for _, _, extra in seen)
+    assert got[0]["policy/ref_kl"] == 0.0  # B = 0: the first policy is the base
+    assert got[1]["policy/ref_kl"] > 0.0  # the trained adapters moved it away
+
+    # Checkpoints hold the adapters and their optimizer state, not the base (~1.8 MB of f32
+    # weights in the embedded policy vs a few hundred KB of rank-4 adapters and Adam moments).
+    state_bytes = sum(
+        f.stat().st_size for f in (wd / "checkpoints" / "2" / "state").rglob("*") if f.is_file()
+    )
+    base_bytes = (base_dir / "model.safetensors").stat().st_size
+    assert state_bytes < base_bytes / 2, (state_bytes, base_bytes)
+
+    # Resume from step 1: step 2 again, bit for bit (metrics and saved adapters).
+    final = tmp_path / "final"
+    shutil.copytree(wd / "checkpoints" / "2", final)
+    shutil.rmtree(wd / "checkpoints" / "2")
+    assert train(lora_config(base_dir), str(wd)) is None
+    assert [stable(r) for r in rows(wd)] == [stable(r) for r in got]
+    want, again = (saved_state(p) for p in (final, wd / "checkpoints" / "2"))
+    assert jax.tree.structure(want) == jax.tree.structure(again)
+    for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(again)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    adapters = want["params"]["layers"]
+    assert set(adapters["attn"]) == {"q", "k", "v", "o"} and set(adapters["mlp"]) == {
+        "gate",
+        "up",
+        "down",
+    }
+    assert all(set(p) == {"lora_a", "lora_b"} for g in adapters.values() for p in g.values())
+
+    # Another rank on resume: refused by name, before anything trains.
+    with pytest.raises(CheckpointError, match="model.lora"):
+        train(lora_config(base_dir, steps=3, rank=8), str(wd))
+    # The same path with other weights in it: refused by the base's digest.
+    weights = load_file(base_dir / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight"
+    weights[name] = (weights[name] + np.float32(1e-3)).astype(weights[name].dtype)
+    save_file(weights, base_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="model.base_digest"):
+        train(lora_config(base_dir, steps=3), str(wd))
+    assert [r["step"] for r in rows(wd)] == [1, 2]  # nothing written by the refused runs
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("rank", -1, "model.lora.rank=-1 is out of range"),
+        ("targets", "q,qkv", "names no module: \\['qkv'\\]"),
+        ("targets", "", "is empty, so rank 4 adapts nothing"),
+        ("dtype", "int8", "model.lora.dtype: must be one of"),
+    ],
+)
+def test_bad_lora_settings_are_one_paragraph_before_anything_loads(field, value, message, tmp_path):
+    from gjax.train import train
+
+    c = lora_config(EMBEDDED)
+    c.model.lora[field] = value
+    with pytest.raises(ConfigError, match=message):
+        train(c, str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()  # nothing written
+
+
+def test_lora_refuses_the_grpc_server_backend(tmp_path):
+    from gjax.train import train
+
+    c = lora_config(EMBEDDED)
+    c.rollout.backend = "jetstream_grpc"
+    with pytest.raises(ConfigError, match="do not take LoRA adapters yet"):
+        train(c, str(tmp_path / "grpc"))
