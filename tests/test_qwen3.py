@@ -53,7 +53,7 @@ def test_fixture_is_the_scripts_output(tmp_path):
     names = sorted(os.listdir(FIXTURE))
     assert names == sorted(os.listdir(tmp_path))
     _, mismatch, errors = filecmp.cmpfiles(FIXTURE, str(tmp_path), names, shallow=False)
-    assert mismatch == errors == []
+    assert mismatch == errors == [], "regenerate: python scripts/make_tiny_qwen3.py"
     assert os.path.getsize(os.path.join(FIXTURE, hf_format.SINGLE_FILE)) < 500_000
 
 
