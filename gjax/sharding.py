@@ -442,7 +442,9 @@ _LAYER_AXES: dict[tuple[str, ...], tuple[str | None, ...]] = {
     ("attn", "v", "kernel"): ("embed", "kv_heads"),
     ("attn", "v", "bias"): ("kv_heads",),
     ("attn", "o", "kernel"): ("q_heads", "embed"),
-    ("attn", "o", "bias"): ("embed",),  # Llama attention_bias only
+    ("attn", "o", "bias"): ("embed",),  # Llama / Qwen3 attention_bias only
+    ("attn", "q_norm", "scale"): (None,),  # Qwen3: per-head norms over Dh, replicated
+    ("attn", "k_norm", "scale"): (None,),
     ("mlp", "gate", "kernel"): ("embed", "mlp"),
     ("mlp", "up", "kernel"): ("embed", "mlp"),
     ("mlp", "down", "kernel"): ("mlp", "embed"),

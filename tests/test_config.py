@@ -53,6 +53,24 @@ def _llama_hf(**kw):
     return transformers.LlamaConfig(**base).to_dict()
 
 
+def _qwen3_hf(**kw):
+    base = dict(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=24,
+        max_position_embeddings=256,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        eos_token_id=5,
+    )
+    base.update(kw)
+    return transformers.Qwen3Config(**base).to_dict()
+
+
 def test_qwen2_from_transformers_config():
     cfg = ModelConfig.from_hf(_qwen2_hf())
     assert cfg.model_type == "qwen2"
@@ -74,14 +92,34 @@ def test_llama3_rope_scaling_and_explicit_head_dim():
     hash(cfg)  # usable as a static jit argument
 
 
-@pytest.mark.parametrize("make", [_qwen2_hf, _llama_hf])
+def test_qwen3_head_dim_norms_and_bias():
+    cfg = ModelConfig.from_hf(_qwen3_hf())
+    assert cfg.model_type == "qwen3" and cfg.qk_norm
+    assert cfg.head_dim == 24 and cfg.num_heads * cfg.head_dim != cfg.hidden_size
+    assert (cfg.num_heads, cfg.num_kv_heads) == (4, 1)
+    assert not cfg.attention_bias and not cfg.o_bias and cfg.tie_word_embeddings
+    assert cfg.rope_theta == 1e6 and cfg.rope_scaling is None
+    biased = ModelConfig.from_hf(_qwen3_hf(attention_bias=True, tie_word_embeddings=False))
+    assert biased.attention_bias and biased.o_bias and not biased.tie_word_embeddings
+    # No head_dim in config.json: transformers' Qwen3 default (128), not hidden / heads.
+    hf = {k: v for k, v in _qwen3_hf().items() if k != "head_dim"}
+    assert ModelConfig.from_hf(hf).head_dim == transformers.Qwen3Config().head_dim == 128
+    assert not ModelConfig.from_hf(_qwen2_hf()).qk_norm
+    assert not ModelConfig.from_hf(_llama_hf()).qk_norm
+
+
+@pytest.mark.parametrize("make", [_qwen2_hf, _llama_hf, _qwen3_hf])
 def test_round_trip_through_transformers(make):
     cfg = ModelConfig.from_hf(make())
     hf = cfg.to_hf()
     json.dumps(hf)  # serializable as config.json
     assert ModelConfig.from_hf(hf) == cfg
     # transformers reads our dict back to the same architecture.
-    cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[cfg.model_type]
+    cls = {
+        "qwen2": transformers.Qwen2Config,
+        "llama": transformers.LlamaConfig,
+        "qwen3": transformers.Qwen3Config,
+    }[cfg.model_type]
     again = ModelConfig.from_hf(cls.from_dict(hf).to_dict())
     assert again == cfg
 
@@ -127,6 +165,16 @@ def test_overrides_and_dict_rope_scaling():
         ({**_llama_hf(), "hidden_act": "gelu"}, r"hidden_act='gelu'"),
         ({**_llama_hf(), "mlp_bias": True}, r"mlp_bias"),
         ({**_qwen2_hf(), "use_sliding_window": True}, r"use_sliding_window"),
+        ({**_qwen3_hf(), "model_type": "qwen3_moe"}, r"unsupported model_type 'qwen3_moe'"),
+        ({**_qwen3_hf(), "use_sliding_window": True}, r"use_sliding_window=true"),
+        (
+            {**_qwen3_hf(), "layer_types": ["full_attention", "sliding_attention"]},
+            r"layer_types \['sliding_attention'\] \(gjax implements 'full_attention'",
+        ),
+        (
+            {**_qwen3_hf(), "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
+            r"unsupported rope_scaling type 'yarn'",
+        ),
         ({**_qwen2_hf(), "num_key_value_heads": 3}, r"num_heads=4 is not a multiple of"),
         (
             {**_llama_hf(), "rope_parameters": {"rope_type": "llama3", "factor": 8.0}},

@@ -1,8 +1,8 @@
 """HF weights in and out: parity with transformers (PyTorch CPU, test-only) and bad input.
 
-Tiny random Qwen2 (q/k/v bias; tied and untied) and Llama (GQA, Llama-3 rope scaling; and
-attention_bias=true, which biases q/k/v/o) models
-are built by transformers itself, saved with `save_pretrained` (single file and sharded with
+Tiny random Qwen2 (q/k/v bias; tied and untied), Llama (GQA, Llama-3 rope scaling; and
+attention_bias=true, which biases q/k/v/o) and Qwen3 (per-head q/k norms; ten random
+configs) models are built by transformers itself, saved with `save_pretrained` (single file and sharded with
 an index), loaded by gjax and compared on padded batches; then exported by gjax and loaded
 back by transformers.
 """
@@ -194,6 +194,79 @@ def test_export_loads_in_transformers(hf_models, tmp_path, name):
     exported = _hf_logits(back, tokens, mask, positions)
     assert _max_diff_valid(exported, ref, mask) <= TOL
     # And gjax reads its own export.
+    cfg2, params2 = hf_import.load_pretrained(out)
+    assert cfg2 == cfg
+    jax.tree.map(np.testing.assert_array_equal, params, params2)
+
+
+def _qwen3_config(i: int):
+    """Random Qwen3 config `i` (seeded): head_dim free of hidden / heads, GQA ratios 1-4,
+    kv heads 1, 2, 4 in turn (each tied and untied: tied on even i), attention_bias (q/k/v
+    and o) on every third."""
+    rng = np.random.default_rng(3200 + i)
+    kv = (1, 2, 4)[(i // 2) % 3]
+    return transformers.Qwen3Config(
+        vocab_size=96,
+        hidden_size=int(rng.choice([32, 48, 64])),
+        intermediate_size=int(rng.choice([40, 64, 96])),
+        num_hidden_layers=int(rng.choice([1, 2, 3])),
+        num_attention_heads=kv * int(rng.choice([1, 2, 4])),
+        num_key_value_heads=kv,
+        head_dim=int(rng.choice([8, 12, 16, 24, 32])),
+        max_position_embeddings=256,
+        rms_norm_eps=float(rng.choice([1e-6, 1e-5])),
+        rope_theta=float(rng.choice([1e4, 1e6])),
+        tie_word_embeddings=i % 2 == 0,
+        attention_bias=i % 3 == 0,
+    )
+
+
+QWEN3_CONFIGS = [_qwen3_config(i) for i in range(10)]
+
+
+def test_qwen3_configs_cover_the_variants():
+    ratios = {c.num_attention_heads // c.num_key_value_heads for c in QWEN3_CONFIGS}
+    assert ratios == {1, 2, 4}
+    assert {c.tie_word_embeddings for c in QWEN3_CONFIGS} == {True, False}
+    assert {c.attention_bias for c in QWEN3_CONFIGS} == {True, False}
+    assert {c.num_key_value_heads for c in QWEN3_CONFIGS} == {1, 2, 4}
+    free = [c.head_dim * c.num_attention_heads != c.hidden_size for c in QWEN3_CONFIGS]
+    assert sum(free) >= 8
+
+
+@pytest.mark.parametrize("i", range(len(QWEN3_CONFIGS)))
+def test_qwen3_parity_and_export_round_trip(tmp_path, i):
+    """transformers' Qwen3ForCausalLM -> gjax: logits within TOL on padded rows; gjax's export
+    -> transformers: every tensor bit for bit; and gjax reads its export back exactly."""
+    torch.manual_seed(i)
+    model = transformers.AutoModelForCausalLM.from_config(QWEN3_CONFIGS[i]).eval()
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    _randomize(model, 100 + i)
+    src = str(tmp_path / "hf")
+    model.save_pretrained(src)
+    cfg, params = hf_import.load_pretrained(src)
+    assert cfg.model_type == "qwen3" and cfg.head_dim == QWEN3_CONFIGS[i].head_dim
+    assert cfg.attention_bias == cfg.o_bias == QWEN3_CONFIGS[i].attention_bias
+    attn = params["layers"]["attn"]
+    assert attn["q_norm"]["scale"].shape == (cfg.num_layers, cfg.head_dim)
+    assert attn["k_norm"]["scale"].shape == (cfg.num_layers, cfg.head_dim)
+    axes = sharding.param_logical_axes(params)["layers"]["attn"]["q_norm"]["scale"]
+    assert tuple(axes) == ("layers", None)
+    abstract = T.abstract_params(cfg)
+    assert jax.tree.structure(abstract) == jax.tree.structure(params)
+
+    tokens, mask, positions = _padded_batch()
+    ref = _hf_logits(model, tokens, mask, positions)
+    got = _gjax_logits(params, cfg, tokens, mask, positions)
+    assert _max_diff_valid(got, ref, mask) <= TOL
+
+    out = str(tmp_path / "export")
+    hf_export.save_pretrained(params, cfg, out)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref_state, back_state = model.state_dict(), back.state_dict()
+    assert set(back_state) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(back_state[key], value, rtol=0, atol=0, msg=key)
     cfg2, params2 = hf_import.load_pretrained(out)
     assert cfg2 == cfg
     jax.tree.map(np.testing.assert_array_equal, params, params2)
@@ -466,6 +539,8 @@ def test_param_shapes_match_model():
         ("qwen2", False, True),
         ("llama", False, False),
         ("llama", True, True),
+        ("qwen3", True, False),
+        ("qwen3", False, True),
     ]:
         cfg = ModelConfig(
             model_type=model_type,
@@ -480,7 +555,8 @@ def test_param_shapes_match_model():
             attention_bias=bias,
         )
         shapes = hf_format.param_shapes(cfg)
-        assert ("bias" in shapes["layers"]["attn"]["o"]) == (model_type == "llama" and bias)
+        assert ("bias" in shapes["layers"]["attn"]["o"]) == (model_type != "qwen2" and bias)
+        assert ("q_norm" in shapes["layers"]["attn"]) == (model_type == "qwen3")
         abstract = jax.tree.map(lambda a: a.shape, T.abstract_params(cfg))
         assert shapes == abstract
 

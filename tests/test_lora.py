@@ -68,12 +68,22 @@ def test_fresh_adapters_leave_the_base_model_bit_identical():
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(logits_base))
 
 
-def test_forward_is_the_base_with_merged_kernels():
-    """x W + s (x A) B == x (W + s A B): the low-rank forward against the merged model."""
-    full = lora.merge(BASE, trained_adapters())
-    _, logits = run(full, CFG, TOKENS, return_logits=True)
-    _, merged_logits = run(lora.merged(full, CFG), BASE_CFG, TOKENS, return_logits=True)
-    _, base_logits = run(BASE, BASE_CFG, TOKENS, return_logits=True)
+QWEN3_CFG = tiny_cfg(
+    model_type="qwen3", vocab_size=64, attention_bias=False, head_dim=16, num_heads=4
+)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_forward_is_the_base_with_merged_kernels(family):
+    """x W + s (x A) B == x (W + s A B): the low-rank forward against the merged model (on
+    Qwen3 the adapted q and k pass through the per-head norms)."""
+    base_cfg = BASE_CFG if family == "qwen2" else QWEN3_CFG
+    cfg = base_cfg.replace(lora_rank=4, lora_alpha=8.0, lora_targets=ALL)
+    base = BASE if family == "qwen2" else random_params(base_cfg)
+    full = lora.merge(base, trained_adapters(cfg))
+    _, logits = run(full, cfg, TOKENS, return_logits=True)
+    _, merged_logits = run(lora.merged(full, cfg), base_cfg, TOKENS, return_logits=True)
+    _, base_logits = run(base, base_cfg, TOKENS, return_logits=True)
     assert float(jnp.abs(logits - base_logits).max()) > 0.1  # the adapters act
     np.testing.assert_allclose(np.asarray(logits), np.asarray(merged_logits), atol=2e-5)
 

@@ -86,6 +86,18 @@ def test_param_tree_matches_contract():
         tiny_cfg(model_type="llama", attention_bias=False, tie_word_embeddings=True)
     )
     assert "lm_head" not in llama and "bias" not in llama["layers"]["attn"]["q"]
+    assert "q_norm" not in shapes["layers"]["attn"] and "q_norm" not in llama["layers"]["attn"]
+    # Qwen3: per-head q/k norms over Dh (12 here, with H * Dh = 48 != D = 32); o bias too.
+    qwen3 = tr.abstract_params(tiny_cfg(model_type="qwen3", head_dim=12))
+    attn = jax.tree_util.tree_map(lambda x: tuple(x.shape), qwen3["layers"]["attn"])
+    assert attn == {
+        "q": {"kernel": (L, D, 48), "bias": (L, 48)},
+        "k": {"kernel": (L, D, 24), "bias": (L, 24)},
+        "v": {"kernel": (L, D, 24), "bias": (L, 24)},
+        "o": {"kernel": (L, 48, D), "bias": (L, D)},
+        "q_norm": {"scale": (L, 12)},
+        "k_norm": {"scale": (L, 12)},
+    }
 
 
 def test_logical_axes():
@@ -96,6 +108,8 @@ def test_logical_axes():
     assert tuple(axes["layers"]["attn"]["o"]["kernel"]) == ("layers", "q_heads", "embed")
     assert tuple(axes["layers"]["mlp"]["down"]["kernel"]) == ("layers", "mlp", "embed")
     assert tuple(axes["lm_head"]["kernel"]) == ("embed", "vocab")
+    qwen3 = tr.param_logical_axes(tiny_cfg(model_type="qwen3"))["layers"]["attn"]
+    assert tuple(qwen3["q_norm"]["scale"]) == tuple(qwen3["k_norm"]["scale"]) == ("layers", None)
 
 
 def test_init_params_scale_and_dtype():
@@ -190,16 +204,21 @@ def test_bf16_compute_runs_close_to_f32():
     assert float(jnp.max(jnp.abs(logits - logits32))) < 0.15 * float(jnp.max(jnp.abs(logits32)))
 
 
-@pytest.mark.parametrize("impl", ["auto", "xla", "xla_blocked"])
-def test_prefill_matches_forward_and_returns_cache(impl):
-    """Prefill runs the forward's attention implementation (dense vs blocked: ~2e-6 apart)."""
-    cfg = CFG.replace(attention=impl)
+@pytest.mark.parametrize(
+    "impl, model_type",
+    [("auto", "qwen2"), ("xla", "qwen2"), ("xla_blocked", "qwen2"), ("auto", "qwen3")],
+)
+def test_prefill_matches_forward_and_returns_cache(impl, model_type):
+    """Prefill runs the forward's attention implementation (dense vs blocked: ~2e-6 apart);
+    for Qwen3 it applies the per-head q/k norms as the forward does."""
+    cfg = CFG.replace(attention=impl, model_type=model_type)
+    params = PARAMS if model_type == "qwen2" else random_params(cfg, seed=6)
     segments = np.ones_like(TOKENS)
     segments[1, :3] = 0
     positions = np.maximum(np.cumsum(segments, axis=1) - 1, 0)
-    hidden = run(PARAMS, cfg, TOKENS, positions, segments)
+    hidden = run(params, cfg, TOKENS, positions, segments)
     hidden_p, k, v = tr.prefill(
-        PARAMS, cfg, jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray(segments)
+        params, cfg, jnp.asarray(TOKENS), jnp.asarray(positions), jnp.asarray(segments)
     )
     np.testing.assert_allclose(hidden_p, hidden, atol=1e-6)
     assert k.shape == v.shape == (2, 2, 2, 9, 8)  # [L, P, K, S, Dh]

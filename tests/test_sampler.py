@@ -141,6 +141,24 @@ def test_llama_attention_bias_decode_matches_teacher_forcing():
     np.testing.assert_allclose(out.logps_BxN, ref, atol=1e-5)
 
 
+def test_qwen3_decode_matches_teacher_forcing():
+    """Qwen3 (per-head q/k norms in decode_qkv; attention_bias on q/k/v and o): the decode
+    step scores each sampled token as the full forward does."""
+    cfg = CFG.replace(model_type="qwen3", head_dim=12)  # H * Dh = 48 != D = 32
+    params = random_params(cfg, seed=7)
+    assert "q_norm" in params["layers"]["attn"] and "bias" in params["layers"]["attn"]["o"]
+    tokens, mask = left_pad(PROMPTS, S)
+    sp = SamplingParams(max_new_tokens=5, temperature=1.0)
+    out = generate(params, cfg, tokens, mask, jax.random.key(2), num_samples=2, sampling=sp)
+    rep = lambda x: jnp.repeat(x, 2, axis=0)
+    logits = teacher_forced_logits(
+        params, cfg, rep(tokens), rep(mask), out.tokens_BxN, out.mask_BxN
+    )
+    ref = jax.nn.log_softmax(logits, axis=-1)
+    ref = np.take_along_axis(np.asarray(ref), np.asarray(out.tokens_BxN)[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out.logps_BxN, ref, atol=1e-5)
+
+
 def first_token_counts(sp, num, seed):
     tokens, mask = left_pad([[5, 9, 2, 13, 7]], 5)
     out = generate(

@@ -215,6 +215,26 @@ def test_sharded_forward_matches_single_device(mesh):
     np.testing.assert_array_less(np.abs(np.asarray(hidden) - np.asarray(hidden_ref))[valid], 1e-5)
 
 
+def test_qwen3_sharded_forward_matches_single_device(mesh):
+    """Qwen3's per-head q/k norms are replicated ([L, Dh]: (layers, None)) while the heads they
+    normalize are split over `tensor`; the sharded forward equals the single-device one."""
+    cfg = CFG.replace(model_type="qwen3", head_dim=12)
+    params = _random_params(cfg, seed=1)
+    tokens, positions, seg = _padded_batch()
+    forward = jax.jit(T.forward, static_argnums=1, static_argnames="return_logits")
+    _, logits_ref = forward(params, cfg, tokens, positions, seg, return_logits=True)
+    sharded = sharding.shard_params(params, mesh)
+    specs = _specs(sharded)
+    assert specs["layers/attn/q_norm/scale"] == specs["layers/attn/k_norm/scale"] == P(None, None)
+    assert specs["layers/attn/o/bias"] == P(None, "fsdp")
+    batch = sharding.activation_sharding(mesh, ("batch", "length"))
+    tokens_s, positions_s, seg_s = (jax.device_put(x, batch) for x in (tokens, positions, seg))
+    with jax.set_mesh(mesh), sharding.use_rules():
+        _, logits = forward(sharded, cfg, tokens_s, positions_s, seg_s, return_logits=True)
+    valid = np.asarray(seg, bool)
+    np.testing.assert_array_less(np.abs(np.asarray(logits) - np.asarray(logits_ref))[valid], 1e-5)
+
+
 def test_constrain_inside_jit(mesh):
     x = jnp.ones((8, 4, 6))
     f = lambda v: sharding.constrain(v * 2, ("batch", "length", "embed"))

@@ -1,4 +1,4 @@
-"""The policy model: `ModelConfig` and the Flax Qwen2/Llama decoder."""
+"""The policy model: `ModelConfig` and the Flax Qwen2/Llama/Qwen3 decoder."""
 
 from gjax.models.config import ModelConfig
 from gjax.models.hf_export import save_pretrained

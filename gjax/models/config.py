@@ -1,7 +1,10 @@
 """`ModelConfig`: the decoder's hyperparameters, read from and written to HF `config.json`.
 
-Covers `Qwen2ForCausalLM` (q/k/v bias, tied or untied embeddings) and `LlamaForCausalLM`
-(including Llama-3 `rope_scaling`). Anything else is refused with the list of supported types.
+Covers `Qwen2ForCausalLM` (q/k/v bias, tied or untied embeddings), `LlamaForCausalLM`
+(including Llama-3 `rope_scaling`) and dense `Qwen3ForCausalLM` (per-head q/k RMSNorm,
+`head_dim` independent of hidden / heads, no bias unless `attention_bias`). Anything else is
+refused with the list of supported types, and so is any feature of these families gjax does
+not implement (sliding-window layers, other RoPE scalings, other activations), by name.
 """
 
 from __future__ import annotations
@@ -13,7 +16,14 @@ from typing import Any
 
 import jax.numpy as jnp
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "qwen3")
+_ARCHITECTURES = {
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# transformers' Qwen3Config default when config.json has no `head_dim` (not hidden / heads).
+_QWEN3_HEAD_DIM = 128
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 # gjax.models.attention.IMPLEMENTATIONS (kept here: config imports no jax modules of its own).
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "xla_blocked", "cudnn", "pallas_gpu", "splash")
@@ -79,7 +89,7 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v bias (Qwen2: True); Llama: q/k/v/o (see o_bias)
+    attention_bias: bool = False  # q/k/v bias (Qwen2: True); Llama, Qwen3: q/k/v/o (o_bias)
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
@@ -184,7 +194,10 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json is missing required field(s) {missing}")
         num_heads = hf["num_attention_heads"]
-        head_dim = hf.get("head_dim") or hf["hidden_size"] // num_heads
+        default_head_dim = (
+            _QWEN3_HEAD_DIM if model_type == "qwen3" else hf["hidden_size"] // num_heads
+        )
+        head_dim = hf.get("head_dim") or default_head_dim
         scaling = hf.get("rope_scaling")
         rope_params = hf.get("rope_parameters")  # transformers >= 5 may store rope here
         rope_theta = hf.get("rope_theta")
@@ -216,6 +229,11 @@ class ModelConfig:
             unsupported.append("mlp_bias=true")
         if hf.get("use_sliding_window"):
             unsupported.append("use_sliding_window=true (sliding-window attention)")
+        other_layers = sorted(set(hf.get("layer_types") or ()) - {"full_attention"})
+        if other_layers:
+            unsupported.append(
+                f"layer_types {other_layers} (gjax implements 'full_attention' layers only)"
+            )
         if unsupported:
             raise ValueError(f"config.json uses unsupported feature(s): {unsupported}")
         eos = hf.get("eos_token_id")
@@ -257,12 +275,17 @@ class ModelConfig:
 
     @property
     def o_bias(self) -> bool:
-        """transformers' Llama puts `attention_bias` on o_proj too; Qwen2's o_proj has none."""
-        return self.model_type == "llama" and self.attention_bias
+        """transformers' Llama and Qwen3 put `attention_bias` on o_proj too; Qwen2's has none."""
+        return self.model_type in ("llama", "qwen3") and self.attention_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: RMSNorm over the head dim of each query and key head, before RoPE."""
+        return self.model_type == "qwen3"
 
     def to_hf(self) -> dict[str, Any]:
         """The HF `config.json` dict for this architecture (loadable by transformers 5.x)."""
-        arch = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[self.model_type]
+        arch = _ARCHITECTURES[self.model_type]
         out: dict[str, Any] = {
             "architectures": [arch],
             "model_type": self.model_type,
@@ -285,6 +308,9 @@ class ModelConfig:
         if self.model_type == "llama":
             out["attention_bias"] = self.attention_bias
             out["mlp_bias"] = False
+        if self.model_type == "qwen3":
+            out["attention_bias"] = self.attention_bias
+            out["use_sliding_window"] = False
         if self.bos_token_id is not None:
             out["bos_token_id"] = self.bos_token_id
         if self.eos_token_id:

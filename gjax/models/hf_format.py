@@ -12,7 +12,8 @@ HF name map (`model.layers.{l}.` prefix for per-layer tensors):
     layers/attn/{q,k,v}/kernel self_attn.{q,k,v}_proj.weight      [out, in] -> transposed
     layers/attn/{q,k,v}/bias  self_attn.{q,k,v}_proj.bias         (attention_bias only)
     layers/attn/o/kernel      self_attn.o_proj.weight             transposed
-    layers/attn/o/bias        self_attn.o_proj.bias               (Llama attention_bias only)
+    layers/attn/o/bias        self_attn.o_proj.bias               (Llama/Qwen3 attention_bias)
+    layers/attn/{q,k}_norm/scale self_attn.{q,k}_norm.weight      [Dh] (Qwen3 only)
     layers/post_attn_norm/scale post_attention_layernorm.weight
     layers/mlp/{gate,up,down}/kernel mlp.{gate,up,down}_proj.weight transposed
     final_norm/scale          model.norm.weight
@@ -61,6 +62,8 @@ _LAYER_NAMES: dict[tuple[str, ...], tuple[str, bool]] = {
     ("attn", "v", "bias"): ("self_attn.v_proj.bias", False),
     ("attn", "o", "kernel"): ("self_attn.o_proj.weight", True),
     ("attn", "o", "bias"): ("self_attn.o_proj.bias", False),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", False),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", False),
     ("post_attn_norm", "scale"): ("post_attention_layernorm.weight", False),
     ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", True),
     ("mlp", "up", "kernel"): ("mlp.up_proj.weight", True),
@@ -110,6 +113,9 @@ def param_shapes(cfg: ModelConfig) -> Params:
         attn["v"]["bias"] = (n, kv)
     if cfg.o_bias:
         attn["o"]["bias"] = (n, d)
+    if cfg.qk_norm:
+        attn["q_norm"] = {"scale": (n, cfg.head_dim)}
+        attn["k_norm"] = {"scale": (n, cfg.head_dim)}
     shapes: Params = {
         "embed": {"embedding": (v, d)},
         "layers": {

@@ -223,7 +223,7 @@ def load_pretrained(
     param_dtype=None,
     **cfg_overrides,
 ) -> tuple[ModelConfig, Params]:
-    """Loads an HF `Qwen2ForCausalLM`/`LlamaForCausalLM` checkpoint as `(cfg, params)`.
+    """Loads an HF `Qwen2ForCausalLM` / `LlamaForCausalLM` / `Qwen3ForCausalLM` checkpoint.
 
     Args:
       path: checkpoint dir: local, `gs://...` (copied to `cache_dir()` first) or a hub id.

@@ -1,8 +1,10 @@
-"""The policy: a decoder-only transformer covering HF `Qwen2ForCausalLM` and `LlamaForCausalLM`.
+"""The policy: a decoder-only transformer covering HF `Qwen2ForCausalLM`, `LlamaForCausalLM`
+and dense `Qwen3ForCausalLM`.
 
-Architecture (both families): token embedding -> L x [RMSNorm -> GQA self-attention with RoPE
-(q/k/v bias when `attention_bias`, o too for Llama) -> residual -> RMSNorm -> SwiGLU MLP -> residual] ->
-final RMSNorm -> LM head (tied to the embedding or not).
+Architecture (all three): token embedding -> L x [RMSNorm -> GQA self-attention with RoPE
+(q/k/v bias when `attention_bias`, o too for Llama and Qwen3; Qwen3 RMSNorms each q and k head
+over Dh before RoPE) -> residual -> RMSNorm -> SwiGLU MLP -> residual] -> final RMSNorm -> LM
+head (tied to the embedding or not).
 
     rms_norm(x) = x / sqrt(mean(x^2) + eps) * scale                 (computed in f32)
     rope(x)[i]  = x[i] cos(p w_i) - x[i + Dh/2] sin(p w_i)           (HF "rotate_half" layout)
@@ -183,10 +185,11 @@ class Linear(nn.Module):
 
 class RMSNorm(nn.Module):
     cfg: ModelConfig
+    axes: tuple[str | None, ...] = ("embed",)  # the scale's logical axis ((None,): over Dh)
 
     @nn.compact
     def __call__(self, x):
-        scale = _param(self, "scale", (x.shape[-1],), ("embed",), self.cfg, nn.initializers.ones)
+        scale = _param(self, "scale", (x.shape[-1],), self.axes, self.cfg, nn.initializers.ones)
         return rms_norm(x, scale, self.cfg.rms_norm_eps)
 
 
@@ -209,6 +212,9 @@ class Attention(nn.Module):
         val = nn.with_logical_constraint(
             val.reshape(b, t, k, dh), ("batch", "length", "kv_heads", None)
         )
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm over Dh, before RoPE
+            q = RMSNorm(cfg, (None,), name="q_norm")(q)
+            key = RMSNorm(cfg, (None,), name="k_norm")(key)
         q, key = apply_rope(q, cos, sin), apply_rope(key, cos, sin)
         impl = attention.platform_impl(cfg.attention)
         out = attention.attend(impl, q, key, val, attn_in).reshape(b, t, h * dh)
@@ -370,6 +376,9 @@ def _qkv(attn_p, h, cfg: ModelConfig):
     q = _linear(attn_p["q"], h, cfg).reshape(*lead, cfg.num_heads, cfg.head_dim)
     k = _linear(attn_p["k"], h, cfg).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
     v = _linear(attn_p["v"], h, cfg).reshape(*lead, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, attn_p["q_norm"]["scale"], cfg.rms_norm_eps)
+        k = rms_norm(k, attn_p["k_norm"]["scale"], cfg.rms_norm_eps)
     return q, k, v
 
 
@@ -450,13 +459,17 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
             layer["qkv_bias"] = jnp.concatenate([attn[n]["bias"] for n in "qkv"]).astype(dtype)
         if cfg.o_bias:
             layer["o_bias"] = attn["o"]["bias"].astype(dtype)
+        if cfg.qk_norm:
+            layer["q_norm"] = attn["q_norm"]["scale"]
+            layer["k_norm"] = attn["k_norm"]["scale"]
         out.append(layer)
     return out
 
 
 def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
     """One decode token's query, key and value per row ([B, H, Dh], [B, K, Dh] twice) from a
-    layer's weights (`decode_layers`): input norm, fused QKV (+ bias), RoPE on q and k."""
+    layer's weights (`decode_layers`): input norm, fused QKV (+ bias), the per-head q/k norms
+    (Qwen3), RoPE on q and k."""
     b_, dh = x_BxD.shape[0], cfg.head_dim
     hq, hkv = cfg.num_heads * dh, cfg.num_kv_heads * dh
     qkv = jnp.dot(rms_norm(x_BxD, lp["input_norm"], cfg.rms_norm_eps), lp["qkv"])
@@ -465,6 +478,9 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
     q = qkv[:, :hq].reshape(b_, cfg.num_heads, dh)
     k = qkv[:, hq : hq + hkv].reshape(b_, cfg.num_kv_heads, dh)
     v = qkv[:, hq + hkv :].reshape(b_, cfg.num_kv_heads, dh)
+    if cfg.qk_norm:
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
