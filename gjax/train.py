@@ -220,7 +220,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
-        produced = _produce(producer, step, checkpointer)
+        produced = _produce(producer, step, checkpointer, recorder)
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()
@@ -359,12 +359,14 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
     )
 
 
-def _produce(producer, step: int, checkpointer):
+def _produce(producer, step: int, checkpointer, recorder):
     """Step `step`'s batch from the producer; a rollout whose requests all failed stops the
-    run here, before anything trains on it, naming the last intact checkpoint."""
+    run here, before anything trains on it, naming the last intact checkpoint. The previous
+    step trained: its row (queued one step late) is written first."""
     try:
         return producer.get(step)
     except ServingFailed as e:
+        recorder.flush()
         checkpointer.wait()  # so the checkpoint named below is complete
         raise ServingFailed(
             f"step {step + 1}: {e} {checkpointer.last_intact()} Start the server again "
