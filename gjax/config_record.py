@@ -121,8 +121,8 @@ def check(
         raise ConfigError(
             f"--workdir {workdir} holds checkpoints of a run trained with another config, "
             f"and they cannot resume under this one ({listed}): these fields are fixed for "
-            f"the run's life, {OPT_IN} included. Use a new --workdir for the new config, or "
-            "rerun the old values."
+            f"a run's life (--config.{OPT_IN}=True does not lift that). Use a new --workdir "
+            "for the new config, or rerun the old values."
         )
     training = _training_changes(diff, config)
     if training and not config.train.allow_config_change:
