@@ -22,6 +22,7 @@ What can go wrong, and what happens:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -55,13 +56,34 @@ class CheckpointStorageTimeout(CheckpointSaveError):
 
 
 def fingerprint_mismatch(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    """Fields whose values differ between a saved and the current fingerprint."""
-    keys = sorted(set(saved) | set(current))
-    return [
-        f"{k}: checkpoint has {saved.get(k)!r}, config has {current.get(k)!r}"
-        for k in keys
-        if saved.get(k) != current.get(k)
-    ]
+    """Fields whose values differ between a saved and the current fingerprint; a field holding
+    a JSON object (the objective's settings) is compared key by key, naming only the keys that
+    differ."""
+    out = []
+    for k in sorted(set(saved) | set(current)):
+        old, new = saved.get(k), current.get(k)
+        if old == new:
+            continue
+        old_obj, new_obj = _json_object(old), _json_object(new)
+        if old_obj is None or new_obj is None:
+            out.append(f"{k}: checkpoint has {old!r}, config has {new!r}")
+            continue
+        out.extend(
+            f"{k}.{sub}: checkpoint has {old_obj.get(sub)!r}, config has {new_obj.get(sub)!r}"
+            for sub in sorted(set(old_obj) | set(new_obj))
+            if old_obj.get(sub) != new_obj.get(sub)
+        )
+    return out
+
+
+def _json_object(value: Any) -> dict | None:
+    if not isinstance(value, str) or not value.startswith("{"):
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return None
+    return parsed if isinstance(parsed, dict) else None
 
 
 class Checkpointer:

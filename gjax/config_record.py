@@ -4,7 +4,8 @@
 one line per resume that changed a field: `{"step": N, "changes": {field: [old, new]}}`, the
 change taking effect from checkpoint step N. A resume whose config differs from the recorded
 one (config.json with the history applied) in a field that changes training is refused
-(`check`) unless `train.allow_config_change`; the fields in `HARMLESS` may change freely.
+(`check`) unless `train.allow_config_change`; the fields in `HARMLESS` may change freely; the
+checkpoint's fingerprint fields (model, algo, objective, data source...) may never change.
 """
 
 from __future__ import annotations
@@ -105,16 +106,24 @@ def check(
     workdir: str, config: ml_collections.ConfigDict, fixed: Iterable[str] = ()
 ) -> dict[str, tuple[Any, Any]]:
     """The changes of a resume in `workdir` against its recorded config (called only when the
-    workdir has checkpoints); raises ConfigError for one that changes training without
-    `train.allow_config_change`. A change under `fixed` (the checkpoint's fingerprint: no
-    opt-in makes it resumable) is left to the checkpoint's own check, which refuses it."""
+    workdir has checkpoints, before the model and data load); raises ConfigError for one that
+    changes training without `train.allow_config_change`, and for any change under `fixed`
+    (the checkpoint's fingerprint, which no opt-in makes resumable), naming only the fields
+    that differ."""
     saved = recorded(workdir)
     if saved is None:
         return {}
     diff = changes(saved, flat(config))
     fixed = tuple(fixed)
-    if any(p == f or p.startswith(f + ".") for p in diff for f in fixed):
-        return diff
+    unresumable = [p for p in diff if any(p == f or p.startswith(f + ".") for f in fixed)]
+    if unresumable:  # the checkpoint's own check would refuse it, once everything had loaded
+        listed = "; ".join(f"{p}: {diff[p][0]!r} -> {diff[p][1]!r}" for p in unresumable)
+        raise ConfigError(
+            f"--workdir {workdir} holds checkpoints of a run trained with another config, "
+            f"and they cannot resume under this one ({listed}): these fields are fixed for "
+            f"a run's life (--config.{OPT_IN}=True does not lift that). Use a new --workdir "
+            "for the new config, or rerun the old values."
+        )
     training = _training_changes(diff, config)
     if training and not config.train.allow_config_change:
         listed = "; ".join(f"{p}: {diff[p][0]!r} -> {diff[p][1]!r}" for p in training)

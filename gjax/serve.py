@@ -5,7 +5,8 @@
 Serves the run's policy (config.model.path) with the run's sampling settings on
 config.rollout.server_address (default 127.0.0.1:9000) through JetStream's own Driver and
 `Orchestrator.Decode` gRPC service (`gjax.rollout.grpc_server`: requests are checked first, a
-bad one gets INVALID_ARGUMENT; a port already in use is an error). Prefill (every bucket),
+bad one gets INVALID_ARGUMENT). A port already in use is refused first, in seconds, before the
+model loads, and such a server writes nothing in the push directory. Prefill (every bucket),
 insert and generate are compiled before the ready line, so a client is served at once. A trainer
 started with `--config.rollout.backend=jetstream_grpc` and the same --config/--workdir sends
 its rollouts here and pushes new weights after every update through the directory
@@ -19,9 +20,11 @@ SIGTERM/SIGINT stop it cleanly.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import signal
+import socket
 import threading
 
 import jax
@@ -68,14 +71,46 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+def _port_taken(config, host: str, port: int, why) -> ConfigError:
+    return ConfigError(
+        f"config.rollout.server_address={config.rollout.server_address!r}: cannot bind "
+        f"{host}:{port} ({why}): another process (another gjax.serve?) is using that port. "
+        "Stop it, or pass a free port with --config.rollout.server_address=HOST:PORT (and "
+        "the same to the trainer)."
+    )
+
+
+def check_port_free(config, host: str, port: int) -> None:
+    """Refuses an address another process listens on, before anything loads: a probe socket
+    bound as gRPC binds (SO_REUSEADDR, no SO_REUSEPORT) to each address `host` resolves to,
+    then closed. Other bind errors (an address this machine lacks) are left to gRPC's bind."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"config.rollout.server_address={config.rollout.server_address!r}: cannot resolve "
+            f"{host!r} ({e.strerror}); use an IP address or a name this machine resolves"
+        ) from e
+    for family, kind, proto, _, address in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise _port_taken(config, host, port, e.strerror) from e
+
+
 def build_server(config, workdir: str, *, sampling: str = "rollout"):
-    """Starts the server; returns (server, watcher)."""
+    """Starts the server; returns (server, watcher). A taken port is refused before the
+    model loads; the push directory is written (SERVED) only once the port is bound."""
     rollout_factory.require_jetstream("gjax.serve")  # before anything loads
+    host, port = parse_address(config.rollout.server_address)
+    check_port_free(config, host, port)
     # These import JetStream, an optional dependency (the jetstream extra).
     from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
     from gjax.rollout.weight_push import WeightWatcher
 
-    host, port = parse_address(config.rollout.server_address)
     mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
     mesh = sharding.make_mesh(mesh_shape)
     # The policy's config.json checked (found, supported, long enough) before weights load.
@@ -101,18 +136,14 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         weight_change=config.rollout.weight_change,
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
-    watcher = WeightWatcher(push_dir, holder).start()
+    watcher = WeightWatcher(push_dir, holder)
+    watcher.load_latest(announce=False)  # a restarted server starts from LATEST; no write yet
     try:
         server = start_server(engine, host, port)
-    except RuntimeError as e:
-        watcher.stop()
-        raise ConfigError(
-            f"config.rollout.server_address={config.rollout.server_address!r}: cannot bind "
-            f"{host}:{port} ({e}): another process (another gjax.serve?) is using that port. "
-            "Stop it, or pass a free port with --config.rollout.server_address=HOST:PORT (and "
-            "the same to the trainer)."
-        ) from e
+    except RuntimeError as e:  # taken since the probe: still nothing written
+        raise _port_taken(config, host, port, e) from e
     try:
+        watcher.start()  # the port is this server's: SERVED is its to write
         server.warm_up()
     except BaseException:
         server.stop()

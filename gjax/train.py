@@ -241,7 +241,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
-        produced = _produce(producer, step, checkpointer)
+        produced = _produce(producer, step, checkpointer, recorder)
         t_learn = time.perf_counter()
         # Before the update is dispatched (a host exchange after it would wait for it).
         num_tokens = multihost.allgather(produced.groups.completion_mask_PxGxN.sum()).sum()
@@ -258,7 +258,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
         last = step + 1 == config.train.steps
         if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
-            host_metrics.update(evaluate(policy(state.params)))
+            host_metrics.update(
+                _evaluate_mid_run(evaluate, policy(state.params), step, checkpointer, recorder)
+            )
             recorder.write()
         if checkpointer.should_save(step + 1) or stopping or last:
             _save(checkpointer, step + 1, state, meta, recorder, producer, run_fingerprint)
@@ -286,7 +288,8 @@ def _check_config_record(config, workdir: str, checkpointer) -> dict | None:
     if checkpointer.latest_step() is None:
         _write_record(workdir, config_record.write, workdir, config)
         return None
-    return config_record.check(workdir, config, fingerprint(config))
+    # model.lora whole: rank 0 <-> r > 0 changes the state's tree, not only its values.
+    return config_record.check(workdir, config, [*fingerprint(config), "model.lora"])
 
 
 def _write_record(workdir: str, write, *args) -> None:
@@ -381,17 +384,31 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
     )
 
 
-def _produce(producer, step: int, checkpointer):
+def _produce(producer, step: int, checkpointer, recorder):
     """Step `step`'s batch from the producer; a rollout whose requests all failed stops the
-    run here, before anything trains on it, naming the last intact checkpoint."""
+    run here, before anything trains on it, naming the last intact checkpoint. The previous
+    step trained: its row (queued one step late) is written first."""
     try:
         return producer.get(step)
     except ServingFailed as e:
+        recorder.flush()
         checkpointer.wait()  # so the checkpoint named below is complete
         raise ServingFailed(
             f"step {step + 1}: {e} {checkpointer.last_intact()} Start the server again "
             "(or fix config.rollout.server_address), then rerun the same command."
         ) from e
+
+
+def _evaluate_mid_run(evaluate, params, step: int, checkpointer, recorder) -> dict:
+    """The held-out figures after step `step` + 1 (`log.eval_every`); an evaluation whose
+    requests were all dropped stops the run as a rollout's would: the trained step's row is
+    written first and the last intact checkpoint named."""
+    try:
+        return evaluate(params)
+    except ServingFailed as e:
+        recorder.flush()
+        checkpointer.wait()
+        raise ServingFailed(f"step {step + 1}: {e} {checkpointer.last_intact()}") from e
 
 
 def _heldout_before(meta: dict, evaluate, params) -> None:
@@ -494,7 +511,18 @@ def _read_json(path: str) -> dict | None:
 
 
 def _fmt_eval(metrics: dict[str, float]) -> str:
-    return ", ".join(f"{k.removeprefix('eval/heldout_')} {v:.3f}" for k, v in metrics.items())
+    """`accuracy 0.512, pass@1 0.400, ...`; a count of dropped requests (a serving backend's,
+    scored as wrong answers) follows the figures it lowers."""
+    parts = []
+    for k, v in metrics.items():
+        name = k.removeprefix("eval/heldout_")
+        if name == "dropped":
+            parts[0] += f" ({int(v)} requests dropped, counted as wrong)"
+        elif name == "sampled_dropped":
+            parts[-1] += f" ({int(v)} samples dropped, counted as wrong)"
+        else:
+            parts.append(f"{name} {v:.3f}")
+    return ", ".join(parts)
 
 
 def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """Regenerates the README's results table: every `:tiny` config, trained as a user would.
 
     python scripts/readme_results.py [--configs grpo,a_grae,...] [--eval_every 40]
-        [--root workdirs/readme_results] [--readme README.md] [--set FIELD=VALUE ...]
+        [--root workdirs/readme_results] [--write [--readme README.md]] [--set FIELD=VALUE ...]
 
 Runs `python -m gjax.train --config=configs/NAME.py:tiny --config.log.eval_every=40` for each
 config, one after another in fresh workdirs under `--root`, then the README's own command as
@@ -9,9 +9,10 @@ written (`a_grae.py:tiny`, no intermediate evaluations; skip with `--no-readme_c
 From each workdir it reads the held-out accuracy before and after training (`summary.json`)
 and at the first intermediate evaluation (`eval/heldout_accuracy` in `metrics.jsonl`), and
 times the whole command (start-up, compilation and evaluations included). It prints one JSON
-line per run and a JSON summary last, and rewrites the block between the
-`<!-- readme_results:begin -->` and `<!-- readme_results:end -->` markers of `--readme` with
-the markdown table, dated and naming the machine (`--readme=` leaves the README alone).
+line per run and a JSON summary last, and the markdown table, dated and naming the machine, on
+stderr and in `ROOT/readme_block.md`. Only with `--write` does it also put that table between
+the `<!-- readme_results:begin -->` and `<!-- readme_results:end -->` markers of `--readme`
+(README.md by default); without it no file outside `--root` changes.
 
 About 20 minutes on an idle 2-core CPU; wall times mean little on a loaded machine (the
 summary records the load average at the start). `--set` passes a field override to every
@@ -199,12 +200,21 @@ def main(argv=None) -> None:
         help=f"also time the README command as written ({README_COMMAND}.py:tiny)",
     )
     ap.add_argument("--root", default=os.path.join("workdirs", "readme_results"))
-    ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="'' to skip")
+    ap.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite the results block of --readme (default: only print it and save it in --root)",
+    )
+    ap.add_argument(
+        "--readme", default=os.path.join(ROOT, "README.md"), help="the file --write rewrites"
+    )
     ap.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="config override"
     )
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
+    if args.write and not args.readme:
+        fail("--write needs a file to rewrite: set --readme=PATH (README.md by default)")
     unknown = [n for n in names if not os.path.exists(os.path.join(ROOT, "configs", f"{n}.py"))]
     if unknown or not names:
         fail(f"unknown config(s) {unknown} in --configs; valid: {','.join(CONFIGS)}")
@@ -224,10 +234,20 @@ def main(argv=None) -> None:
         results.append(run_one(name, workdir, eval_every, args.set, env))
         print(json.dumps(results[-1]), flush=True)
     block = table(results, meta)
-    if args.readme:
+    saved = os.path.join(root, "readme_block.md")
+    with open(saved, "w") as f:
+        f.write(block + "\n")
+    if args.write:
         rewrite_readme(args.readme, block)
     print(block, file=sys.stderr)
-    print(json.dumps({**meta, "results": results, "readme": args.readme or None}))
+    if not args.write:
+        print(
+            f"readme_results: {args.readme} left alone; the block above is in {saved} "
+            "(--write puts it between the README's markers)",
+            file=sys.stderr,
+        )
+    written = args.readme if args.write else None
+    print(json.dumps({**meta, "results": results, "readme": written, "block": saved}))
 
 
 if __name__ == "__main__":

@@ -219,6 +219,20 @@ def test_checkpoint_of_another_config_is_refused_by_field(tmp_path):
         ckpt.restore(state(0.0), fingerprint={"algo": "dapo"})
 
 
+def test_a_foreign_objective_names_only_its_differing_keys(tmp_path):
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), async_save=False)
+    objective = {"clip_eps": 0.2, "eps_high": 0.2, "kl_beta": 0.0}
+    meta = {"fingerprint": {"algo": "grpo", "objective": json.dumps(objective)}}
+    ckpt.save(2, state(2.0), meta, force=True)
+    ckpt.wait()
+    current = {"algo": "grpo", "objective": json.dumps({**objective, "eps_high": 0.28})}
+    with pytest.raises(CheckpointError) as e:
+        ckpt.restore(state(0.0), fingerprint=current)
+    msg = str(e.value)
+    assert "objective.eps_high: checkpoint has 0.2, config has 0.28" in msg
+    assert "clip_eps" not in msg and "{" not in msg
+
+
 def test_a_save_that_hangs_on_storage_is_bounded_and_names_the_intact_step(tmp_path):
     """Storage that stops answering mid-save: `wait` gives up after storage_timeout_s with one
     paragraph naming the committed step (not the one in flight), and exits at once."""

@@ -62,14 +62,48 @@ def test_a_training_change_is_refused_naming_each_field(tmp_path):
     assert (tmp_path / "config.json").read_text() == saved
 
 
-def test_fingerprint_fields_are_left_to_the_checkpoint(tmp_path):
-    """algo, objective, model... are refused by the checkpoint's fingerprint check (which no
-    opt-in lifts, with its own message); this check does not refuse them, nor the rest of
-    such a change."""
+def test_a_fingerprint_change_is_refused_naming_only_the_fields_that_differ(tmp_path):
+    """algo, objective, model...: fixed for a run's life (the checkpoint's fingerprint), so no
+    opt-in lifts them; refused here, before anything loads, naming each differing leaf (not
+    the objective's whole settings, twice)."""
     c = _config()
     config_record.write(str(tmp_path), c)
     c.algo, c.objective.eps_high, c.optim.lr = "other", 0.28, 1e-4
-    assert set(_check(tmp_path, c)) == {"algo", "objective.eps_high", "optim.lr"}
+    c.train.allow_config_change = True
+    with pytest.raises(ConfigError) as err:
+        _check(tmp_path, c)
+    msg = str(err.value)
+    assert "algo: 'grpo' -> 'other'" in msg and "objective.eps_high: 0.2 -> 0.28" in msg
+    assert "{" not in msg and "objective.clip" not in msg  # only what differs
+    assert "new --workdir" in msg and "\n" not in msg
+
+
+def test_resume_with_another_objective_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    """gjax.train refuses it before the model, data and held-out set load (it used to be the
+    checkpoint's refusal, once all of them had)."""
+    import jax.numpy as jnp
+
+    from gjax import checkpoint as ckpt_lib
+    from gjax import train as train_lib
+    from gjax.models import hf_import
+
+    c = _config()
+    wd = str(tmp_path)
+    config_record.write(wd, c)
+    ckpt = ckpt_lib.Checkpointer(
+        str(tmp_path / "checkpoints"), async_save=False, save_interval_steps=1
+    )
+    ckpt.save(1, {"w": jnp.ones(3)}, {"fingerprint": fingerprint(c)}, force=True)
+    ckpt.wait()
+    ckpt.close()
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("loaded the model before refusing the config")
+
+    monkeypatch.setattr(hf_import, "load_policy", no_loading)
+    c.objective.eps_high = 0.28
+    with pytest.raises(ConfigError, match=r"objective\.eps_high: 0\.2 -> 0\.28"):
+        train_lib.train(c, wd)
 
 
 def test_an_opted_in_change_is_recorded_and_becomes_the_baseline(tmp_path):

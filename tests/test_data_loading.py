@@ -1,6 +1,7 @@
 """Tokenizer, templates and prompt loading: files, field mapping, filters, sharding, resume."""
 
 import json
+import logging
 import os
 
 import datasets
@@ -382,7 +383,9 @@ def test_encode_completions(tok):
         (b'["1+1", "2"]', r"a JSON list, not an object"),
     ],
 )
-def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_path, bad_line, why):
+def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(
+    tok, tmp_path, bad_line, why, caplog, capfd
+):
     path = tmp_path / "data.jsonl"
     good = [
         json.dumps({"problem": f"Compute {i}+1.", "answer": str(i + 1)}).encode() for i in range(3)
@@ -400,6 +403,11 @@ def test_bad_jsonl_line_names_file_and_row_or_is_skipped_and_counted(tok, tmp_pa
         "kept": 3,
     }
     assert data.problems == [f"Compute {i}+1." for i in range(3)]
+    # datasets' JSON builder, tried first, logs the line as an ERROR before gjax reads the file
+    # line by line: a skipped line is reported once, by gjax, as the warning above.
+    logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not logged, [r.getMessage() for r in logged]
+    assert "Failed to load JSON" not in capfd.readouterr().err
 
 
 def test_heldout_size_is_reported_under_its_own_name(tok):

@@ -279,6 +279,30 @@ class ScriptedBackend:
         return SampleOutput(np.asarray(tokens, np.int32), None, None, np.asarray(lengths, np.int32))
 
 
+class DroppingBackend(ScriptedBackend):
+    """A serving backend's answers: `ScriptedBackend`'s, except that the requests `drop(i)`
+    selects (i counts every request so far) come back dropped (no tokens, valid_B False), and
+    `failure` names the server as a serving backend does."""
+
+    def __init__(self, tok, data, drop):
+        super().__init__(tok, data)
+        self.drop, self.served = drop, 0
+
+    def generate(self, params, ids_PxS, mask_PxS, rng, *, num_samples, sampling):
+        out = super().generate(
+            params, ids_PxS, mask_PxS, rng, num_samples=num_samples, sampling=sampling
+        )
+        b = len(out.lengths_B)
+        valid = np.array([not self.drop(self.served + i) for i in range(b)])
+        self.served += b
+        tokens = np.where(valid[:, None], out.tokens_BxN, sampling.pad_token_id)
+        lengths = np.where(valid, out.lengths_B, 0).astype(np.int32)
+        return SampleOutput(tokens, None, None, lengths, valid_B=valid)
+
+    def failure(self):
+        return "server 127.0.0.1:1: connection refused"
+
+
 @pytest.fixture(scope="module")
 def verifier():
     from gjax.rewards.verifier import Verifier
@@ -382,3 +406,54 @@ def test_heldout_metrics_samples_in_the_rollout_shape_when_it_can(
     )  # fmt: skip
     assert backend.calls[1][1] == 4
     assert "eval " not in capfd.readouterr().err
+
+
+def test_heldout_dropped_requests_are_counted_and_all_dropped_is_an_error(tok, verifier, caplog):
+    """A serving backend's dropped requests score as wrong, and the evaluation says how many
+    (metrics, the printed line, a warning); a batch with all of them dropped is an error,
+    not pass@k 0.000."""
+    import ml_collections
+
+    from gjax.evaluation.report import markdown_table
+    from gjax.rollout.collect import ServingFailed
+    from gjax.train import _fmt_eval
+
+    data = heldout(tok, 8)
+    settings = HeldoutEval.from_config(
+        ml_collections.ConfigDict(
+            dict(num_samples=4, temperature=0.7, top_p=1.0, pass_k="1,4", max_rows=256)
+        )
+    )
+    kw = dict(max_new_tokens=12, eos=(1,), pad_id=0)
+    # The first 2 greedy requests and, of the pass@k samples, every fourth one are dropped.
+    backend = DroppingBackend(tok, data, lambda i: i < 2 or (i >= 8 and i % 4 == 0))
+    m = heldout_metrics(backend, None, tok, data, verifier, settings, **kw)
+    assert m == {
+        "eval/heldout_accuracy": 0.75,  # 6 of 8: the dropped 2 count as wrong
+        "eval/heldout_dropped": 2.0,
+        "eval/heldout_pass@1": 0.25,  # samples 1, 3 are wrong by script, sample 0 dropped
+        "eval/heldout_pass@4": 1.0,
+        "eval/heldout_sampled_dropped": 8.0,
+    }
+    assert "2 of 8 greedy completions were dropped" in caplog.text
+    assert "8 of 32 pass@k samples were dropped" in caplog.text
+    assert _fmt_eval(m) == (
+        "accuracy 0.750 (2 requests dropped, counted as wrong), pass@1 0.250, "
+        "pass@4 1.000 (8 samples dropped, counted as wrong)"
+    )
+    s = sample_and_score(
+        DroppingBackend(tok, data, lambda i: i == 0), None, tok, data, verifier,
+        num_samples=1, sampling=SamplingParams(max_new_tokens=12, stop_token_ids=(1,)),
+        rng=jax.random.key(0),
+    )  # fmt: skip
+    assert summarize(s, [1])["dropped"] == 1
+    table = markdown_table({"a": summarize(s, [1]), "b": {**summarize(s, [1]), "dropped": 0}})
+    assert "| dropped |" in table.splitlines()[0] and table.splitlines()[3].count("| 0 |") == 1
+
+    # Every pass@k request dropped (greedy answered): an error naming the server.
+    backend = DroppingBackend(tok, data, lambda i: i >= 8)
+    with pytest.raises(ServingFailed) as err:
+        heldout_metrics(backend, None, tok, data, verifier, settings, **kw)
+    msg = str(err.value)
+    assert "every request of a held-out evaluation batch was dropped" in msg
+    assert "127.0.0.1:1: connection refused" in msg and "\n" not in msg

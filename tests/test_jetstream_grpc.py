@@ -268,6 +268,35 @@ def test_no_request_poisons_the_server(policy, tmp_path):  # noqa: F811
         _stop(proc)
 
 
+def test_a_server_on_a_taken_port_is_refused_before_loading_and_writes_nothing(tmp_path):
+    """Another process listens on the port: gjax.serve is refused with one paragraph before
+    the model loads (seconds, not the minute a paper model takes), and writes nothing in the
+    push directory it shares with the running server (no SERVED)."""
+    push = tmp_path / "push"
+    push.mkdir()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        proc = subprocess.run(
+            [*_server_cmd(port, tmp_path), f"--config.rollout.push_dir={push}"],
+            env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        wall = time.monotonic() - t0
+    err = " ".join(proc.stderr.split())  # the paragraph, unwrapped
+    assert proc.returncode == 2, err[-3000:]
+    assert f"cannot bind 127.0.0.1:{port} (Address already in use)" in err
+    assert "Traceback" not in err and "ready" not in proc.stdout
+    assert err.count("cannot bind") == 1
+    assert "gjax.serve: JetStream on" not in err and "serving policy version" not in err
+    assert sorted(p.name for p in push.iterdir()) == []  # no SERVED, nothing else
+    assert wall < 60, wall  # start-up and imports only: nothing loaded or compiled
+
+
 def test_a_step_whose_requests_all_fail_stops_the_run(env, tmp_path):  # noqa: F811
     """With no server answering, every request of the step's rollout is dropped on each of
     its tries: the run stops (exit 2) with one paragraph naming the server and the last intact

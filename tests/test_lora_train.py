@@ -101,9 +101,10 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     }
     assert all(set(p) == {"lora_a", "lora_b"} for g in adapters.values() for p in g.values())
 
-    # Another rank on resume: refused by name, before anything trains.
-    with pytest.raises(CheckpointError, match="model.lora"):
-        train(lora_config(base_dir, steps=3, rank=8), str(wd))
+    # Another rank on resume, or none: refused by name, before anything loads.
+    for rank in (8, 0):
+        with pytest.raises(ConfigError, match=f"model.lora.rank: 4 -> {rank}"):
+            train(lora_config(base_dir, steps=3, rank=rank), str(wd))
     # The same path with other weights in it: refused by the base's digest.
     weights = load_file(base_dir / "model.safetensors")
     name = "model.layers.0.mlp.up_proj.weight"

@@ -185,3 +185,46 @@ def test_warnings_go_above_the_progress_bar(tmp_path, capsys, caplog, terminal):
     err = capsys.readouterr().err
     # tqdm clears the bar's line (\r), writes the warning on a line of its own, redraws.
     assert "\rWARNING: collapsed\n" in err and err.index("WARNING") > err.index("train  33%")
+
+
+def test_a_stop_on_all_dropped_requests_keeps_the_trained_steps_row(tmp_path):
+    """Rows are written one step late; a rollout whose requests all fail stops the run in the
+    next step's rollout, after the previous step trained: that step's row is still written."""
+    import jax.numpy as jnp
+
+    from configs import common
+    from gjax import train as train_lib
+    from gjax.rollout.collect import ServingFailed
+
+    class Checkpointer:
+        def wait(self):
+            pass
+
+        def last_intact(self):
+            return "No checkpoint has been saved."
+
+    class Producer:
+        def get(self, step):
+            raise ServingFailed("every request of the rollout was dropped.")
+
+    config = common.tiny(common.base())
+    config.log.progress, config.log.tensorboard = False, False
+    recorder = train_lib.Recorder(config, str(tmp_path), Checkpointer(), [], 0, 64)
+    recorder.add(1, {"loss/total": jnp.float32(0.25)}, {"reward/mean": 0.5})
+    with pytest.raises(ServingFailed, match="step 2: every request"):
+        train_lib._produce(Producer(), 1, Checkpointer(), recorder)
+    # A mid-run held-out evaluation (log.eval_every) whose requests were all dropped: the
+    # step it follows trained, and its row is written too.
+    recorder.add(2, {"loss/total": jnp.float32(0.125)}, {"reward/mean": 0.75})
+
+    def evaluate(params):
+        raise ServingFailed("every request of a held-out evaluation batch was dropped.")
+
+    with pytest.raises(ServingFailed, match="step 2: every request of a held-out"):
+        train_lib._evaluate_mid_run(evaluate, None, 1, Checkpointer(), recorder)
+    recorder.close()
+    rows = read_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+    assert [(r["step"], r["loss/total"], r["reward/mean"]) for r in rows] == [
+        (1, 0.25, 0.5),
+        (2, 0.125, 0.75),
+    ]

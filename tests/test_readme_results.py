@@ -1,4 +1,5 @@
-"""scripts/readme_results.py: the README's results block is the script's output, rewritable."""
+"""scripts/readme_results.py: the README's results block is the script's output, rewritten
+only with --write."""
 
 import os
 import sys
@@ -71,9 +72,34 @@ def test_rewrite_replaces_only_the_marked_block(tmp_path, capsys):
 
 def test_unknown_config_is_a_user_error(capsys):
     with pytest.raises(SystemExit) as exc:
-        rr.main(["--configs=grpo,nope", "--readme="])
+        rr.main(["--configs=grpo,nope"])
     assert exc.value.code == 2
     assert "unknown config(s) ['nope']" in capsys.readouterr().err
+
+
+def test_readme_is_rewritten_only_with_write(tmp_path, monkeypatch, capsys):
+    """By default the block is printed and saved under --root; README.md changes only with
+    --write (the runs themselves replaced by a canned result: the table is what is tested)."""
+    canned = result("grpo", 0.51171875, 0.72265625, 0.70703125, 142.4)
+    monkeypatch.setattr(rr, "run_one", lambda *a, **k: dict(canned))
+    readme = tmp_path / "README.md"
+    original = f"intro\n{rr.BEGIN}\nold table\n{rr.END}\nrest\n"
+    readme.write_text(original)
+    root = tmp_path / "root"
+    args = ["--configs=grpo", "--no-readme_command", f"--root={root}", f"--readme={readme}"]
+    rr.main(args)
+    assert readme.read_text() == original
+    err = capsys.readouterr().err
+    assert "| `grpo` | 0.512 | 0.723 | 0.707 | 2m22s |" in err
+    assert f"{readme} left alone" in err and "--write" in err
+    block = (root / "readme_block.md").read_text()
+    assert "| `grpo` | 0.512 | 0.723 | 0.707 | 2m22s |" in block
+    rr.main([*args, "--write"])
+    assert readme.read_text() == f"intro\n{rr.BEGIN}\n\n{block}\n{rr.END}\nrest\n"
+    with pytest.raises(SystemExit) as exc:
+        rr.main([*args, "--write", "--readme="])
+    assert exc.value.code == 2
+    assert "--write needs a file" in capsys.readouterr().err
 
 
 def test_the_readme_names_the_script_and_has_one_block():
@@ -81,4 +107,4 @@ def test_the_readme_names_the_script_and_has_one_block():
         text = f.read()
     assert text.count(rr.BEGIN) == 1 and text.count(rr.END) == 1
     assert text.index(rr.BEGIN) < text.index(rr.END)
-    assert "python scripts/readme_results.py" in text[: text.index(rr.BEGIN)]
+    assert "python scripts/readme_results.py --write" in text[: text.index(rr.BEGIN)]

@@ -10,6 +10,7 @@ else a counted skip ``skipped_malformed``.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import dataclasses
 import glob
 import json
@@ -110,6 +111,21 @@ def _json_lines(files: Sequence[str], *, strict: bool, stats: dict | None):
         ) from err
 
 
+@contextlib.contextmanager
+def _quiet_json_builder():
+    """Silences datasets' JSON builder while it tries a file whole: on a malformed line it
+    logs "Failed to load JSON from file ..." at ERROR level before raising, yet gjax then
+    reads the file line by line and names (strict) or skips and counts (the default) the bad
+    lines itself, so that line would report an error that is not one."""
+    logger = logging.getLogger("datasets.packaged_modules.json.json")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _is_utf8(path: str) -> bool:
     """Whether a file decodes as UTF-8, read in 16 MiB pieces (a corpus never held whole)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
@@ -193,7 +209,8 @@ def _load_local(source: str, split: str, *, strict: bool = False, stats: dict | 
         # Arrow stores undecodable bytes and fails later, naming no file or row.
         return _json_lines(files, strict=strict, stats=stats)
     try:
-        return datasets.load_dataset(kind, data_files=files, split="train")
+        with _quiet_json_builder() if kind == "json" else contextlib.nullcontext():
+            return datasets.load_dataset(kind, data_files=files, split="train")
     except Exception as err:
         if kind == "json":  # find the bad line(s): name them, or skip and count them
             return _json_lines(files, strict=strict, stats=stats)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import jax
 
@@ -11,6 +12,8 @@ from gjax.errors import ConfigError
 from gjax.evaluation.metrics import EvalError, parse_ks, summarize
 from gjax.evaluation.sampling import Transfer, sample_and_score
 from gjax.rollout import RolloutBackend, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,12 @@ def heldout_metrics(
     When the pass@k sampling equals the training rollout's (`rollout_sampling`), the samples
     are drawn in the rollout's batch shape (`rollout_shape` = (P, G), prompts padded to
     ``data.max_prompt_length`` as the rollouts are): the sampler's compiled program is the
-    rollout's own, so the evaluation adds no compilation to the run."""
+    rollout's own, so the evaluation adds no compilation to the run.
+
+    A serving backend's dropped requests count as wrong answers and are reported:
+    ``eval/heldout_dropped`` (greedy completions) and ``eval/heldout_sampled_dropped``
+    (pass@k samples), present only when some were dropped, and a warning; a batch whose
+    requests were all dropped raises ServingFailed (`sample_and_score`)."""
     rng = jax.random.fold_in(jax.random.key(seed), 0xE7A1)
     greedy = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -95,6 +103,7 @@ def heldout_metrics(
         transfer=transfer,
     )
     out = {"eval/heldout_accuracy": float(s.correct_PxN.mean())}
+    _count_dropped(out, "eval/heldout_dropped", s, "greedy completions")
     if settings.num_samples:
         sampled = dataclasses.replace(
             greedy, temperature=settings.temperature, top_p=settings.top_p
@@ -118,4 +127,18 @@ def heldout_metrics(
         for k, v in summarize(s, settings.ks).items():
             if k.startswith("pass@"):
                 out[f"eval/heldout_{k}"] = v
+        _count_dropped(out, "eval/heldout_sampled_dropped", s, "pass@k samples")
     return out
+
+
+def _count_dropped(out: dict, key: str, samples, what: str) -> None:
+    if samples.dropped_PxN is None or not samples.dropped_PxN.any():
+        return
+    count, total = int(samples.dropped_PxN.sum()), samples.dropped_PxN.size
+    out[key] = float(count)
+    log.warning(
+        "held-out evaluation: %d of %d %s were dropped by the server and count as wrong answers",
+        count,
+        total,
+        what,
+    )

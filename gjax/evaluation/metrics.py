@@ -8,7 +8,9 @@ Reported per benchmark (`summarize`):
   papers use for small sets, e.g. DaGRPO's avg@32);
 * ``maj@k``: accuracy of the majority answer among k samples (``maj_at_k``);
 * ``no_answer`` (share of samples without an extractable answer), ``truncated`` (share that
-  hit the token limit) and ``length_mean`` (new tokens).
+  hit the token limit) and ``length_mean`` (new tokens);
+* ``dropped``: only where a serving backend dropped requests, how many samples it dropped
+  (each scored as a wrong answer in the figures above).
 
 (The CLI, `python -m gjax.eval`, adds ``greedy``: the accuracy of one greedy completion.)
 """
@@ -122,6 +124,7 @@ class Samples:
     lengths_PxN: np.ndarray  # int32 new tokens (stop token included)
     truncated_PxN: np.ndarray  # bool: no stop token within max_new_tokens
     keys: list[list[str | None]]  # answer_key per sample
+    dropped_PxN: np.ndarray | None = None  # bool: a serving backend dropped the request
 
 
 def summarize(samples: Samples, ks: Sequence[int]) -> dict[str, float]:
@@ -140,4 +143,6 @@ def summarize(samples: Samples, ks: Sequence[int]) -> dict[str, float]:
     out["no_answer"] = float(np.mean([[key is None for key in row] for row in samples.keys]))
     out["truncated"] = float(samples.truncated_PxN.mean())
     out["length_mean"] = float(samples.lengths_PxN.mean())
+    if samples.dropped_PxN is not None and samples.dropped_PxN.any():
+        out["dropped"] = int(samples.dropped_PxN.sum())  # scored as wrong answers above
     return out

@@ -6,11 +6,12 @@ from collections.abc import Mapping
 
 
 def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
-    """One row per benchmark: problems, n, greedy, avg@n, pass@k..., maj@n."""
+    """One row per benchmark: problems, n, greedy, avg@n, pass@k..., maj@n; and `dropped`
+    (samples a serving backend dropped, scored as wrong) where any benchmark has some."""
 
     def order(col: str) -> tuple:
         name, _, k = col.partition("@")
-        rank = {"problems": 0, "n": 1, "greedy": 2, "avg": 3, "pass": 4, "maj": 5}
+        rank = {"problems": 0, "n": 1, "greedy": 2, "avg": 3, "pass": 4, "maj": 5, "dropped": 6}
         return (rank.get(name, 9), int(k) if k.isdigit() else 0)
 
     cols: list[str] = []
@@ -25,7 +26,7 @@ def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
     def fmt(c, v):
         if v is None:
             return ""
-        if c in ("problems", "n"):
+        if c in ("problems", "n", "dropped"):
             return str(int(v))
         return f"{v:.1f}" if c == "length_mean" else f"{100 * v:.1f}"
 
@@ -34,5 +35,6 @@ def markdown_table(results: Mapping[str, Mapping[str, float]]) -> str:
         "| --- | " + " | ".join("---" for _ in cols) + " |",
     ]
     for name, m in results.items():
-        lines.append(f"| {name} | " + " | ".join(fmt(c, m.get(c)) for c in cols) + " |")
+        row = {"dropped": 0, **m}  # a benchmark without drops, in a table with some
+        lines.append(f"| {name} | " + " | ".join(fmt(c, row.get(c)) for c in cols) + " |")
     return "\n".join(lines) + "\n\n(accuracies in %; length_mean in new tokens)\n"

@@ -12,6 +12,7 @@ from gjax.data.prompts import PromptData, left_pad
 from gjax.evaluation.metrics import Samples, answer_key
 from gjax.metrics import interactive
 from gjax.rollout import RolloutBackend, SamplingParams
+from gjax.rollout.collect import ServingFailed
 
 
 class Transfer(Protocol):
@@ -23,6 +24,8 @@ class Transfer(Protocol):
     def put_full(self, x: np.ndarray) -> jax.Array: ...
 
     def pull_full(self, x: jax.Array) -> np.ndarray: ...
+
+    def gather_rows(self, x: np.ndarray) -> np.ndarray: ...
 
 
 def sample_and_score(
@@ -54,6 +57,10 @@ def sample_and_score(
     process samples every batch, the devices each decoding their rows; see `Transfer`, and
     the verifier's work is split over the processes); by default numpy arrays go in as they
     are.
+
+    A serving backend's dropped requests (`valid_B` False: no tokens) score as wrong answers
+    and are marked in `Samples.dropped_PxN` (`summarize` counts them); a call in which every
+    request was dropped raises ServingFailed, as nothing was evaluated.
     """
     put = transfer.put_full if transfer is not None else (lambda x: x)
     pull = transfer.pull_full if transfer is not None else np.asarray
@@ -73,6 +80,7 @@ def sample_and_score(
     texts: list[list[str]] = [[] for _ in range(n_problems)]
     lengths = np.zeros((n_problems, calls_per_problem * g), np.int32)
     truncated = np.zeros((n_problems, calls_per_problem * g), bool)
+    dropped = np.zeros((n_problems, calls_per_problem * g), bool)
     bar = None
     if progress and interactive():
         from tqdm import tqdm  # optional: the progress bar
@@ -95,6 +103,17 @@ def sample_and_score(
                 params, put(ids_PxS), put(mask_PxS), key, num_samples=g, sampling=sampling
             )
             tokens_BxN, lengths_B = pull(out.tokens_BxN), pull(out.lengths_B)
+            dropped_B = _dropped(out.valid_B, len(lengths_B), transfer)
+            if dropped_B.all():
+                if bar is not None:
+                    bar.close()
+                failure = getattr(backend, "failure", lambda: "")()
+                raise ServingFailed(
+                    f"every request of a held-out evaluation batch was dropped "
+                    f"({len(dropped_B)} requests{'; ' + failure if failure else ''}): its "
+                    "figures would count every sample as a wrong answer, so none is reported. "
+                    "Start the server again (or fix config.rollout.server_address), then rerun."
+                )
             decoded = tokenizer.batch_decode(
                 [t[:m] for t, m in zip(tokens_BxN[: len(rows) * g], lengths_B)],
                 skip_special_tokens=True,
@@ -107,13 +126,14 @@ def sample_and_score(
                     np.arange(g), np.maximum(lengths_B[j * g : (j + 1) * g] - 1, 0)
                 ]
                 truncated[r, cols] = ~np.isin(last, list(stop)) if stop else False
+                dropped[r, cols] = dropped_B[j * g : (j + 1) * g]
             if bar is not None:
                 bar.update(len(rows) * min(g, n - call * g))
     if bar is not None:
         bar.refresh()  # the last update may fall inside tqdm's redraw interval
         bar.close()
     texts = [t[:n] for t in texts]
-    lengths, truncated = lengths[:, :n], truncated[:, :n]
+    lengths, truncated, dropped = lengths[:, :n], truncated[:, :n], dropped[:, :n]
     flat = [t for row in texts for t in row]
     golds = [a for a in data.answers for _ in range(n)]
     # Every process holds every text; each verifies its 1/H and the scores are all-gathered,
@@ -123,4 +143,17 @@ def sample_and_score(
     ).reshape(n_problems, n)
     extractors = getattr(getattr(verifier, "config", None), "extractors", ("boxed", "answer_tag"))
     keys = [[answer_key(t, extractors) for t in row] for row in texts]
-    return Samples(texts, correct, lengths, truncated, keys)
+    return Samples(texts, correct, lengths, truncated, keys, dropped)
+
+
+def _dropped(valid_B, rows: int, transfer: Transfer | None) -> np.ndarray:
+    """bool[rows]: the batch's dropped requests (none for a backend that cannot drop). A
+    serving backend reports this process's rows in a multi-process run: gathered here."""
+    if valid_B is None:
+        return np.zeros((rows,), bool)
+    valid = np.asarray(valid_B, bool).reshape(-1)
+    if len(valid) != rows and transfer is not None:
+        valid = np.asarray(transfer.gather_rows(valid), bool).reshape(-1)
+    if len(valid) != rows:
+        raise ValueError(f"valid_B has {len(valid)} rows, the batch {rows}")
+    return ~valid

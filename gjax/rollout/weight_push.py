@@ -121,21 +121,24 @@ class WeightWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weight-watcher", daemon=True)
 
-    def load_latest(self) -> bool:
-        """Swaps in LATEST if it is newer than what is served; True if it did."""
+    def load_latest(self, *, announce: bool = True) -> bool:
+        """Swaps in LATEST if it is newer than what is served; True if it did. `announce`:
+        writes SERVED (`announce=False`: writes nothing, for a server not yet bound to its
+        port, which may still be refused; `start` writes it)."""
         version = latest_version(self.root)
         if version is None or version <= self.holder.version:
             return False
         params = restore(self.root, version, self.holder.params)
         if not self.holder.swap_if_newer(params, version):
             return False  # a newer version arrived over gRPC meanwhile
-        _write_int(self.root / "SERVED", version)
+        if announce:
+            _write_int(self.root / "SERVED", version)
         log.info("serving policy version %d", version)
         return True
 
     def start(self) -> WeightWatcher:
         self.root.mkdir(parents=True, exist_ok=True)
-        self.load_latest()
+        self.load_latest(announce=False)  # written just below
         _write_int(self.root / "SERVED", self.holder.version)
         self._thread.start()
         return self
