@@ -173,11 +173,11 @@ class Driver(jetstream.orchestrator.Driver):
                 request.complete = np.zeros((engine.samples_per_slot,), dtype=np.bool_)
                 detokenize.put((slot, request), block=True)
             if free_slots.qsize() == capacity:
-                # JetStream's assertion fires here: the last live slot finished since it was
-                # counted. Nothing to decode; go back to waiting for requests.
+                # Where JetStream's assertion failed: the last live slot finished since it
+                # was counted. Nothing to decode; go back to waiting for requests.
                 continue
-            # A slot that finishes from here on costs at most this one step over it (as in
-            # JetStream, where the detokenize thread frees slots steps behind the decode).
+            # A slot freed from here on only makes this step decode a finished slot, which
+            # is harmless (the detokenize thread frees slots steps behind the decode anyway).
             state, tokens = engine.generate(params, state)
             tokens.copy_to_host_async()
             detokenize.put((step, tokens), block=True)
