@@ -45,7 +45,7 @@ from gjax import multihost, schema
 from gjax.errors import UserError
 from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
-from gjax.rollout.jetstream_compat import jetstream
+from gjax.rollout.jetstream_compat import Driver, jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 from gjax.rollout.weight_push import WeightPusher
 
@@ -296,9 +296,10 @@ def _token_ids(responses, max_tokens: int) -> list[int]:
 
 
 class JetStreamBackend(_JetStreamClient):
-    """In-process serving: the gjax `Engine` behind JetStream's own `Driver`/orchestrator.
+    """In-process serving: the gjax `Engine` behind JetStream's `Driver`/orchestrator.
 
-    `Driver` runs its prefill, generate and detokenize threads in this process; requests go
+    `Driver` (`gjax.rollout.jetstream_compat.Driver`: JetStream's, with gjax's generate thread)
+    runs its prefill, generate and detokenize threads in this process; requests go
     through `LLMOrchestrator.Decode` (the gRPC servicer's method, called directly) on an
     asyncio loop thread. The engine's ResultTokens also carry each token's log-prob and the
     params version; they are joined to requests by serial (prefill order, which is the order
@@ -343,8 +344,7 @@ class JetStreamBackend(_JetStreamClient):
             tokens_per_dispatch=tokens_per_dispatch,
             weight_change=weight_change,
         )
-        orch = jetstream.orchestrator
-        self.driver = orch.Driver(
+        self.driver = Driver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
             prefill_params=[self.holder],
@@ -356,7 +356,7 @@ class JetStreamBackend(_JetStreamClient):
         # (the hook concurrent.futures uses for the same reason).
         threading._register_atexit(self.close)
         self._closed = False
-        self._orchestrator = orch.LLMOrchestrator(driver=self.driver)
+        self._orchestrator = jetstream.orchestrator.LLMOrchestrator(driver=self.driver)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="jetstream-client", daemon=True
