@@ -103,11 +103,14 @@ def test_pass_at_k_needs_k_within_the_group():
     from configs import pass_at_k
 
     c = pass_at_k.get_config("tiny")
-    c.objective.advantage_kwargs.k = 8  # = num_samples: fine
+    c.objective.advantage_kwargs.k = 7  # < num_samples: fine
     validate(c, 1)
-    c.objective.advantage_kwargs.k = 9
-    with pytest.raises(ConfigError, match=r"advantage_kwargs\.k: .*\[1, num_samples=8\], got 9"):
-        validate(c, 1)
+    for k in (8, 9):  # k = G: one subgroup, the whole group, all advantages 0
+        c.objective.advantage_kwargs.k = k
+        with pytest.raises(
+            ConfigError, match=rf"advantage_kwargs\.k: .*\[1, num_samples=8\), got {k}.*0"
+        ):
+            validate(c, 1)
 
 
 def test_mesh_resolution_and_errors():
@@ -595,3 +598,44 @@ def test_cw_grpo_prompts_go_through_the_chat_models_template(chat_tok):
         {"role": "user", "content": "What is $9 \\cdot 9 - 1$?"},
     ]
     assert prompt == chat_tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+# --------------------------------------------------------------------- the README's own data
+
+
+def test_readme_own_data_example_validates_and_reads_its_example_row(tmp_path, chat_tok):
+    """The README's own-data command, as written, on the README's example JSONL row: the
+    config validates (the first stage of `gjax.train`) and the row's answer is read."""
+    import shlex
+
+    from gjax.data.builders import build_prompt_data
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("Your own problems as a JSONL file") :]
+    row = re.search(r"```json\n(.*?)\n```", section, re.DOTALL).group(1)
+    cmd = re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
+    argv = shlex.split(cmd.replace("\\\n", " "))
+    assert argv[:4] == ["python", "-m", "gjax.train", "--config=configs/grpo.py"], argv
+    more = [{"problem": f"What is ${i} + 1$?", "solution": f"$\\boxed{{{i + 1}}}$"} for i in range(39)]
+    (tmp_path / "mine.jsonl").write_text("\n".join([row, *map(json.dumps, more)]) + "\n")
+    from configs import grpo
+
+    c = grpo.get_config()
+    for arg in argv[4:]:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key == "workdir":
+            continue
+        path = key.removeprefix("config.")
+        old = c
+        for k in path.split("."):
+            old = old[k]
+        value = str(tmp_path / value) if path == "data.source" else value
+        _set(c, path, type(old)(value))
+    assert c.model.path == "Qwen/Qwen2.5-Math-7B"  # the README says it trains the 7B model
+    validate(c, num_devices=64)
+    c.data.max_prompt_len = 4096  # the test tokenizer has a token per character
+    train = build_prompt_data(c.data, chat_tok)
+    held = build_prompt_data(c.data, chat_tok, heldout=True)
+    assert len(held) == 2 and len(train) == 38  # 5% of 40 rows held out, removed from training
+    answers = dict(zip(train.problems + held.problems, train.answers + held.answers))
+    assert answers[json.loads(row)["problem"]] == "17"
