@@ -616,7 +616,9 @@ def test_readme_own_data_example_validates_and_reads_its_example_row(tmp_path, c
     cmd = re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
     argv = shlex.split(cmd.replace("\\\n", " "))
     assert argv[:4] == ["python", "-m", "gjax.train", "--config=configs/grpo.py"], argv
-    more = [{"problem": f"What is ${i} + 1$?", "solution": f"$\\boxed{{{i + 1}}}$"} for i in range(39)]
+    more = [
+        {"problem": f"What is ${i} + 1$?", "solution": f"$\\boxed{{{i + 1}}}$"} for i in range(39)
+    ]
     (tmp_path / "mine.jsonl").write_text("\n".join([row, *map(json.dumps, more)]) + "\n")
     from configs import grpo
 
