@@ -494,6 +494,12 @@ SCHEMA: dict[str, Any] = {
             "hang, retried with backoff, before the run stops naming its last checkpoint",
             _POS,
         ),
+        "compilation_cache": Field(
+            "default",
+            "persistent XLA compilation cache directory (a rerun reads its programs back "
+            "instead of compiling): default ($JAX_COMPILATION_CACHE_DIR if set, empty: off; "
+            "else $XDG_CACHE_HOME/gjax/jax or ~/.cache/gjax/jax) | a path | '' (off)",
+        ),
     },
     "checkpoint": {
         "every": Field(
