@@ -61,7 +61,8 @@ def enable(setting: str, environ=os.environ) -> str | None:
     if chosen:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_compilation_cache_max_size", MAX_SIZE)
+        # jax's size limit needs filelock (a dependency of datasets and huggingface_hub)
+        jax.config.update("jax_compilation_cache_max_size", MAX_SIZE if _has_filelock() else -1)
     try:
         os.makedirs(path, exist_ok=True)
         if jax.config.jax_compilation_cache_max_size > 0 and (removed := repair(path)):
@@ -76,6 +77,14 @@ def enable(setting: str, environ=os.environ) -> str | None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     return path
+
+
+def _has_filelock() -> bool:
+    try:
+        import filelock  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def repair(path: str, lock_timeout_s: float = 60) -> list[str]:
