@@ -57,12 +57,13 @@ def enable(setting: str, environ=os.environ) -> str | None:
     if path is None:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
-    jax.config.update("jax_enable_compilation_cache", True)
     if chosen:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         # jax's size limit needs filelock (a dependency of datasets and huggingface_hub)
         jax.config.update("jax_compilation_cache_max_size", MAX_SIZE if _has_filelock() else -1)
+    if "://" in path:  # gs:// and the like: jax reads and writes it through etils.epath
+        return path
     try:
         os.makedirs(path, exist_ok=True)
         if jax.config.jax_compilation_cache_max_size > 0 and (removed := repair(path)):
