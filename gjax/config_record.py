@@ -26,7 +26,8 @@ OPT_IN = "train.allow_config_change"
 
 # Fields a resume may change without changing what a step trains: the run's length (but see
 # `_training_changes`: a cosine schedule decays over it), checkpoint and log cadences, storage
-# and request timeouts, the server's address and the verifier's worker count; and how rollouts
+# and request timeouts, the compilation cache (a cached program is the one a compile makes),
+# the server's address and the verifier's worker count; and how rollouts
 # are decoded (decoder, slots, tokens per dispatch, prefill chunk): the same distribution,
 # other draws at most, and nothing in the checkpoint (a run started when 'auto' was static on
 # several processes resumes continuous). Anything else, parallelism and mesh included, needs
@@ -36,6 +37,7 @@ HARMLESS = frozenset(
         OPT_IN,
         "train.steps",
         "train.storage_timeout_s",
+        "train.compilation_cache",
         "checkpoint.every",
         "checkpoint.keep",
         "checkpoint.async_save",

@@ -487,10 +487,11 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
-            "to 16 values per doubling (at most 1/16 of the bins empty), then to a multiple of "
+            "to 4 values per doubling (under 1/5 of the bins empty), then to a multiple of "
             "microbatches x the data-parallel devices, and the LM head runs only at the "
-            "positions per bin the loss reads (a multiple of pack_length/8); one compile per "
-            "shape a run meets; N: always N bins, the head at every position, one compile, a "
+            "positions per bin the loss reads (2 values per doubling); one compile per shape "
+            "a run meets, a few (metric pack/fill: the bins' tokens that are rows); "
+            "N: always N bins, the head at every position, one compile, a "
             "batch whose rows do not fit stops with an error, and on several processes N must "
             "be a multiple of microbatches x the data-parallel devices; "
             "metric pack/bins_used_max: what batches needed)",
@@ -512,6 +513,12 @@ SCHEMA: dict[str, Any] = {
             "seconds a workdir write (metrics upload, checkpoint save) may keep failing or "
             "hang, retried with backoff, before the run stops naming its last checkpoint",
             _POS,
+        ),
+        "compilation_cache": Field(
+            "default",
+            "persistent XLA compilation cache directory (a rerun reads its programs back "
+            "instead of compiling): default ($JAX_COMPILATION_CACHE_DIR if set, empty: off; "
+            "else $XDG_CACHE_HOME/gjax/jax or ~/.cache/gjax/jax) | a path | '' (off)",
         ),
     },
     "checkpoint": {

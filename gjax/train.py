@@ -41,7 +41,17 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, config_record, model_record, multihost, paths, runlock, schema, sharding
+from gjax import (
+    cli,
+    compile_cache,
+    config_record,
+    model_record,
+    multihost,
+    paths,
+    runlock,
+    schema,
+    sharding,
+)
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
 from gjax.data import builders as data_builders
@@ -102,6 +112,8 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     F = flags.FLAGS
     config = F.config
+    # Before the first compile: a rerun reads its programs back (gjax.compile_cache).
+    compile_cache.enable(config.train.compilation_cache)
     # Local (relative or absolute) or gs://; every file below is written through epath.
     workdir = str(paths.resolve(F.workdir or os.path.join("workdirs", config.algo)))
     paths.require_backend(workdir, "--workdir")
