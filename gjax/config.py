@@ -271,9 +271,11 @@ def validate(
     if config.objective.advantage == "pass_at_k":  # subgroups of k out of the G samples
         k = config.objective.advantage_kwargs.get("k")
         _require(
-            isinstance(k, int) and 1 <= k <= r.num_samples,
+            isinstance(k, int) and 1 <= k < r.num_samples,
             "objective.advantage_kwargs.k",
-            f"pass@k subgroups need an int k in [1, num_samples={r.num_samples}], got {k!r}",
+            f"pass@k subgroups need an int k in [1, num_samples={r.num_samples}), got {k!r}: "
+            "with k = num_samples the one subgroup is the whole group and every advantage is "
+            "0 (Chen et al. 2025's normalisation over subgroups has nothing to compare)",
         )
     data_parallel = mesh["data"] * mesh["fsdp"]
     per_update = t.minibatches * t.microbatches

@@ -51,12 +51,14 @@ from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import benchmarks as bench_lib
+from gjax.data.builders import run_data_config
 from gjax.data.prompts import PromptData
 from gjax.embedded import resolve_model_path
 from gjax.evaluation.metrics import EvalError, Samples, parse_ks, summarize
 from gjax.evaluation.report import markdown_table
 from gjax.evaluation.sampling import sample_and_score
 from gjax.models import hf_format, hf_import
+from gjax.rewards.pipeline import verifier_extractors
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
@@ -202,14 +204,23 @@ def main(argv) -> None:
         results: dict[str, dict[str, float]] = {}
         per_benchmark: dict[str, dict[str, Any]] = {}
         backend = LocalSampler(cfg)
-        with Verifier(timeout_s=F.verifier_timeout_s, num_workers=F.verifier_workers) as verifier:
+        # The run's answer extractors for its checkpoints (the format its prompts ask for).
+        extractors = verifier_extractors(
+            F.extractors or run.get("reward", {}).get("extractors", "boxed,answer_tag")
+        )
+        verifier = Verifier(
+            timeout_s=F.verifier_timeout_s,
+            num_workers=F.verifier_workers,
+            extractors=extractors,
+        )
+        with verifier:
             for i, spec in enumerate(specs):
                 data = bench_lib.load_benchmark(
                     spec,
                     tok,
                     template=template,
                     max_prompt_len=cfg.max_position_embeddings - 1,
-                    heldout_data=run.get("data"),
+                    heldout_data=run_data_config(run),
                 )
                 room = cfg.max_position_embeddings - max(len(x) for x in data.prompt_ids)
                 heldout = spec.name == bench_lib.HELDOUT
@@ -247,6 +258,7 @@ def main(argv) -> None:
             "temperature": F.temperature,
             "top_p": F.top_p,
             "template": template,
+            "extractors": list(extractors),
             "seed": F.seed,
         },
         "per_benchmark": per_benchmark,
@@ -314,6 +326,11 @@ def _define_flags() -> None:
     d.DEFINE_string("k", None, "k values of pass@k and maj@k (default: 1, 2, 4, ... n).")
     d.DEFINE_bool("greedy", False, "Also report greedy (temperature 0) accuracy.")
     d.DEFINE_string("template", None, "Prompt template (default: the run's, else qwen_boxed).")
+    d.DEFINE_string(
+        "extractors",
+        None,
+        "Answer extractors, comma list (default: the run's, else boxed,answer_tag).",
+    )
     d.DEFINE_string("out", None, "Output dir (default: WORKDIR/eval/step_N or eval_results/NAME).")
     d.DEFINE_integer("max_rows", 256, "Sequences per sampler call (bounds memory).")
     d.DEFINE_integer("seed", 0, "Sampling seed.")

@@ -433,6 +433,11 @@ SCHEMA: dict[str, Any] = {
     },
     "reward": {
         "functions": Field("accuracy", "comma list of name[:weight] from gjax.rewards.REWARDS"),
+        "extractors": Field(
+            "boxed,answer_tag",
+            "comma list of the answer extractors the verifier tries in order (gjax.answers: "
+            "boxed | answer_tag | answer_line | math_verify); the format the prompt asks for",
+        ),
         "timeout_s": Field(5.0, "verifier deadline per completion, seconds", Range("(0, 3600]")),
         "workers": Field(2, "verifier worker processes", Range("[1, 1024]")),
         "judge": {  # gjax.rewards.judge

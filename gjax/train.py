@@ -55,8 +55,7 @@ from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_import, lora
 from gjax.rewards import pipeline as rewards_pipeline
-from gjax.rewards.pipeline import build_rewards
-from gjax.rewards.verifier import Verifier
+from gjax.rewards.pipeline import build_rewards, build_verifier
 from gjax.rollout import factory as rollout_factory
 from gjax.rollout.collect import Rollout, ServingFailed
 from gjax.rollout.factory import make_backend
@@ -178,8 +177,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     train_data, heldout = _load_data(config, tok)
 
     # --- rewards, backend, learner: fresh or resumed ------------------------------------
-    r = config.reward
-    verifier = scope.enter_context(Verifier(timeout_s=r.timeout_s, num_workers=r.workers))
+    verifier = scope.enter_context(build_verifier(config))
     rewards = scope.enter_context(build_rewards(config, verifier))
     backend = make_backend(
         config, model_cfg, policy(params), mesh=mesh, workdir=workdir, tokenizer=tok
