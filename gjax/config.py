@@ -18,8 +18,13 @@ import ml_collections
 
 from gjax import packing, schema
 from gjax.errors import ConfigError
-from gjax.models import hf_format, hf_import
-from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, parse_lora_targets
+from gjax.models import hf_format, hf_import, quant
+from gjax.models.config import (
+    ATTENTION_IMPLEMENTATIONS,
+    BASE_QUANT,
+    REMAT_POLICIES,
+    parse_lora_targets,
+)
 from gjax.schema import FIELDS, unknown_field, walk
 
 # A subsystem's config check: raises ConfigError naming the field (e.g.
@@ -120,8 +125,27 @@ def check_lora(config: ml_collections.ConfigDict) -> None:
         "model.lora.dtype",
         f"must be one of {DTYPES}, got {lora_cfg.dtype!r}",
     )
+    quantize = lora_cfg.get("quantize", "none")
+    _require(
+        quantize in BASE_QUANT,
+        "model.lora.quantize",
+        f"must be one of {BASE_QUANT}, got {quantize!r}",
+    )
     if lora_cfg.rank == 0:
+        _require(
+            quantize == "none",
+            "model.lora.quantize",
+            f"={quantize!r} quantizes a frozen base, and without LoRA nothing would train: "
+            "set model.lora.rank > 0 (QLoRA) or model.lora.quantize=none",
+        )
         return
+    _require(
+        quantize == "none" or quant.available(),
+        "model.lora.quantize",
+        f"={quantize!r} needs the qwix package (its quantized arrays), which is not "
+        "installed: pip install 'gjax[qlora]' (or pip install qwix), or set "
+        "model.lora.quantize=none",
+    )
     try:
         targets = parse_lora_targets(lora_cfg.targets)
     except ValueError as e:

@@ -136,6 +136,11 @@ SCHEMA: dict[str, Any] = {
                 "comma list of projections to adapt (q,k,v,o,gate,up,down; PEFT names; all)",
             ),
             "dtype": Field("float32", "dtype of the adapters and their optimizer state"),
+            "quantize": Field(
+                "none",
+                "QLoRA: store the frozen base's projections as none | int8 | int4 | nf4 "
+                "(gjax.models.quant, through qwix: the qlora extra)",
+            ),
         },
     },
     "mesh": {

@@ -142,3 +142,44 @@ def test_lora_refuses_the_grpc_server_backend(tmp_path):
     c.rollout.backend = "jetstream_grpc"
     with pytest.raises(ConfigError, match="do not take LoRA adapters yet"):
         train(c, str(tmp_path / "grpc"))
+
+
+def test_qlora_run_reports_the_sampler_learner_mismatch_and_corrects_it(tmp_path):
+    """An int8 base: the learner recomputes old log-probs (its low-rank forward over the
+    dequantized codes), the sampler's go along as behaviour log-probs, and the mismatch
+    metrics and the TIS correction act on their difference."""
+    from gjax.train import train
+
+    c = lora_config(EMBEDDED)
+    c.model.lora.quantize = "int8"
+    c.rollout.recompute_old_logps = True
+    c.objective.behaviour_correction = "tis"
+    assert train(c, str(tmp_path / "qlora")) is None
+    got = rows(tmp_path / "qlora")
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        assert 0.0 <= r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"] < 0.1
+        assert "correction/capped_frac" in r
+        assert np.isfinite(r["loss/total"])
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(rank=0, quantize="int8"), "without LoRA nothing would train"),
+        (dict(quantize="fp8"), "model.lora.quantize: must be one of"),
+        (dict(quantize="nf4", no_qwix=True), "needs the qwix package"),
+    ],
+)
+def test_bad_qlora_settings_are_one_paragraph(settings, message, tmp_path, monkeypatch):
+    from gjax.models import quant
+    from gjax.train import train
+
+    if settings.pop("no_qwix", False):
+        monkeypatch.setattr(quant, "available", lambda: False)
+    c = lora_config(EMBEDDED)
+    for k, v in settings.items():
+        c.model.lora[k] = v
+    with pytest.raises(ConfigError, match=message):
+        train(c, str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()
