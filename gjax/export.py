@@ -1,7 +1,7 @@
 """Export a gjax training run (local or gs://) to Hugging Face format.
 
     python -m gjax.export --workdir=workdirs/a_grae --out=hf_out [--step=N]
-                          [--dtype=bfloat16] [--max_shard_size=5GB]
+                          [--dtype=bfloat16] [--max_shard_size=5GB] [--format=hf|peft]
 
 Needs only the workdir. Training records its policy's architecture and tokenizer in
 `WORKDIR/model/` when it starts (HF `config.json`, `generation_config.json`, tokenizer files:
@@ -42,14 +42,13 @@ import jax
 import numpy as np
 from absl import flags
 
-from gjax import cli, model_record, paths
+from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.data import templates
 from gjax.embedded import resolve_model_path
 from gjax.errors import UserError
 from gjax.models import hf_export, hf_format, hf_import, lora
 from gjax.models.config import ModelConfig, dtype_from_name
-from gjax.sharding import MESH_AXES
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (local or gs://).")
@@ -169,8 +168,9 @@ def _restore_lora(workdir: str, ckpt: Checkpointer, cfg: ModelConfig, run_model:
     base = _load_base(base_path, run_model, step, ckpt.directory)
     digest = lora.base_digest(base)
     if digest != recorded["model.base_digest"]:
+        where = run_model["path"] + ("" if base_path == run_model["path"] else f" ({base_path})")
         raise model_record.RecordError(
-            f"the base model at model.path={run_model['path']} ({base_path}) is not the one the "
+            f"the base model at model.path={where} is not the one the "
             f"LoRA adapters of step {step} in {ckpt.directory} were trained on: its content "
             f"digest is {digest}, the checkpoint recorded {recorded['model.base_digest']}. The "
             "weights at that path changed since training; put the original base back there "
@@ -181,8 +181,7 @@ def _restore_lora(workdir: str, ckpt: Checkpointer, cfg: ModelConfig, run_model:
 
 def _load_base(path: str, run_model: dict, step: int, directory) -> dict:
     """The run's frozen base, in its trained param dtype, on the host CPU (as the adapters)."""
-    cpu = np.asarray(jax.local_devices(backend="cpu")[:1]).reshape((1,) * len(MESH_AXES))
-    mesh = jax.sharding.Mesh(cpu, MESH_AXES)
+    mesh = sharding.make_mesh({}, devices=jax.local_devices(backend="cpu")[:1])
     try:
         _, base = hf_import.load_pretrained(path, mesh=mesh, param_dtype=run_model["param_dtype"])
     except UserError:
@@ -190,8 +189,8 @@ def _load_base(path: str, run_model: dict, step: int, directory) -> dict:
     except (OSError, ValueError) as e:
         raise model_record.RecordError(
             f"a LoRA run's checkpoints hold only its adapters (step {step} in {directory}), so "
-            f"the export loads the frozen base from the run's model.path={run_model['path']} "
-            f"({path}), which could not be loaded ({type(e).__name__}: {e}); make the base "
+            f"the export loads the frozen base from the run's model.path={run_model['path']}"
+            f"{'' if path == run_model['path'] else f' ({path})'}, which could not be loaded ({type(e).__name__}: {e}); make the base "
             "model available at that path again"
         ) from None
     return base

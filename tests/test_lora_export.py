@@ -40,14 +40,17 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded po
 _forward = jax.jit(T.forward, static_argnums=1, static_argnames="return_logits")
 
 
-def make_lora_workdir(tmp_path, base_src, *, rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down"):
-    """A LoRA run's workdir (checkpoint at step 3) over a copy of `base_src`; returns
-    (workdir, base dir, lora cfg, the policy's whole tree on the host)."""
+def make_lora_workdir(
+    tmp_path, base_src, *, rank=4, alpha=8.0, targets="q,k,v,o,gate,up,down", model_path=None
+):
+    """A LoRA run's workdir (checkpoint at step 3) over a copy of `base_src` (its
+    `model.path`, unless `model_path` names another copy); returns (workdir, base dir, lora
+    cfg, the policy's whole tree on the host)."""
     base_dir = tmp_path / "base"
     shutil.copytree(base_src, base_dir)
     config = grpo.get_config("tiny")
     with config.unlocked():
-        config.model.path = str(base_dir)
+        config.model.path = model_path or str(base_dir)
         config.model.lora.rank = rank
         config.model.lora.alpha = alpha
         config.model.lora.targets = targets
@@ -186,7 +189,7 @@ def test_export_refuses_a_changed_base_and_peft_of_a_full_run(tmp_path):
         with pytest.raises(model_record.RecordError) as err:
             export.export(str(wd), str(tmp_path / fmt), format=fmt)
         text = " ".join(cli.format_user_error(err.value).split())
-        assert f"the base model at model.path={base_dir} ({base_dir}) is not the one" in text
+        assert f"the base model at model.path={base_dir} is not the one" in text
         assert "its content digest is " in text and "the checkpoint recorded " in text
         assert f"the checkpoint recorded {recorded}" in text
         assert not (tmp_path / fmt).exists()  # nothing written
@@ -200,3 +203,17 @@ def test_export_refuses_a_changed_base_and_peft_of_a_full_run(tmp_path):
         export.export(str(tmp_path / "full"), str(tmp_path / "x"), format="peft")
     with pytest.raises(model_record.RecordError, match="not an export format"):
         export.export(str(tmp_path / "full"), str(tmp_path / "x"), format="gguf")
+
+
+def test_peft_export_with_the_base_and_the_output_on_gcs(gcs, tmp_path):
+    fs, _ = gcs
+    fs.put(EMBEDDED, "bucket/base", recursive=True)
+    wd, base_dir, cfg, policy = make_lora_workdir(tmp_path, EMBEDDED, model_path="gs://bucket/base")
+    assert export.export(str(wd), "gs://bucket/adapter", format="peft") == 3
+    fs.invalidate_cache()
+    fs.get("bucket/adapter", str(tmp_path / "adapter"), recursive=True)
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == "gs://bucket/base"
+    batch = _batch(cfg.vocab_size)
+    model = peft.PeftModel.from_pretrained(_load(base_dir), str(tmp_path / "adapter")).eval()
+    assert _max_diff(_torch_logits(model, batch), _gjax_logits(policy, cfg, batch), batch) <= TOL
