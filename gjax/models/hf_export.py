@@ -296,11 +296,12 @@ def save_peft_adapter(
     def fetch(i):
         name, tree_path, layer, kind = names[i]
         x = leaf(tree_path, kind)
+        x = _take_layer(x, layer) if isinstance(x, jax.Array) else x[layer]
         if isinstance(x, jax.Array) and not x.is_fully_addressable:
             x = multihost_utils.process_allgather(x, tiled=True)
         if jax.process_index() != 0:
             return None
-        return np.ascontiguousarray(np.asarray(x[layer]).T, dtype=out_dtype[name])
+        return np.ascontiguousarray(np.asarray(x).T, dtype=out_dtype[name])
 
     writer = jax.process_index() == 0
     remote = _is_url(path)
@@ -444,6 +445,7 @@ def _upload_dir(local: str, url: str) -> None:
 __all__ = [
     "parse_size",
     "peft_adapter_config",
+    "peft_tensor_names",
     "save_peft_adapter",
     "save_model_files",
     "save_pretrained",
