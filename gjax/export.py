@@ -1,7 +1,7 @@
 """Export a gjax training run (local or gs://) to Hugging Face format.
 
     python -m gjax.export --workdir=workdirs/a_grae --out=hf_out [--step=N]
-                          [--dtype=bfloat16] [--max_shard_size=5GB]
+                          [--dtype=bfloat16] [--max_shard_size=5GB] [--format=hf|peft]
 
 Needs only the workdir. Training records its policy's architecture and tokenizer in
 `WORKDIR/model/` when it starts (HF `config.json`, `generation_config.json`, tokenizer files:
@@ -16,21 +16,39 @@ chat template is the run's prompt template (`data.template`, as Jinja from
 `--out` may be relative, absolute or gs:// paths. A workdir written before `model/` was
 recorded falls back to the base model named in its `config.json` (its config and tokenizer
 only).
+
+A LoRA run (`model.lora.rank` > 0) checkpoints only its adapters, so its export also loads
+the frozen base from the run's `model.path` (as training resolved it, `embedded:` names
+included) and refuses a base whose content (`gjax.models.lora.base_digest`) is not the one
+the checkpoint recorded. Two forms:
+
+    python -m gjax.export --workdir=WD --out=merged               # --format=hf (default)
+    python -m gjax.export --workdir=WD --out=adapter --format=peft
+
+`--format=hf` writes the merged weights (each adapted kernel W + (alpha / r) A B) as a plain
+Hugging Face checkpoint of the base architecture, as above; `--format=peft` writes a PEFT
+LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer),
+loadable by `peft.PeftModel.from_pretrained(base, out)` on the base model. `--format=peft`
+of a full fine-tuning run is refused (it has no adapters).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+from types import SimpleNamespace
 
 import jax
 import numpy as np
 from absl import flags
 
-from gjax import cli, model_record, paths
+from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.data import templates
-from gjax.models import hf_export, hf_format
-from gjax.models.config import dtype_from_name
+from gjax.embedded import resolve_model_path
+from gjax.errors import UserError
+from gjax.models import hf_export, hf_format, hf_import, lora
+from gjax.models.config import ModelConfig, dtype_from_name
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (local or gs://).")
@@ -41,6 +59,14 @@ _DTYPE = flags.DEFINE_string(
     "Write tensors in this dtype: float32, bfloat16 or float16 (default: as trained).",
 )
 _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Bytes per safetensors file.")
+FORMATS = ("hf", "peft")
+_FORMAT = flags.DEFINE_enum(
+    "format",
+    "hf",
+    FORMATS,
+    "hf: a Hugging Face checkpoint (a LoRA run's adapters merged into the base); "
+    "peft: a LoRA run's adapters as a PEFT adapter directory.",
+)
 
 
 def export(
@@ -50,8 +76,10 @@ def export(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_size: str = "5GB",
+    format: str = "hf",
 ) -> int:
-    """Writes the run's checkpoint `step` (default: newest) to `out`; returns the step."""
+    """Writes the run's checkpoint `step` (default: newest) to `out` in `format` ("hf" or
+    "peft", see the module docstring); returns the step."""
     paths.require_backend(workdir, "--workdir")
     paths.require_backend(out, "--out")
     try:
@@ -60,19 +88,44 @@ def export(
         hf_export.parse_size(max_shard_size)
     except ValueError as e:
         raise model_record.RecordError(str(e)) from None
+    if format not in FORMATS:
+        raise model_record.RecordError(
+            f"--format={format!r} is not an export format; use one of {list(FORMATS)}"
+        )
     cfg, source = model_record.load(workdir)
+    run_model = model_record.run_config(workdir)["model"]
+    lora_run = bool(run_model.get("lora", {}).get("rank", 0))
+    if format == "peft" and not lora_run:
+        raise model_record.RecordError(
+            f"--format=peft writes LoRA adapters, but the run in {workdir} fine-tuned all "
+            "parameters (its config.json has model.lora.rank=0), so it has none: export it as a "
+            "Hugging Face checkpoint (--format=hf, the default)"
+        )
     chat_template = _chat_template(model_record.prompt_template(workdir))
-    abstract = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
-        hf_format.param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
     ckpt = Checkpointer(paths.resolve(workdir) / "checkpoints", async_save=False)
     try:
-        step, params = ckpt.restore_params(abstract, step=step)
+        if lora_run:
+            step, lora_cfg, adapters, base = _restore_lora(workdir, ckpt, cfg, run_model, step)
+        else:
+            step, params = ckpt.restore_params(
+                _abstract(hf_format.param_shapes(cfg), cfg), step=step
+            )
     finally:
         ckpt.close()
     out_path = str(paths.resolve(out))
+    if format == "peft":
+        hf_export.save_peft_adapter(
+            adapters,
+            lora_cfg,
+            out_path,
+            base_model_name_or_path=resolve_model_path(run_model["path"]),
+            tokenizer=source,
+            dtype=dtype,
+            chat_template=chat_template,
+        )
+        return step
+    if lora_run:
+        params = lora.merged(lora.merge(base, adapters), lora_cfg)
     hf_export.save_pretrained(
         params,
         cfg,
@@ -83,6 +136,64 @@ def export(
         chat_template=chat_template,
     )
     return step
+
+
+def _abstract(shapes, cfg: ModelConfig):
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def _restore_lora(workdir: str, ckpt: Checkpointer, cfg: ModelConfig, run_model: dict, step):
+    """`(step, lora cfg, adapters, base)` of a LoRA run: the checkpoint's adapters and the
+    frozen base loaded from the run's `model.path` onto the host, refused unless its content
+    is the base the adapters trained on (the checkpoint's `model.base_digest`)."""
+    step, meta = ckpt.restore_meta(step=step)
+    recorded = meta.get("fingerprint", {})
+    if "model.lora" not in recorded or not recorded.get("model.base_digest"):
+        raise model_record.RecordError(
+            f"the checkpoint of step {step} in {ckpt.directory} records no LoRA settings or "
+            "base digest (model.lora, model.base_digest), though the run's config.json has "
+            "model.lora.rank > 0: it was not written by a gjax LoRA run, so its adapters "
+            "cannot be exported"
+        )
+    record = json.loads(recorded["model.lora"])
+    lora_cfg = lora.configure(
+        cfg, SimpleNamespace(**{**record, "targets": ",".join(record["targets"])})
+    )
+    step, adapters = ckpt.restore_params(lora.abstract_adapters(lora_cfg), step=step)
+    base_path = resolve_model_path(run_model["path"])
+    base = _load_base(base_path, run_model, step, ckpt.directory)
+    digest = lora.base_digest(base)
+    if digest != recorded["model.base_digest"]:
+        where = run_model["path"] + ("" if base_path == run_model["path"] else f" ({base_path})")
+        raise model_record.RecordError(
+            f"the base model at model.path={where} is not the one the "
+            f"LoRA adapters of step {step} in {ckpt.directory} were trained on: its content "
+            f"digest is {digest}, the checkpoint recorded {recorded['model.base_digest']}. The "
+            "weights at that path changed since training; put the original base back there "
+            "to export the adapters (they fit only the base they trained on)."
+        )
+    return step, lora_cfg, adapters, base
+
+
+def _load_base(path: str, run_model: dict, step: int, directory) -> dict:
+    """The run's frozen base, in its trained param dtype, on the host CPU (as the adapters)."""
+    mesh = sharding.make_mesh({}, devices=jax.local_devices(backend="cpu")[:1])
+    try:
+        _, base = hf_import.load_pretrained(path, mesh=mesh, param_dtype=run_model["param_dtype"])
+    except UserError:
+        raise
+    except (OSError, ValueError) as e:
+        raise model_record.RecordError(
+            f"a LoRA run's checkpoints hold only its adapters (step {step} in {directory}), so "
+            f"the export loads the frozen base from the run's model.path={run_model['path']}"
+            f"{'' if path == run_model['path'] else f' ({path})'}, which could not be loaded ({type(e).__name__}: {e}); make the base "
+            "model available at that path again"
+        ) from None
+    return base
 
 
 def _chat_template(name: str | None) -> str | None:
@@ -112,6 +223,7 @@ def main(argv):
         step=_STEP.value,
         dtype=_DTYPE.value,
         max_shard_size=_SHARD.value,
+        format=_FORMAT.value,
     )
     print(f"exported step {step} of {_WORKDIR.value} to {paths.resolve(_OUT.value)}")
     jax.effects_barrier()

@@ -57,8 +57,12 @@ def load(workdir: str) -> tuple[ModelConfig, str]:
     return cfg, source
 
 
+def run_config(workdir: str) -> dict:
+    """The run's recorded `config.json` (gjax.config_record) as a dict."""
+    return json.loads((paths.resolve(workdir) / "config.json").read_text())
+
+
 def prompt_template(workdir: str) -> str | None:
     """The name of the prompt template the run in `workdir` trained with (its `config.json`'s
     `data.template`), or None for a config without one."""
-    run_config = json.loads((paths.resolve(workdir) / "config.json").read_text())
-    return run_config.get("data", {}).get("template")
+    return run_config(workdir).get("data", {}).get("template")

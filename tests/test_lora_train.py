@@ -14,6 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from gjax import learner as learner_lib
+from gjax import model_record
 from gjax.checkpoint import CheckpointError
 from gjax.errors import ConfigError
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
@@ -101,6 +102,16 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     }
     assert all(set(p) == {"lora_a", "lora_b"} for g in adapters.values() for p in g.values())
 
+    # The export (gjax.export) reads this run's own checkpoint: its base digest matches the
+    # base it loads again, and the PEFT tensors are the saved adapters, transposed.
+    from gjax import export
+
+    export.export(str(wd), str(tmp_path / "adapter"), format="peft")
+    peft_b = load_file(tmp_path / "adapter" / "adapter_model.safetensors")[
+        "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    ]
+    np.testing.assert_array_equal(peft_b, np.asarray(adapters["mlp"]["up"]["lora_b"][1]).T)
+
     # Another rank on resume, or none: refused by name, before anything loads.
     for rank in (8, 0):
         with pytest.raises(ConfigError, match=f"model.lora.rank: 4 -> {rank}"):
@@ -112,6 +123,8 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     save_file(weights, base_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.base_digest"):
         train(lora_config(base_dir, steps=3), str(wd))
+    with pytest.raises(model_record.RecordError, match="is not the one the LoRA adapters"):
+        export.export(str(wd), str(tmp_path / "merged"))
     assert [r["step"] for r in rows(wd)] == [1, 2]  # nothing written by the refused runs
     capsys.readouterr()
 
