@@ -57,7 +57,7 @@ from gjax.embedded import resolve_model_path
 from gjax.evaluation.metrics import EvalError, Samples, parse_ks, summarize
 from gjax.evaluation.report import markdown_table
 from gjax.evaluation.sampling import sample_and_score
-from gjax.models import hf_format, hf_import
+from gjax.models import hf_format, hf_import, lora
 from gjax.rewards.pipeline import verifier_extractors
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
@@ -148,7 +148,20 @@ def _load_policy(F, mesh_for) -> _Policy:
     mesh = mesh_for(run)
     dtype = F.dtype or run.get("model", {}).get("dtype")
     overrides = {"dtype": dtype} if dtype else {}
-    if F.checkpoint:
+    if F.checkpoint and run.get("model", {}).get("lora", {}).get("rank", 0):
+        # A LoRA run's checkpoints hold its adapters: the base comes from its model.path.
+        cfg = hf_import.load_config(model_path, **overrides)
+        cfg = cfg.replace(param_dtype=run["model"].get("param_dtype", "float32"))
+        ckpt = Checkpointer(ckpt_dir)
+        try:
+            step, cfg, adapters, base = model_record.restore_lora(
+                ckpt, cfg, run["model"], step, mesh
+            )
+        finally:
+            ckpt.close()
+        params = lora.merge(base, adapters)
+        label, out_dir = f"{workdir} step {step}", os.path.join(workdir, "eval", f"step_{step}")
+    elif F.checkpoint:
         param_dtype = run.get("model", {}).get("param_dtype", "float32")
         cfg = hf_import.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
         shapes = jax.tree.map(

@@ -34,9 +34,7 @@ of a full fine-tuning run is refused (it has no adapters).
 
 from __future__ import annotations
 
-import json
 import logging
-from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -46,8 +44,7 @@ from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.data import templates
 from gjax.embedded import resolve_model_path
-from gjax.errors import UserError
-from gjax.models import hf_export, hf_format, hf_import, lora
+from gjax.models import hf_export, hf_format, lora
 from gjax.models.config import ModelConfig, dtype_from_name
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
@@ -105,7 +102,10 @@ def export(
     ckpt = Checkpointer(paths.resolve(workdir) / "checkpoints", async_save=False)
     try:
         if lora_run:
-            step, lora_cfg, adapters, base = _restore_lora(workdir, ckpt, cfg, run_model, step)
+            mesh = sharding.make_mesh({}, devices=jax.local_devices(backend="cpu")[:1])
+            step, lora_cfg, adapters, base = model_record.restore_lora(
+                ckpt, cfg, run_model, step, mesh
+            )
         else:
             step, params = ckpt.restore_params(
                 _abstract(hf_format.param_shapes(cfg), cfg), step=step
@@ -144,56 +144,6 @@ def _abstract(shapes, cfg: ModelConfig):
         shapes,
         is_leaf=lambda x: isinstance(x, tuple),
     )
-
-
-def _restore_lora(workdir: str, ckpt: Checkpointer, cfg: ModelConfig, run_model: dict, step):
-    """`(step, lora cfg, adapters, base)` of a LoRA run: the checkpoint's adapters and the
-    frozen base loaded from the run's `model.path` onto the host, refused unless its content
-    is the base the adapters trained on (the checkpoint's `model.base_digest`)."""
-    step, meta = ckpt.restore_meta(step=step)
-    recorded = meta.get("fingerprint", {})
-    if "model.lora" not in recorded or not recorded.get("model.base_digest"):
-        raise model_record.RecordError(
-            f"the checkpoint of step {step} in {ckpt.directory} records no LoRA settings or "
-            "base digest (model.lora, model.base_digest), though the run's config.json has "
-            "model.lora.rank > 0: it was not written by a gjax LoRA run, so its adapters "
-            "cannot be exported"
-        )
-    record = json.loads(recorded["model.lora"])
-    lora_cfg = lora.configure(
-        cfg, SimpleNamespace(**{**record, "targets": ",".join(record["targets"])})
-    )
-    step, adapters = ckpt.restore_params(lora.abstract_adapters(lora_cfg), step=step)
-    base_path = resolve_model_path(run_model["path"])
-    base = _load_base(base_path, run_model, step, ckpt.directory)
-    digest = lora.base_digest(base)
-    if digest != recorded["model.base_digest"]:
-        where = run_model["path"] + ("" if base_path == run_model["path"] else f" ({base_path})")
-        raise model_record.RecordError(
-            f"the base model at model.path={where} is not the one the "
-            f"LoRA adapters of step {step} in {ckpt.directory} were trained on: its content "
-            f"digest is {digest}, the checkpoint recorded {recorded['model.base_digest']}. The "
-            "weights at that path changed since training; put the original base back there "
-            "to export the adapters (they fit only the base they trained on)."
-        )
-    return step, lora_cfg, adapters, base
-
-
-def _load_base(path: str, run_model: dict, step: int, directory) -> dict:
-    """The run's frozen base, in its trained param dtype, on the host CPU (as the adapters)."""
-    mesh = sharding.make_mesh({}, devices=jax.local_devices(backend="cpu")[:1])
-    try:
-        _, base = hf_import.load_pretrained(path, mesh=mesh, param_dtype=run_model["param_dtype"])
-    except UserError:
-        raise
-    except (OSError, ValueError) as e:
-        raise model_record.RecordError(
-            f"a LoRA run's checkpoints hold only its adapters (step {step} in {directory}), so "
-            f"the export loads the frozen base from the run's model.path={run_model['path']}"
-            f"{'' if path == run_model['path'] else f' ({path})'}, which could not be loaded ({type(e).__name__}: {e}); make the base "
-            "model available at that path again"
-        ) from None
-    return base
 
 
 def _chat_template(name: str | None) -> str | None:

@@ -174,11 +174,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         model_record.save(workdir, model_cfg, model_path)  # WORKDIR/model: what an export needs
     # LoRA (model.lora.rank > 0): the loaded weights become the frozen base and `params` the
     # fresh adapters; `policy(params)` is the whole tree that samples and scores (a union).
+    # The checkpoints record the base's content as loaded (before a QLoRA quantization).
+    base_digest = lora.base_digest(params) if config.model.lora.rank else None
+    run_fingerprint = fingerprint(config, base_digest)
     model_cfg, frozen, params = lora.attach(
         model_cfg, params, config.model.lora, mesh, jax.random.key(config.seed)
     )
     policy = functools.partial(lora.merge, frozen)
-    run_fingerprint = fingerprint(config, lora.base_digest(frozen))
     # The KL reference, kept only when the objective has a KL term: a frozen copy of the
     # initial policy, or with LoRA the base itself (adapters off, no second copy).
     ref_params = None

@@ -7,6 +7,7 @@ the sampler, the log-prob passes and the update), so marked `slow`; CI still run
 
 import os
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,9 +15,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from gjax import learner as learner_lib
-from gjax import model_record
+from gjax import model_record, sharding
 from gjax.checkpoint import CheckpointError
 from gjax.errors import ConfigError
+from gjax.models import lora
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
 
 pytestmark = [
@@ -111,6 +113,16 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
         "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
     ]
     np.testing.assert_array_equal(peft_b, np.asarray(adapters["mlp"]["up"]["lora_b"][1]).T)
+
+    # gjax.eval on the LoRA run: the base from its model.path plus the saved adapters.
+    from gjax import eval as ev
+
+    F = SimpleNamespace(checkpoint=str(wd), step=None, model=None, dtype=None)
+    mesh_for = lambda run: sharding.make_mesh({}, devices=jax.devices()[:1])
+    policy = ev._load_policy(F, mesh_for)
+    assert (policy.step, policy.cfg.lora_rank) == (2, 4)
+    for a, b in zip(jax.tree.leaves(lora.split(policy.params)[1]), jax.tree.leaves(want["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Another rank on resume, or none: refused by name, before anything loads.
     for rank in (8, 0):

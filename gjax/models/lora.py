@@ -158,9 +158,10 @@ def as_record(lora_config) -> dict:
 
 
 def base_digest(base: Params | None) -> str | None:
-    """A content hash of the frozen base as loaded: sha256 over its arrays' paths, shapes,
-    dtypes and `gjax.integrity` digests (computed on the devices, the same however the base
-    is sharded). A checkpoint's adapters fit only the base they trained on."""
+    """A content hash of the base as loaded (before any quantization): sha256 over its
+    arrays' paths, shapes, dtypes and `gjax.integrity` digests (computed on the devices, the
+    same however the base is sharded). A checkpoint's adapters fit only the base they
+    trained on."""
     if base is None:
         return None
     digests, _ = integrity.inspect(base)
