@@ -162,7 +162,13 @@ def test_sandbox_cuts_runaway_code(sandbox, mode, source, kind):
             "",
         ),
         ("python", "import os", "", "exception", "import is not allowed"),
-        ("python", "().__class__.__bases__", "", "exception", "attribute '__bases__' is not allowed"),
+        (
+            "python",
+            "().__class__.__bases__",
+            "",
+            "exception",
+            "attribute '__bases__' is not allowed",
+        ),
         ("python", "open('/etc/passwd')", "", "exception", "NameError"),
     ],
 )
@@ -484,3 +490,24 @@ def test_build_env_from_config(tmp_path):
     finally:
         env.close()
     assert sorted(TOOLS) == ["calculator", "python", "search"]
+
+
+class _Stuck:
+    async def step(self, text):
+        await asyncio.Event().wait()  # never set
+
+
+class _StuckEnv(MathEnv):
+    def start(self, row):
+        return _Stuck()
+
+
+def test_closing_the_runner_cancels_steps_in_flight():
+    runner = EnvRunner(_StuckEnv(boxed_match), max_in_flight=2)
+    futures = [runner.submit(runner.start(ROW), "x") for _ in range(3)]
+    time.sleep(0.05)
+    assert runner.stats()["env/in_flight"] == 2  # the third waits for a slot
+    runner.close()
+    assert all(f.cancelled() for f in futures)
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.submit(_Stuck(), "x")

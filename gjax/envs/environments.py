@@ -3,6 +3,7 @@
   math  the single-turn task as the degenerate one-step environment: the policy's one turn
         is scored by the run's reward (the verifier path of gjax.rewards, exactly as the
         single-turn reward pipeline scores the same completion) and the episode is done.
+        The reward functions only: a judge's scores (DaGRPO) are not part of a step.
   tool  multi-step with tools (env.tools: calculator, python, search): a turn with tool
         calls gets their `<tool_response>`s and the episode goes on; a turn without one is
         the final answer, scored by the run's reward, and ends it. `env.max_turns` and
@@ -22,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -32,6 +35,7 @@ from gjax.envs import tools as tools_lib
 from gjax.envs.base import ENVIRONMENTS, Counters, Environment, Episode, Step
 from gjax.envs.tool_calls import MalformedCall, parse_tool_calls, tool_turn, tools_system_block
 from gjax.errors import ConfigError
+from gjax.rewards.functions import RewardResult
 
 RewardFn = Callable[..., Any]  # the reward registry's signature (gjax.rewards.functions)
 
@@ -39,12 +43,19 @@ RewardFn = Callable[..., Any]  # the reward registry's signature (gjax.rewards.f
 async def score_turn(reward_fn: RewardFn, row: Mapping[str, Any], text: str) -> float:
     """The run's reward of one completion, as the single-turn reward pipeline computes it for
     a batch of one: a `CombinedReward`'s total where it is valid and finite (float32, as the
-    pipeline's `rewards`), NaN where it is not (the pipeline's invalid sample)."""
+    pipeline's `rewards`), NaN where it is not (the pipeline's invalid sample). A sync reward
+    function runs on a thread, as in the pipeline, so it never blocks the episodes' loop."""
     prompt = row.get("prompt", row["problem"])
-    out = reward_fn([prompt], [text], [row["answer"]], completion_lengths=None)
-    if asyncio.iscoroutine(out) or isinstance(out, asyncio.Future):
-        out = await out
-    if hasattr(out, "rewards_B"):
+    call = functools.partial(reward_fn, [prompt], [text], [row["answer"]], completion_lengths=None)
+    if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
+        getattr(reward_fn, "__call__", None)  # noqa: B004 (a CombinedReward's async __call__)
+    ):
+        out = await call()
+    else:
+        out = await asyncio.to_thread(call)
+        if inspect.isawaitable(out):
+            out = await out
+    if isinstance(out, RewardResult):
         value, valid = float(out.rewards_B[0]), bool(out.valid_B[0])
     else:
         (value,) = out

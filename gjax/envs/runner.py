@@ -39,6 +39,7 @@ class EnvRunner:
         self._lock = threading.Lock()
         self._counts = {"steps": 0, "in_flight": 0, "max_in_flight": 0, "step_s_sum": 0.0}
         self._closed = False
+        self._pending: set[concurrent.futures.Future] = set()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run_loop, name="gjax-env-loop", daemon=True)
@@ -78,7 +79,15 @@ class EnvRunner:
         """Schedules `episode.step(text)`; a future of its `Step` (it raises only for a bug)."""
         if self._closed:
             raise RuntimeError("EnvRunner is closed")
-        return asyncio.run_coroutine_threadsafe(self._step(episode, text), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._step(episode, text), self._loop)
+        with self._lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: concurrent.futures.Future) -> None:
+        with self._lock:
+            self._pending.discard(future)
 
     def step(self, episodes: Sequence[Episode], texts: Sequence[str]) -> list[Step]:
         """One step of each episode, all in flight together; the steps in order."""
@@ -94,10 +103,15 @@ class EnvRunner:
         return out
 
     def close(self) -> None:
-        """Stops the loop and closes the environment (idempotent)."""
+        """Cancels steps still in flight (their futures raise CancelledError), stops the loop
+        and closes the environment (idempotent)."""
         if self._closed:
             return
         self._closed = True
+        with self._lock:
+            pending = list(self._pending)
+        for f in pending:
+            f.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         if not self._thread.is_alive():

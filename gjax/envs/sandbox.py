@@ -143,12 +143,12 @@ class Sandbox:
                 kind = "exception"
             elif rc == 3:
                 kind, message = "memory", f"ran out of its {self.memory_mb} MiB of memory"
-            elif rc in (-signal.SIGXCPU, -signal.SIGKILL):
+            elif rc == -signal.SIGXCPU:
                 kind, message = "timeout", f"used more than {cpu_s} s of CPU time"
+            elif b"MemoryError" in err:  # CPython gave up outside Python code
+                kind, message = "memory", f"ran out of its {self.memory_mb} MiB of memory"
             else:
                 kind, message = "crash", f"the tool's process ended with status {rc}"
-                if "MemoryError" in message or b"MemoryError" in err:
-                    kind = "memory"
         elif kind == "timeout":
             message = f"did not finish within {self.timeout_s:g} s"
         elif kind == "output":
