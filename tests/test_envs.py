@@ -389,8 +389,13 @@ def test_many_episodes_in_flight_with_bounded_workers():
 # --------------------------------------------------------------------------- math: one step
 
 
-def _none_on_skip(prompts, completions, answers, **metadata):
-    return [None if "skip" in c else 1.0 for c in completions]
+def _none_on_skip(prompts, completions, answers, *, completion_lengths, **metadata):
+    """None for 'skip' completions; else 1 + the completion's length / 100 and whether the
+    prompt (not the problem) reached it."""
+    return [
+        None if "skip" in c else 1.0 + n / 100 + p.startswith("<prompt>")
+        for p, c, n in zip(prompts, completions, completion_lengths)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -415,19 +420,28 @@ def test_math_env_step_equals_the_single_turn_reward_pipeline(verifier):
         "\\boxed{(x+1)^2}",
         "skip this one \\boxed{7}",
     ]
-    prompts = [f"problem {i}" for i in range(len(answers))]
+    problems = [f"problem {i}" for i in range(len(answers))]
+    prompts = [f"<prompt>{p}</prompt>" for p in problems]
+    lengths = [3, 5, 8, 13, 21, 34]
     with RewardPipeline({"reward": reward}) as pipe:
-        res = pipe.submit(prompts, completions, answers).result(timeout=120)
+        res = pipe.submit(
+            prompts, completions, answers, questions=problems, completion_lengths=lengths
+        ).result(timeout=120)
     env = ENVIRONMENTS.get("math")(_env_cfg(name="math"), reward_fn=reward)
     assert isinstance(env, MathEnv) and env.system_prompt() == ""
     with EnvRunner(env) as runner:
-        rows = [{"problem": p, "answer": a} for p, a in zip(prompts, answers)]
-        steps = runner.step([runner.start(r) for r in rows], completions)
+        rows = [
+            {"problem": q, "prompt": p, "answer": a} for q, p, a in zip(problems, prompts, answers)
+        ]
+        steps = runner.step([runner.start(r) for r in rows], completions, lengths)
     got = np.array([s.reward for s in steps], np.float32)
     want = np.where(res.valid, res.rewards, np.nan).astype(np.float32)
     np.testing.assert_array_equal(got, want)
     assert res.valid.tolist() == [True] * 5 + [False]
-    assert want[:5].tolist() == [1.75, 1.75, 0.75, 0.5, 1.75]  # the terms did differ
+    # accuracy + 0.25 format + 0.5 (2 + n / 100): every term and the length reached the sum
+    terms = [(1, 1), (1, 1), (0, 1), (0, 0), (1, 1)]
+    expect = [a + 0.25 * f + 0.5 * (2 + n / 100) for (a, f), n in zip(terms, lengths)]
+    np.testing.assert_array_equal(want[:5], np.float32(expect))
     assert all(s.done and not s.truncated and s.observation == "" for s in steps)
     with pytest.raises(RuntimeError, match="after the episode was done"):
         asyncio.run(_twice(env, rows[0]))
@@ -493,7 +507,7 @@ def test_build_env_from_config(tmp_path):
 
 
 class _Stuck:
-    async def step(self, text):
+    async def step(self, text, *, length=None):
         await asyncio.Event().wait()  # never set
 
 
@@ -511,3 +525,49 @@ def test_closing_the_runner_cancels_steps_in_flight():
     assert all(f.cancelled() for f in futures)
     with pytest.raises(RuntimeError, match="closed"):
         runner.submit(_Stuck(), "x")
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+
+
+def test_a_sandbox_child_dies_with_its_trainer(tmp_path):
+    """A trainer killed with SIGKILL mid-call leaves no tool process looping (PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    script = tmp_path / "trainer.py"
+    script.write_text(
+        "import threading, time\n"
+        "from gjax.envs.sandbox import Sandbox\n"
+        "s = Sandbox(timeout_s=60)\n"
+        "threading.Thread(target=s.run, args=('python', 'while True: pass'), daemon=True).start()\n"
+        "while not s._children: time.sleep(0.01)\n"
+        "print(next(iter(s._children)).pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    trainer = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env)
+    child = None
+    try:
+        child = int(trainer.stdout.readline())
+        time.sleep(0.3)  # the child has bound itself and loops
+        assert _alive(child)
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(child), "the tool's process outlived its trainer"
+    finally:
+        trainer.kill()
+        trainer.wait()
+        if child is not None and _alive(child):  # only after a failure: leave nothing behind
+            os.kill(child, signal.SIGKILL)

@@ -48,9 +48,10 @@ class Step:
 class Episode(Protocol):
     """One episode of an environment, advanced by the policy's text."""
 
-    async def step(self, text: str) -> Step:
+    async def step(self, text: str, *, length: int | None = None) -> Step:
         """The environment's answer to the policy's turn `text` (one call per turn; calling
-        it after a step that was `done` is a programming error)."""
+        it after a step that was `done` is a programming error). `length`: the turn's tokens,
+        handed to the reward functions as `completion_lengths` (None: unknown)."""
         ...
 
 

@@ -40,13 +40,18 @@ from gjax.rewards.functions import RewardResult
 RewardFn = Callable[..., Any]  # the reward registry's signature (gjax.rewards.functions)
 
 
-async def score_turn(reward_fn: RewardFn, row: Mapping[str, Any], text: str) -> float:
+async def score_turn(
+    reward_fn: RewardFn, row: Mapping[str, Any], text: str, length: int | None = None
+) -> float:
     """The run's reward of one completion, as the single-turn reward pipeline computes it for
     a batch of one: a `CombinedReward`'s total where it is valid and finite (float32, as the
     pipeline's `rewards`), NaN where it is not (the pipeline's invalid sample). A sync reward
     function runs on a thread, as in the pipeline, so it never blocks the episodes' loop."""
     prompt = row.get("prompt", row["problem"])
-    call = functools.partial(reward_fn, [prompt], [text], [row["answer"]], completion_lengths=None)
+    lengths = None if length is None else np.asarray([length])
+    call = functools.partial(
+        reward_fn, [prompt], [text], [row["answer"]], completion_lengths=lengths
+    )
     if inspect.iscoroutinefunction(reward_fn) or inspect.iscoroutinefunction(
         getattr(reward_fn, "__call__", None)  # noqa: B004 (a CombinedReward's async __call__)
     ):
@@ -78,11 +83,11 @@ class MathEpisode:
     def __init__(self, env: MathEnv, row: Mapping[str, Any]):
         self._env, self._row, self._done = env, row, False
 
-    async def step(self, text: str) -> Step:
+    async def step(self, text: str, *, length: int | None = None) -> Step:
         if self._done:
             raise RuntimeError("step() after the episode was done")
         self._done = True
-        reward = await score_turn(self._env.reward_fn, self._row, text)
+        reward = await score_turn(self._env.reward_fn, self._row, text, length)
         self._env.counters.add({"env/turns": 1, "env/episodes_done": 1})
         return Step("", reward, True, False, {"env/turns": 1.0})
 
@@ -131,7 +136,7 @@ class ToolEpisode:
         self.tool_calls = 0
         self.done = False
 
-    async def step(self, text: str) -> Step:
+    async def step(self, text: str, *, length: int | None = None) -> Step:
         if self.done:
             raise RuntimeError("step() after the episode was done")
         env = self._env
@@ -154,7 +159,7 @@ class ToolEpisode:
             metrics["env/truncated"] = 1.0
             metrics["env/truncated_turns" if over_turns else "env/truncated_tool_calls"] = 1.0
         metrics["env/episodes_done"] = 1.0
-        reward = await score_turn(env.reward_fn, self._row, text)
+        reward = await score_turn(env.reward_fn, self._row, text, length)
         env.counters.add(metrics)
         return Step("", reward, True, truncated, metrics)
 

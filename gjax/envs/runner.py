@@ -59,7 +59,7 @@ class EnvRunner:
         """A new episode of the environment for `row`."""
         return self.env.start(row)
 
-    async def _step(self, episode: Episode, text: str) -> Step:
+    async def _step(self, episode: Episode, text: str, length: int | None) -> Step:
         async with self._slots:
             with self._lock:
                 self._counts["in_flight"] += 1
@@ -68,18 +68,21 @@ class EnvRunner:
                 )
             t0 = time.perf_counter()
             try:
-                return await episode.step(text)
+                return await episode.step(text, length=length)
             finally:
                 with self._lock:
                     self._counts["in_flight"] -= 1
                     self._counts["steps"] += 1
                     self._counts["step_s_sum"] += time.perf_counter() - t0
 
-    def submit(self, episode: Episode, text: str) -> concurrent.futures.Future:
-        """Schedules `episode.step(text)`; a future of its `Step` (it raises only for a bug)."""
+    def submit(
+        self, episode: Episode, text: str, *, length: int | None = None
+    ) -> concurrent.futures.Future:
+        """Schedules `episode.step(text, length=length)`; a future of its `Step` (it raises
+        only for a bug)."""
         if self._closed:
             raise RuntimeError("EnvRunner is closed")
-        future = asyncio.run_coroutine_threadsafe(self._step(episode, text), self._loop)
+        future = asyncio.run_coroutine_threadsafe(self._step(episode, text, length), self._loop)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)
@@ -89,11 +92,19 @@ class EnvRunner:
         with self._lock:
             self._pending.discard(future)
 
-    def step(self, episodes: Sequence[Episode], texts: Sequence[str]) -> list[Step]:
+    def step(
+        self,
+        episodes: Sequence[Episode],
+        texts: Sequence[str],
+        lengths: Sequence[int] | None = None,
+    ) -> list[Step]:
         """One step of each episode, all in flight together; the steps in order."""
-        if len(episodes) != len(texts):
-            raise ValueError(f"{len(episodes)} episodes but {len(texts)} texts")
-        futures = [self.submit(e, t) for e, t in zip(episodes, texts)]
+        lengths = [None] * len(texts) if lengths is None else list(lengths)
+        if not len(episodes) == len(texts) == len(lengths):
+            raise ValueError(
+                f"{len(episodes)} episodes, {len(texts)} texts and {len(lengths)} lengths"
+            )
+        futures = [self.submit(e, t, length=n) for e, t, n in zip(episodes, texts, lengths)]
         return [f.result() for f in futures]
 
     def stats(self) -> dict[str, float]:
