@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import re
 import resource
+import signal
+import subprocess
+import sys
 import time
 
 import ml_collections
@@ -39,6 +43,7 @@ from gjax.errors import ConfigError
 from gjax.rewards.functions import REWARDS, build_reward
 from gjax.rewards.pipeline import RewardPipeline, reward_specs
 from gjax.rewards.verifier import Verifier
+from gjax.train import CONFIG_CHECKS
 
 # --------------------------------------------------------------------------- parsing
 
@@ -348,7 +353,8 @@ def test_limits_truncate_and_mark_the_episode():
         last = _run(ep.step(call + " \\boxed{84}"))  # turn 2 of 2 still calls a tool
         assert last.done and last.truncated and last.metrics["env/truncated_turns"] == 1
         assert last.reward == 1.0  # scored like a final answer: the boxed answer counts
-        assert env.stats()["env/truncated"] == 1
+        assert "tools/calls" not in last.metrics  # its call was not run
+        assert env.stats()["env/truncated"] == 1 and env.stats()["tools/calls"] == 1
     finally:
         env.close()
     env = _tool_env(max_turns=8, max_tool_calls=2)
@@ -465,8 +471,6 @@ def test_default_config_is_single_turn_and_validates():
 
 
 def test_env_name_is_refused_until_the_decoder_drives_it():
-    from gjax.train import CONFIG_CHECKS
-
     cfg = _env_cfg(name="tool")
     with pytest.raises(ConfigError, match="multi-turn rollouts are not wired to the decoder yet"):
         validate(cfg, 1, checks=CONFIG_CHECKS)
@@ -538,11 +542,6 @@ def _alive(pid: int) -> bool:
 
 def test_a_sandbox_child_dies_with_its_trainer(tmp_path):
     """A trainer killed with SIGKILL mid-call leaves no tool process looping (PDEATHSIG)."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
     script = tmp_path / "trainer.py"
     script.write_text(
         "import threading, time\n"

@@ -143,12 +143,11 @@ class ToolEpisode:
         self.turns += 1
         metrics = {"env/turns": 1.0}
         calls = parse_tool_calls(text)
-        if calls:
-            metrics["tools/calls"] = float(len(calls))
         over_turns = self.turns >= env.max_turns
         over_calls = self.tool_calls + len(calls) > env.max_tool_calls
         if calls and not over_turns and not over_calls:
             self.tool_calls += len(calls)
+            metrics["tools/calls"] = float(len(calls))  # calls run (malformed ones included)
             responses = [await env.call(c, metrics) for c in calls]
             env.counters.add(metrics)
             return Step(tool_turn(responses), None, False, False, metrics)
