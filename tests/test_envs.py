@@ -523,6 +523,9 @@ class _StuckEnv(MathEnv):
 def test_closing_the_runner_cancels_steps_in_flight():
     runner = EnvRunner(_StuckEnv(boxed_match), max_in_flight=2)
     futures = [runner.submit(runner.start(ROW), "x") for _ in range(3)]
+    deadline = time.monotonic() + 10
+    while runner.stats()["env/in_flight"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
     time.sleep(0.05)
     assert runner.stats()["env/in_flight"] == 2  # the third waits for a slot
     runner.close()
