@@ -467,6 +467,40 @@ SCHEMA: dict[str, Any] = {
             ),
         },
     },
+    # gjax.envs: multi-turn environments and tools. Groundwork, not yet wired to the decoder:
+    # gjax.envs.check_config refuses env.name != '' until rollouts drive environments.
+    "env": {
+        "name": Field(
+            "",
+            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn "
+            "(others refused: not yet wired to the decoder)",
+        ),
+        "max_turns": Field(4, "policy turns per episode; a longer one is truncated", _COUNT),
+        "max_tool_calls": Field(
+            8, "tool calls per episode; a turn that passes it truncates the episode", _NONNEG
+        ),
+        "tools": Field(
+            "calculator", "comma list of the tool environment's tools: calculator|python|search"
+        ),
+        "tool_timeout_s": Field(
+            5.0, "wall-clock limit of one sandboxed tool call, seconds", Range("(0, 600]")
+        ),
+        "tool_memory_mb": Field(
+            512, "address-space limit of a sandboxed tool call's process, MiB", Range("[16, inf)")
+        ),
+        "tool_output_chars": Field(
+            4096, "longest tool output the policy sees; longer is an 'output' error", _COUNT
+        ),
+        "tool_workers": Field(2, "tool calls (sandbox processes) running at once", _COUNT),
+        "max_in_flight": Field(256, "episode steps running at once (gjax.envs.EnvRunner)", _COUNT),
+        "search_corpus": Field(
+            "", 'JSONL of {"title", "text"} passages for the search tool (local or gs://)'
+        ),
+        "search_top_k": Field(3, "passages the search tool returns", _COUNT),
+        "search_passage_chars": Field(
+            500, "characters of each returned passage (the rest is cut)", _COUNT
+        ),
+    },
     "optim": {
         "lr": Field(1e-6, "peak learning rate (AdamW)", Range("(0, 1]")),
         "warmup_steps": Field(0, "steps of linear warmup from 0 to lr", _NONNEG),

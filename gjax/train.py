@@ -58,6 +58,7 @@ from gjax.data import builders as data_builders
 from gjax.data.builders import build_prompt_data, build_sharded_prompts
 from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
+from gjax.envs import environments as envs_environments
 from gjax.errors import ConfigError, format_user_error
 from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
@@ -77,6 +78,7 @@ CONFIG_CHECKS = (
     rewards_pipeline.check_config,
     eval_lib.check_config,
     rollout_factory.check_config,
+    envs_environments.check_config,  # refuses env.name != '' (not yet wired)
 )
 
 log = logging.getLogger("gjax")
