@@ -245,7 +245,9 @@ def _finite(v):
     return v if v is None or math.isfinite(v) else None
 
 
-def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bool) -> str:
+def workdir_layout(
+    workdir: str, *, checkpoint_steps: list[int], tensorboard: bool, wandb: bool = False
+) -> str:
     """What a run leaves in its workdir, for the last lines it prints."""
     ckpts = ", ".join(map(str, checkpoint_steps)) or "none"
     lines = [
@@ -254,6 +256,11 @@ def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bo
         *(
             ["  tensorboard/    TensorBoard events (tensorboard --logdir WORKDIR/tensorboard)"]
             if tensorboard
+            else []
+        ),
+        *(
+            ["  wandb_run.json  the Weights & Biases run's id: a resume continues that run"]
+            if wandb
             else []
         ),
         f"  checkpoints/    steps {ckpts}; the same command resumes, gjax.export converts",

@@ -502,6 +502,7 @@ def _finish(
                 workdir,
                 checkpoint_steps=checkpointer.all_steps(),
                 tensorboard=config.log.tensorboard,
+                wandb=wandb_sink is not None and wandb_sink.run is not None,
             ),
             flush=True,
         )

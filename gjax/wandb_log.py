@@ -143,7 +143,7 @@ class WandbSink:
                 entity=lg.wandb_entity or None,
                 name=lg.wandb_name or None,
                 tags=parse_tags(lg.wandb_tags) or None,
-                mode=lg.wandb_mode or None,
+                mode=lg.wandb_mode or os.environ.get("WANDB_MODE") or None,
                 dir=self._dir(),
                 id=run_id,
                 resume="allow",
@@ -174,8 +174,12 @@ class WandbSink:
         )
 
     def _dir(self) -> str | None:
-        if os.environ.get("WANDB_DIR") or self._remote:
-            return None  # wandb's own: WANDB_DIR, else the current directory's ./wandb
+        # (WANDB_DIR and WANDB_MODE are read here, at each run's start: wandb reads its
+        # environment once a process.)
+        if os.environ.get("WANDB_DIR"):
+            return os.environ["WANDB_DIR"]
+        if self._remote:
+            return None  # wandb's own: the current directory's ./wandb
         d = os.path.join(self._workdir, "wandb")
         os.makedirs(d, exist_ok=True)
         return d
@@ -345,9 +349,17 @@ def read_run_file(path: str) -> list:
 
 
 def _items(items) -> dict[str, Any]:
-    return {
-        (i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in items if i.value_json
-    }
+    """wandb's items -> {key: value}; a nested key (a media object's fields) -> nested dicts."""
+    out: dict[str, Any] = {}
+    for i in items:
+        if not i.value_json:
+            continue
+        *parents, leaf = [i.key] if i.key else list(i.nested_key)
+        node = out
+        for k in parents:
+            node = node.setdefault(k, {})
+        node[leaf] = json.loads(i.value_json)
+    return out
 
 
 def read_offline_run(path: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ compare them with what the run wrote to metrics.jsonl and summary.json.
 import glob
 import importlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -142,7 +143,9 @@ def test_reader_reads_records_across_blocks(tmp_path, offline):
 
 
 @pytest.mark.slow
-def test_offline_run_logs_what_metrics_jsonl_has_and_resumes_the_same_run(tmp_path, offline):
+def test_offline_run_logs_what_metrics_jsonl_has_and_resumes_the_same_run(
+    tmp_path, offline, caplog
+):
     from gjax.train import train
     from tests.test_train_e2e import EMBEDDED, rows, small_config
 
@@ -181,7 +184,8 @@ def test_offline_run_logs_what_metrics_jsonl_has_and_resumes_the_same_run(tmp_pa
     assert last["heldout/table"]["_type"] == "table-file"
     assert last["curves"]["_type"] == "image-file"
     files = os.path.join(os.path.dirname(first), "files")
-    table = json.loads(open(os.path.join(files, last["heldout/table"]["path"])).read())
+    with open(os.path.join(files, last["heldout/table"]["path"])) as f:
+        table = json.load(f)
     assert table["columns"][:3] == ["when", "step", "accuracy"]
     assert [row[:3] for row in table["data"]] == [
         ["before", 0, summary["heldout_accuracy_before"]],
@@ -190,24 +194,25 @@ def test_offline_run_logs_what_metrics_jsonl_has_and_resumes_the_same_run(tmp_pa
     assert os.path.getsize(os.path.join(files, last["curves"]["path"])) > 10_000
     assert got["summary"]["heldout/accuracy_after"] == summary["heldout_accuracy_after"]
 
-    # A resume continues the same wandb run, its steps after the checkpoint's.
+    # A resume continues the same wandb run. Here the run is resumed as if killed past its
+    # last checkpoint (the checkpoint of step 2 removed): step 2 is redone, and since wandb's
+    # steps cannot go back it is not sent again (the run says so); step 3 follows.
+    shutil.rmtree(wd / "checkpoints" / "2")
     c.train.steps = 3
-    assert train(c, str(wd)) is None
+    with caplog.at_level(logging.WARNING):
+        assert train(c, str(wd)) is None
+    said = [r.getMessage() for r in caplog.records if "wandb" in r.getMessage()]
+    assert len(said) == 1 and f"run {got['id']} already has steps up to 2" in said[0], said
     second = run_files(offline)[1]
     again = wandb_log.read_offline_run(second)
     assert again["id"] == got["id"]
     assert sorted(again["history"]) == [3]
-    row3 = {k: v for k, v in rows(wd)[2].items() if k != "step" and v is not None}
+    jsonl = rows(wd)
+    assert [r["step"] for r in jsonl] == [1, 2, 3]
+    row3 = {k: v for k, v in jsonl[2].items() if k != "step" and v is not None}
     assert {k: again["history"][3][k] for k in row3} == row3
-
-    # A run killed past its checkpoint (here: the checkpoint of step 3 removed) redoes step 3;
-    # wandb's steps cannot go back, so it is not sent again, and the run says so.
-    shutil.rmtree(wd / "checkpoints" / "3")
-    c.train.steps = 4
-    assert train(c, str(wd)) is None
-    third = run_files(offline)[2]
-    final = wandb_log.read_offline_run(third)
-    assert final["id"] == got["id"]
-    assert sorted(final["history"]) == [4]
-    assert [r["step"] for r in rows(wd)] == [1, 2, 3, 4]
-    assert json.loads((wd / "wandb_run.json").read_text())["last_step"] == 4
+    assert json.loads((wd / "wandb_run.json").read_text()) == {
+        "id": got["id"],
+        "project": "gjax-test",
+        "last_step": 3,
+    }
