@@ -293,7 +293,9 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         _stopped(signum, checkpointer, int(state.step), start)
     checkpointer.close()
     if wandb_sink is not None:
-        wandb_sink.close(exit_code=0 if signum is None else 128 + signum)
+        wandb_sink.close(
+            exit_code=0 if signum is None else 128 + signum, preempted=signum is not None
+        )
     return signum
 
 

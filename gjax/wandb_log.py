@@ -269,12 +269,18 @@ class WandbSink:
         if self.run is not None and self._remote:
             self._write_record()
 
-    def close(self, exit_code: int = 0) -> None:
-        """Ends the wandb run (its files complete); says how many wandb calls failed."""
+    def close(self, exit_code: int = 0, *, preempted: bool = False) -> None:
+        """Ends the wandb run (`preempted`: stopped by a signal, to be resumed); says how many
+        wandb calls failed, and where an offline run's files are."""
         if self.run is None:
             return
         self._write_record()
+        if preempted:
+            self._call("marking the run preempted", self.run.mark_preempting)
+        offline = getattr(self.run, "offline", False) and os.path.dirname(self.run.dir or "")
         self._call("finishing the run", lambda: self.run.finish(exit_code=exit_code))
+        if offline:
+            log.info("wandb: offline run in %s (upload it with `wandb sync %s`)", offline, offline)
         if self.failures:
             self.warn(
                 f"wandb: {self.failures} of {self.calls} wandb calls failed (first: "
@@ -364,8 +370,15 @@ def _items(items) -> dict[str, Any]:
 
 def read_offline_run(path: str) -> dict[str, Any]:
     """What a `.wandb` file holds: {"id", "project", "name", "tags", "config", "history"
-    (step -> {key: value}, wandb's own `_` keys left out), "summary"}."""
-    out: dict[str, Any] = {"config": {}, "history": {}, "summary": {}}
+    (step -> {key: value}, wandb's own `_` keys left out), "summary", "exit_code" (None: the
+    run did not finish), "preempting"}."""
+    out: dict[str, Any] = {
+        "config": {},
+        "history": {},
+        "summary": {},
+        "exit_code": None,
+        "preempting": False,
+    }
     for r in read_run_file(path):
         kind = r.WhichOneof("record_type")
         if kind == "run":
@@ -384,6 +397,10 @@ def read_offline_run(path: str) -> dict[str, Any]:
             out["history"].setdefault(step, {}).update(
                 {k: v for k, v in row.items() if not k.startswith("_")}
             )
+        elif kind == "exit":
+            out["exit_code"] = r.exit.exit_code
+        elif kind == "preempting":
+            out["preempting"] = True
         elif kind == "summary":
             out["summary"].update(
                 {k: v for k, v in _items(r.summary.update).items() if not k.startswith("_")}

@@ -119,11 +119,12 @@ def test_wandb_errors_never_stop_training(tmp_path, offline, monkeypatch):
         sink.log(2, {"x": 2.0})
         sink.log(3, {"x": 3.0})
     assert len(warnings) == 1 and "logging step 2: OSError: disk full" in warnings[0]
-    sink.close()
+    sink.close(exit_code=143, preempted=True)  # a SIGTERM stop: to be resumed
     assert len(warnings) == 2 and "2 of " in warnings[1] and "calls failed" in warnings[1]
     (path,) = run_files(offline)
     got = wandb_log.read_offline_run(path)
     assert got["history"] == {1: {"x": 1.0}}  # non-finite left out, as TensorBoard does
+    assert (got["exit_code"], got["preempting"]) == (143, True)
 
 
 def test_reader_reads_records_across_blocks(tmp_path, offline):
@@ -167,6 +168,7 @@ def test_offline_run_logs_what_metrics_jsonl_has_and_resumes_the_same_run(
     assert (got["id"], got["project"]) == (record["id"], "gjax-test")
     assert (got["name"], got["tags"]) == ("tiny-run", ["grpo", "tiny"])
     assert record["last_step"] == 2
+    assert (got["exit_code"], got["preempting"]) == (0, False)
     # The config, whole.
     assert got["config"] == json.loads(json.dumps(c.to_dict()))
     # Every step's series as metrics.jsonl has them (non-finite ones are null there, absent
