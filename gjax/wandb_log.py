@@ -11,8 +11,8 @@ online) say where and how. Process 0 logs, as it writes metrics.jsonl:
   accuracy, pass@k and dropped requests; the same figures go to the run's summary) and the
   curves of `gjax.plot` as an image (`curves`).
 
-wandb keeps its local files in WANDB_DIR if set, else in WORKDIR/wandb (a local workdir),
-else where wandb puts them by default. The run's id is kept in WORKDIR/wandb_run.json, with
+wandb keeps its local files in WANDB_DIR/wandb if WANDB_DIR is set, else in WORKDIR/wandb (a
+local workdir), else in ./wandb. The run's id is kept in WORKDIR/wandb_run.json, with
 the last step logged: a resumed run continues the same wandb run (`resume="allow"`). wandb's
 steps cannot go back; the steps a killed run logged past its checkpoint are redone by the
 resume, and wandb keeps its first values for them (one warning line says which steps);
@@ -27,7 +27,7 @@ set without a project (`check_config`, a hook of `gjax.config.validate`).
 
 `read_run_file` reads a `.wandb` file back (an offline run, which `wandb sync` uploads): wandb
 0.2x/0.3x has no Python reader of its own, so this decodes its record log (a LevelDB-style log
-of wandb's own protobuf `Record`s, `wandb.proto.wandb_internal_pb2`), as `wandb sync` does.
+of wandb's own protobuf `Record`s, `wandb.proto.wandb_internal_pb2`: what `wandb sync` reads).
 """
 
 from __future__ import annotations
@@ -86,11 +86,14 @@ def check_config(config) -> None:
     parse_tags(lg.wandb_tags)
     if not lg.wandb_project:
         given = [
-            f"log.{k}" for k in ("wandb_entity", "wandb_name", "wandb_tags", "wandb_mode") if lg[k]
+            f"config.log.{k}"
+            for k in ("wandb_entity", "wandb_name", "wandb_tags", "wandb_mode")
+            if lg[k]
         ]
         if given:
             raise ConfigError(
-                f"config {', '.join(given)} set but config.log.wandb_project is empty, so "
+                f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} set but "
+                "config.log.wandb_project is empty, so "
                 "nothing would be logged to Weights & Biases: set "
                 "--config.log.wandb_project=NAME, or drop those fields"
             )
@@ -169,7 +172,7 @@ class WandbSink:
             "resumed" if record else "new",
             self.run.id,
             lg.wandb_project,
-            f", {self.run.url}" if self.run.url else "",
+            "" if self.run.offline else f", {self.run.url}",
             f", local files in {self.run.dir}" if self.run.dir else "",
         )
 
@@ -180,9 +183,7 @@ class WandbSink:
             return os.environ["WANDB_DIR"]
         if self._remote:
             return None  # wandb's own: the current directory's ./wandb
-        d = os.path.join(self._workdir, "wandb")
-        os.makedirs(d, exist_ok=True)
-        return d
+        return self._workdir  # wandb adds wandb/: WORKDIR/wandb/offline-run-*
 
     def _call(self, what: str, fn: Callable[[], Any]) -> None:
         self.calls += 1
@@ -277,7 +278,7 @@ class WandbSink:
         self._write_record()
         if preempted:
             self._call("marking the run preempted", self.run.mark_preempting)
-        offline = getattr(self.run, "offline", False) and os.path.dirname(self.run.dir or "")
+        offline = self.run.offline and os.path.dirname(self.run.dir or "")
         self._call("finishing the run", lambda: self.run.finish(exit_code=exit_code))
         if offline:
             log.info("wandb: offline run in %s (upload it with `wandb sync %s`)", offline, offline)

@@ -61,7 +61,9 @@ def test_config_refusals_name_the_field(monkeypatch):
     c = base_config()
     wandb_log.check_config(c)  # off by default: nothing to check
     c.log.wandb_mode = "offline"
-    with pytest.raises(ConfigError, match="log.wandb_mode set but config.log.wandb_project"):
+    with pytest.raises(
+        ConfigError, match="config.log.wandb_mode is set but config.log.wandb_project"
+    ):
         wandb_log.check_config(c)
     c.log.wandb_project = "p"
     wandb_log.check_config(c)
