@@ -17,7 +17,7 @@ the last step logged: a resumed run continues the same wandb run (`resume="allow
 steps cannot go back; the steps a killed run logged past its checkpoint are redone by the
 resume, and wandb keeps its first values for them (one warning line says which steps);
 metrics.jsonl and TensorBoard have the redone ones. A run started afresh in the workdir (no
-checkpoint) starts a new wandb run.
+checkpoint), or resumed into another log.wandb_project, starts a new wandb run.
 
 wandb never stops training: an error at init leaves wandb off for the run, an error while
 logging skips that call; each is one warning line (a count of failed calls closes the run).
@@ -136,6 +136,8 @@ class WandbSink:
         if lg.wandb_mode == "disabled":
             return  # asked off: no wandb run, no record
         record = _read_record(workdir) if start_step > 0 else None
+        if record and record.get("project") != lg.wandb_project:
+            record = None  # logged elsewhere before: a new run in this project
         try:
             import wandb
 

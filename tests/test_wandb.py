@@ -129,6 +129,33 @@ def test_wandb_errors_never_stop_training(tmp_path, offline, monkeypatch):
     assert (got["exit_code"], got["preempting"]) == (143, True)
 
 
+def test_a_resume_continues_the_recorded_run_without_going_back(tmp_path, offline):
+    """The workdir's record names the run and its last step: a resume from step 3 of a run
+    that logged up to 5 continues that run from step 6; one in another project starts anew."""
+    c = base_config()
+    c.log.wandb_project = "gjax-test"
+    wd = tmp_path / "run"
+    wd.mkdir()
+    record = {"id": "old00run", "project": "gjax-test", "last_step": 5}
+    (wd / wandb_log.RECORD).write_text(json.dumps(record))
+    warnings = []
+    sink = wandb_log.WandbSink(c, str(wd), start_step=3, warn=warnings.append)
+    assert (sink.run.id, sink.skip_through) == ("old00run", 5)
+    for step in (4, 5, 6):
+        sink.log(step, {"x": float(step)})
+    sink.close()
+    assert len(warnings) == 1 and "already has steps up to 5" in warnings[0]
+    (path,) = run_files(offline)
+    assert wandb_log.read_offline_run(path)["history"] == {6: {"x": 6.0}}
+    assert json.loads((wd / wandb_log.RECORD).read_text())["last_step"] == 6
+
+    c.log.wandb_project = "another"
+    sink = wandb_log.WandbSink(c, str(wd), start_step=6, warn=warnings.append)
+    assert sink.run.id != "old00run" and sink.skip_through == 0
+    sink.close()
+    assert json.loads((wd / wandb_log.RECORD).read_text())["project"] == "another"
+
+
 def test_reader_reads_records_across_blocks(tmp_path, offline):
     """Records longer than what is left of a 32 KiB block are split in chunks: read whole."""
     import wandb
