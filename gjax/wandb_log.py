@@ -12,7 +12,8 @@ online) say where and how. Process 0 logs, as it writes metrics.jsonl:
   curves of `gjax.plot` as an image (`curves`).
 
 wandb keeps its local files in WANDB_DIR/wandb if WANDB_DIR is set, else in WORKDIR/wandb (a
-local workdir), else in ./wandb. The run's id is kept in WORKDIR/wandb_run.json, with
+local workdir), else in ./wandb; the console is not captured (wandb's own lines are silenced,
+the run's id, URL and directory are logged). The run's id is kept in WORKDIR/wandb_run.json, with
 the last step logged: a resumed run continues the same wandb run (`resume="allow"`). wandb's
 steps cannot go back; the steps a killed run logged past its checkpoint are redone by the
 resume, and wandb keeps its first values for them (one warning line says which steps);
