@@ -573,6 +573,15 @@ SCHEMA: dict[str, Any] = {
         "eval_every": Field(
             0, "held-out evaluation every N steps (0: only before and after)", _NONNEG
         ),
+        # Weights & Biases (gjax.wandb_log; `pip install wandb`): the series, config,
+        # held-out table and curves; a resume continues the same wandb run.
+        "wandb_project": Field("", "wandb project to log the run to (empty: wandb off)"),
+        "wandb_entity": Field("", "wandb entity (user or team; empty: wandb's default)"),
+        "wandb_name": Field("", "wandb run name (empty: wandb picks one)"),
+        "wandb_tags": Field("", "comma list of wandb tags, e.g. 'grpo,tiny'"),
+        "wandb_mode": Field(
+            "", "online | offline | disabled (empty: wandb's default, WANDB_MODE or online)"
+        ),
     },
     # Held-out evaluation (gjax.eval): greedy accuracy (eval/heldout_accuracy) plus pass@k
     # from n samples at the papers' evaluation sampling (A-GRAE App. C.2).

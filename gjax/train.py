@@ -51,6 +51,7 @@ from gjax import (
     runlock,
     schema,
     sharding,
+    wandb_log,
 )
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
@@ -79,6 +80,7 @@ CONFIG_CHECKS = (
     eval_lib.check_config,
     rollout_factory.check_config,
     envs_environments.check_config,  # refuses env.name != '' (not yet wired)
+    wandb_log.check_config,
 )
 
 log = logging.getLogger("gjax")
@@ -235,7 +237,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     )  # evaluated once, printed at each (re)start
 
     # --- the RL loop --------------------------------------------------------------------
-    recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
+    wandb_sink = _wandb_sink(config, workdir, start, scope)  # process 0, log.wandb_project
+    recorder = Recorder(
+        config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size, wandb_sink
+    )
     base_key = jax.random.key(config.seed)
     producer = make_producer(
         rollout=rollout,
@@ -288,11 +293,30 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     signum = (stop["signal"] or signal.SIGTERM) if stopping else None  # a host that saw none
     if signum is None:
         after = functools.partial(evaluate, policy(state.params))
-        _finish(config, workdir, checkpointer, state, start, meta, heldout, after)
+        _finish(config, workdir, checkpointer, state, start, meta, heldout, after, wandb_sink)
     else:
         _stopped(signum, checkpointer, int(state.step), start)
     checkpointer.close()
+    if wandb_sink is not None:
+        wandb_sink.close(
+            exit_code=0 if signum is None else 128 + signum, preempted=signum is not None
+        )
     return signum
+
+
+def _wandb_sink(config, workdir: str, start: int, scope: contextlib.ExitStack):
+    """The run's Weights & Biases sink (`gjax.wandb_log`) on process 0 with
+    log.wandb_project, else None; a run that ends in an error closes it with exit code 1."""
+    if not (wandb_log.enabled(config) and multihost.is_primary()):
+        return None
+    sink = wandb_log.WandbSink(config, workdir, start_step=start)
+
+    def close_on_error(exc_type, exc, tb):
+        if exc_type is not None:
+            sink.close(exit_code=1)  # (a finished run closed it already: then a no-op)
+
+    scope.push(close_on_error)
+    return sink
 
 
 def _check_config_record(config, workdir: str, checkpointer) -> dict | None:
@@ -446,9 +470,11 @@ def _before(meta: dict) -> dict[str, float]:
     return meta.get("heldout_before") or {"eval/heldout_accuracy": meta["heldout_accuracy_before"]}
 
 
-def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate) -> None:
-    """Held-out accuracy after training (every process samples; process 0 writes);
-    `evaluate()` evaluates the trained policy."""
+def _finish(
+    config, workdir, checkpointer, state, start, meta, heldout, evaluate, wandb_sink=None
+) -> None:
+    """Held-out accuracy after training (every process samples; process 0 writes, and logs
+    the held-out table and the curves to wandb); `evaluate()` evaluates the trained policy."""
     trained = int(state.step)
     summary_path = os.path.join(workdir, "summary.json")
     summary = _read_json(summary_path) if trained == start else None
@@ -469,6 +495,11 @@ def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate
         }
         if multihost.is_primary():
             paths.write_text(summary_path, json.dumps(summary, indent=2))
+        if wandb_sink is not None:
+            from gjax import plot  # on use: matplotlib
+
+            wandb_sink.heldout(trained, _before(meta), after)
+            wandb_sink.curves(trained, lambda png: plot.plot_runs([workdir], png))
     if multihost.is_primary():
         print(
             f"\nheld-out accuracy after {trained} steps: "
@@ -478,6 +509,7 @@ def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate
                 workdir,
                 checkpoint_steps=checkpointer.all_steps(),
                 tensorboard=config.log.tensorboard,
+                wandb=wandb_sink is not None and wandb_sink.run is not None,
             ),
             flush=True,
         )
@@ -552,7 +584,9 @@ class Recorder:
     """A step's metrics, pulled to the host one step late (the device runs ahead), checked
     for divergence and written by process 0; `history` is what a checkpoint keeps."""
 
-    def __init__(self, config, workdir, checkpointer, history, start: int, vocab_size: int):
+    def __init__(
+        self, config, workdir, checkpointer, history, start: int, vocab_size: int, wandb=None
+    ):
         self.config, self.checkpointer, self.history = config, checkpointer, history
         self.writer = None  # process 0 writes metrics; every process computes the same rows
         if multihost.is_primary():
@@ -565,6 +599,7 @@ class Recorder:
                 history=history,
                 storage_timeout_s=config.train.storage_timeout_s,
                 last_intact=checkpointer.last_intact,
+                wandb=wandb,
             )
         self.watch = CollapseWatch(vocab_size)
         self.pending = None  # (step, device metrics, host metrics)
