@@ -172,6 +172,55 @@ def test_split_work_gives_every_process_all_values_from_its_own_share(n):
     assert multihost.split_work(n, lambda lo, hi: np.arange(lo, hi)).tolist() == list(range(n))
 
 
+def test_failed_gloo_collectives_are_recognized_and_the_timeout_set_once(monkeypatch):
+    """jax raises a failed gloo collective as a ValueError (not a JaxRuntimeError): it is a
+    failed collective, which `train.collective_faults` reports as a paragraph. The collective
+    time-out goes into XLA_FLAGS, unless the user set it there."""
+    gloo = ValueError(
+        "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/unbound_buffer.cc:"
+        "132] Timed out waiting 30000ms for recv operation to complete"
+    )
+    assert multihost.collective_failed(gloo)
+    try:
+        try:
+            raise gloo
+        except ValueError as e:
+            raise RuntimeError("while saving") from e
+    except RuntimeError as wrapped:
+        assert multihost.collective_failed(wrapped)
+    assert not multihost.collective_failed(ValueError("config.rollout.num_samples must be > 0"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    multihost.set_collective_timeout(600)
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=600"
+    )
+    multihost.set_collective_timeout(5)  # already given (by the user): kept
+    assert os.environ["XLA_FLAGS"].endswith("--xla_cpu_collective_timeout_seconds=600")
+
+
+def test_the_stop_signal_is_agreed_and_a_process_without_one_says_whose(capsys):
+    """A signal (a preemption's SIGTERM) may reach one process of several: every process
+    stops with the signal of the first that got one, and one that got none names that
+    process instead of claiming a SIGTERM of its own."""
+    two = lambda mine, other: lambda x: np.stack([np.asarray(mine), np.asarray(other)])  # noqa: E731
+    assert multihost.stop_signal(None, gather=two(0, 0)) == (None, None)
+    assert multihost.stop_signal(None, gather=two(0, 15)) == (15, 1)
+    assert multihost.stop_signal(2, gather=two(2, 15)) == (2, 0)
+    assert multihost.stop_signal(None) == (None, None)  # one process: the identity
+    assert multihost.stop_signal(15) == (15, 0)
+    from gjax import train
+
+    class Ckpt:
+        directory = "/runs/x/checkpoints"
+
+    train._stopped(signal.SIGTERM, Ckpt, 3, 1, by=1)
+    err = capsys.readouterr().err
+    assert err.startswith("process 1 received SIGTERM (this process, 0, received none): stopped")
+    assert "at step 3, checkpoint at step 3 saved in /runs/x/checkpoints; exit status 143" in err
+    train._stopped(signal.SIGTERM, Ckpt, 3, 3)
+    assert capsys.readouterr().err.startswith("SIGTERM: stopped at step 3, nothing new to save")
+
+
 def test_incomplete_distributed_flags_are_a_user_error(monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -596,6 +645,71 @@ def _start(cmd, env):
 
 def _flat(text):
     return " ".join(text.split())
+
+
+_LATE = """
+import functools, sys, time
+import numpy as np
+from gjax import cli, multihost, train
+pid, port, wd, late, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3], *map(int, sys.argv[4:])
+
+
+def main(argv):
+    watch = multihost.initialize(  # as gjax.train's main, with a shorter dead-peer watch
+        f"127.0.0.1:{port}", 2, pid, collective_timeout_s=timeout, peer_dead_s=4.0,
+        on_peer_failure=functools.partial(train._peer_failed, wd),
+    )
+    with train.collective_faults(watch, wd, timeout):
+        print("first", multihost.allgather(np.int32(pid)).tolist(), flush=True)
+        if pid == 1:
+            time.sleep(late)  # as a peer still compiling the next program
+        t = time.monotonic()
+        got = multihost.allgather(np.int32(pid + 10)).tolist()
+        print("second", got, f"after {time.monotonic() - t:.0f} s", flush=True)
+
+
+sys.argv = sys.argv[:1]
+cli.run(main)
+"""
+
+
+@pytest.mark.slow
+def test_a_late_peer_is_waited_for_or_the_run_ends_in_one_paragraph(tmp_path):
+    """Process 1 reaches a collective 5 s after process 0 (as when it compiles longer, under
+    load). With --collective_timeout_s=12 the early one waits and both go on; with 2 s the
+    collective times out with no peer dead, and each process exits 2 with one paragraph
+    naming the last intact checkpoint (before: gloo's error as a traceback, exit 1). Both
+    pairs run at once (about 25 s)."""
+    runs = {}
+    for name, timeout in (("waits", 12), ("times_out", 2)):
+        wd = tmp_path / name
+        (wd / "checkpoints" / "4").mkdir(parents=True)  # a committed step, as listed
+        port = str(_free_port())
+        runs[name] = [
+            _start([sys.executable, "-c", _LATE, str(i), port, str(wd), "5", str(timeout)], _env(1))
+            for i in range(2)
+        ]
+    try:
+        for proc, _ in runs["waits"] + runs["times_out"]:
+            proc.wait(timeout=90)
+    finally:
+        for proc, _ in runs["waits"] + runs["times_out"]:
+            proc.kill()
+    for proc, out in runs["waits"]:
+        text = out.text()
+        assert proc.returncode == 0, text[-3000:]
+        assert "second [10, 11]" in text, text[-3000:]
+    assert "after 5 s" in runs["waits"][0][1].text()  # process 0 waited for its late peer
+    for pid, (proc, out) in enumerate(runs["times_out"]):
+        text = out.text()
+        assert proc.returncode == 2, text[-3000:]
+        assert "Traceback" not in text and "second" not in text, text[-3000:]
+        flat = _flat(text)
+        assert f"gjax: a cross-process operation failed on process {pid} while every" in flat
+        assert "--collective_timeout_s=2" in flat, text[-3000:]
+        wd = tmp_path / "times_out" / "checkpoints"
+        assert f"The last intact checkpoint is step 4 in {wd}" in flat, text[-3000:]
+        assert flat.count("gjax: ") == 1  # one paragraph
 
 
 @pytest.mark.slow
