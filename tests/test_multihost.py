@@ -679,7 +679,7 @@ def test_a_late_peer_is_waited_for_or_the_run_ends_in_one_paragraph(tmp_path):
     load). With --collective_timeout_s=12 the early one waits and both go on; with 2 s the
     collective times out with no peer dead, and each process exits 2 with one paragraph
     naming the last intact checkpoint (before: gloo's error as a traceback, exit 1). Both
-    pairs run at once (about 25 s)."""
+    pairs run at once (36 s on a loaded 2-core machine)."""
     runs = {}
     for name, timeout in (("waits", 12), ("times_out", 2)):
         wd = tmp_path / name
