@@ -82,10 +82,11 @@ def initialize(
     later, would abort with a C++ fatal error and no Python exception). Once running, with
     `on_peer_failure` a `PeerWatch` is returned: a peer silent for `peer_dead_s` (killed,
     host lost) makes it call `on_peer_failure(reason)` on its thread (which should print what
-    to do and `os._exit`); jax itself aborts after `heartbeat_timeout_s`. A CPU collective
-    waits `collective_timeout_s` for a peer that is alive but late (compiling a program the
-    other already runs, under load), where gloo would give up sooner; one that still times
-    out raises, and `CollectiveFailed` says what to do.
+    to do and `os._exit`); jax itself aborts after `heartbeat_timeout_s`. A CPU (gloo)
+    collective waits `collective_timeout_s` for a peer that is alive but late (compiling a
+    program the other already runs, under load): XLA's own time-out, set here rather than
+    left to jaxlib's default; one that still times out raises, and the caller says what to
+    do (`gjax.train.collective_faults`: a `CollectiveFailed` paragraph).
     """
     env = os.environ
     coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None

@@ -277,7 +277,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     recorder.close()  # ends the progress bar's line: what follows has lines of its own
 
     # --- finish: held-out accuracy after training, or the stop's message -----------------
-    signum = stopped_by[0] if stopping else None  # also on a process that received none
+    # Its own signal where this process received one; else the first process's that did.
+    signum = (stop["signal"] or stopped_by[0]) if stopping else None
     if signum is None:
         _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate)
     else:
@@ -466,11 +467,8 @@ def _stopped(signum: int, checkpointer, trained: int, start: int, by: int | None
     received none (its peer's signal stopped the whole run)."""
     name = signal.Signals(signum).name
     saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
-    what = (
-        name
-        if by is None
-        else (f"process {by} received {name} (this process, {jax.process_index()}, received none)")
-    )
+    here = jax.process_index()
+    what = name if by is None else f"process {by} received {name} (process {here} received none)"
     print(
         f"{what}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
         f"exit status {128 + signum}. Rerun the same command to resume.",

@@ -220,7 +220,7 @@ def test_the_stop_signal_is_agreed_and_a_process_without_one_says_whose(capsys):
 
     train._stopped(signal.SIGTERM, Ckpt, 3, 1, by=1)
     err = capsys.readouterr().err
-    assert err.startswith("process 1 received SIGTERM (this process, 0, received none): stopped")
+    assert err.startswith("process 1 received SIGTERM (process 0 received none): stopped")
     assert "at step 3, checkpoint at step 3 saved in /runs/x/checkpoints; exit status 143" in err
     train._stopped(signal.SIGTERM, Ckpt, 3, 3)
     assert capsys.readouterr().err.startswith("SIGTERM: stopped at step 3, nothing new to save")
