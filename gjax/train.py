@@ -11,16 +11,20 @@ update, hands the params back to the producer and writes the previous step's met
 
 SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with status 128 +
 the signal's number (143, 130), so a supervisor sees an unfinished run; a second one exits at
-once, unsaved. A rerun with the same --workdir resumes exactly; one whose config changes
-training is refused at start unless train.allow_config_change (`gjax.config_record`). A run
-stops at once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved;
-the last intact checkpoint is named and kept.
+once, unsaved. In a multi-process run a signal that reached one process stops them all (each
+with that status; one that received none names the process that did). A rerun with the same
+--workdir resumes exactly; one whose config changes training is refused at start unless
+train.allow_config_change (`gjax.config_record`). A run stops at once (exit 2, one
+paragraph) when training diverges or a checkpoint cannot be saved; the last intact
+checkpoint is named and kept.
 
 Faults end within bounded time, with one paragraph and exit status 2: a workdir holds one run
 (`WORKDIR/.lock`, `gjax.runlock`); a multi-process start-up waits --peer_timeout_s for its
-peers, saying so; a dead peer ends the survivors in about 20-40 s (`gjax.multihost`); storage
-that fails or hangs is retried for config.train.storage_timeout_s. Each names the last intact
-checkpoint where a run was under way.
+peers, saying so; a dead peer ends the survivors in about 20-40 s (`gjax.multihost`); a live
+peer late to a collective (compiling under load) is waited for --collective_timeout_s, past
+which every process stops (`collective_faults`); storage that fails or hangs is retried for
+config.train.storage_timeout_s. Each names the last intact checkpoint where a run was under
+way.
 """
 
 from __future__ import annotations
@@ -128,20 +132,41 @@ def main(argv) -> None:
             F.num_processes,
             F.process_id,
             peer_timeout_s=F.peer_timeout_s,
+            collective_timeout_s=F.collective_timeout_s,
             on_peer_failure=functools.partial(_peer_failed, workdir),
         )
     if not multihost.is_primary():  # process 0 logs; the others only warn
         logging.getLogger().setLevel(logging.WARNING)
-    try:
+    with collective_faults(watch, workdir, F.collective_timeout_s):
         signum = train(config, workdir)
-    except Exception as e:
-        # A collective fails at once when a peer dies (gloo): that peer's paragraph, not this
-        # traceback, if the watch finds one dead.
-        if watch is not None and multihost.collective_failed(e):
-            watch.await_verdict()
-        raise
     if signum is not None:
         sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def collective_faults(watch, workdir: str, timeout_s: int):
+    """A failed cross-process operation inside -> one paragraph and exit 2, never a traceback.
+
+    A collective fails at once when a peer dies (gloo): the watch then finds that peer dead
+    and ends this process with its paragraph (`_peer_failed`). With every peer alive (one was
+    slower than `timeout_s` to join, e.g. compiling under load, or the processes run different
+    programs) it is a `multihost.CollectiveFailed` naming the last intact checkpoint. `watch`
+    None (one process): errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if watch is None or not multihost.collective_failed(e):
+            raise
+        watch.await_verdict()  # a dead peer ends the process here, with its own paragraph
+        raise multihost.CollectiveFailed(
+            f"a cross-process operation failed on process {jax.process_index()} while every "
+            f"process of this run is still alive ({multihost.first_line(e)}). Most likely "
+            f"another process took longer than --collective_timeout_s={timeout_s} to reach it "
+            "(compiling, loading or saving on a slow or overloaded host), or the processes run "
+            "different code or configs. " + _last_intact_now(workdir) + " Start every "
+            "process again with the same command to resume (with a larger "
+            "--collective_timeout_s if one host is that slow)."
+        ) from None
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> int | None:
@@ -255,9 +280,12 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     )
     scope.callback(producer.close)  # on errors too: before the backend and rewards close
     stopping = False  # agreed by every process: a signal may reach only one host
+    stopped_by = (None, None)  # (signal, the process that received it), agreed by all
     for step in range(start, config.train.steps):
-        if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
-            break  # arrived before this run trained a step: nothing new to save
+        if step == start:
+            stopped_by = multihost.stop_signal(stop["signal"])
+            if stopping := stopped_by[0] is not None:
+                break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         produced = _produce(producer, step, checkpointer, recorder)
@@ -274,7 +302,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         host_metrics["time/step_s"] = time.perf_counter() - t0
         host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
         recorder.add(step + 1, metrics, host_metrics)
-        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
+        stopped_by = multihost.stop_signal(stop["signal"])  # all stop, or none
+        stopping = stopped_by[0] is not None
         last = step + 1 == config.train.steps
         if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
             host_metrics.update(
@@ -290,12 +319,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     recorder.close()  # ends the progress bar's line: what follows has lines of its own
 
     # --- finish: held-out accuracy after training, or the stop's message -----------------
-    signum = (stop["signal"] or signal.SIGTERM) if stopping else None  # a host that saw none
+    # Its own signal where this process received one; else the first process's that did.
+    signum = (stop["signal"] or stopped_by[0]) if stopping else None
     if signum is None:
         after = functools.partial(evaluate, policy(state.params))
         _finish(config, workdir, checkpointer, state, start, meta, heldout, after, wandb_sink)
     else:
-        _stopped(signum, checkpointer, int(state.step), start)
+        by = None if stop["signal"] is not None else stopped_by[1]  # None: this process
+        _stopped(signum, checkpointer, int(state.step), start, by=by)
     checkpointer.close()
     if wandb_sink is not None:
         wandb_sink.close(
@@ -515,11 +546,15 @@ def _finish(
         )
 
 
-def _stopped(signum: int, checkpointer, trained: int, start: int) -> None:
+def _stopped(signum: int, checkpointer, trained: int, start: int, by: int | None = None) -> None:
+    """The stop's line (stderr). `by`: the process that received the signal, where this one
+    received none (its peer's signal stopped the whole run)."""
     name = signal.Signals(signum).name
     saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
+    here = jax.process_index()
+    what = name if by is None else f"process {by} received {name} (process {here} received none)"
     print(
-        f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
+        f"{what}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
         f"exit status {128 + signum}. Rerun the same command to resume.",
         file=sys.stderr,
         flush=True,
@@ -668,6 +703,12 @@ def _define_flags() -> None:
         "peer_timeout_s",
         multihost.PEER_TIMEOUT_S,
         "Multi-process start-up: seconds to wait for every process to join before giving up.",
+    )
+    flags.DEFINE_integer(
+        "collective_timeout_s",
+        multihost.COLLECTIVE_TIMEOUT_S,
+        "Multi-process CPU runs: seconds a cross-process collective waits for a live peer "
+        "(e.g. one still compiling) before the run stops; a dead peer is found within ~30 s.",
     )
     flags.mark_flags_as_required(["config"])
 
