@@ -311,7 +311,7 @@ def main(argv) -> None:
     F = flags.FLAGS
     if bool(F.checkpoint) == bool(F.model):
         raise EvalError("give exactly one of --checkpoint (a training workdir) or --model (HF dir)")
-    for name in ("checkpoint", "model", "out"):
+    for name in ("checkpoint", "model", "out", "write_lm_eval_task"):
         paths.require_backend(F[name].value, f"--{name}")
     specs = bench_lib.parse_specs(F.benchmarks)
     if F.write_lm_eval_task:
@@ -330,7 +330,7 @@ def main(argv) -> None:
             f"lm-eval task(s) {tasks} written to {F.write_lm_eval_task}. Evaluate an export "
             "(python -m gjax.export --workdir=RUN --out=EXPORT) with:\n  lm_eval --model hf "
             "--model_args pretrained=EXPORT,dtype=float32,add_bos_token=False "
-            f"--tasks {tasks} --include_path {F.write_lm_eval_task} --batch_size 1"
+            f"--tasks {tasks} --include_path {F.write_lm_eval_task} --batch_size 32"
         )
         return
 

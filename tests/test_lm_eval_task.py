@@ -139,6 +139,15 @@ def test_task_writer_refuses_bad_settings(tmp_path):
         )  # fmt: skip
     with pytest.raises(EvalError, match="settings.json is missing"):
         lm_eval_task.verifier_for(str(tmp_path))
+    # A prompt whose text does not tokenize back to gjax's ids cannot be a text task.
+    tok = hf_import.load_tokenizer(EMBEDDED)
+    prompt = "Compute 1+2.\n"
+    ids = np.asarray(tok(prompt, add_special_tokens=False)["input_ids"], np.int32)
+    good = dataclasses.make_dataclass("P", ["prompts", "prompt_ids"])([prompt], [ids])
+    ev._check_tokenization("heldout", good, tok)
+    bad = dataclasses.replace(good, prompt_ids=[ids[1:]])
+    with pytest.raises(EvalError, match="does not tokenize back"):
+        ev._check_tokenization("heldout", bad, tok)
 
 
 LIMIT = 32
