@@ -12,7 +12,8 @@ handed to `on_behind` (the pusher's re-push) and stays out until it serves the v
 
 `ReplicaWeights` pushes a new policy version to every replica: through the versioned
 directory (every process takes part in orbax's save; process 0 writes LATEST), or streamed
-over gRPC by process 0 (params gathered to its host), and then every process waits for each
+over gRPC by process 0 (params gathered to its host; a LoRA run's adapters only, the
+directory's `handoff`), and then every process waits for each
 replica to report the version, so a step's rollouts start only on replicas that serve it.
 """
 
@@ -242,7 +243,10 @@ class ReplicaWeights:
             one = jax.process_count() == 1  # orbax saves are collectives: no fallback then
             self._streams = [
                 GrpcWeightPusher(
-                    r.address, fallback=directory if one else None, timeout_s=ack_timeout_s
+                    r.address,
+                    fallback=directory if one else None,
+                    timeout_s=ack_timeout_s,
+                    handoff=directory.handoff,
                 )
                 for r in pool.replicas
             ]
@@ -250,6 +254,7 @@ class ReplicaWeights:
 
     def push(self, params) -> int:
         """Every process calls it, in the same order (a collective)."""
+        params = self.directory.handoff.payload(params)  # LoRA: only the adapters travel
         version = self.version + 1
         if self.stream:
             # Newer than any replica serves (streamed versions are not in the directory).
