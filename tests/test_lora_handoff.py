@@ -175,3 +175,37 @@ def test_a_grpc_push_streams_the_adapters_only(tmp_path):
         other.close()
     finally:
         srv.stop()
+
+
+def test_several_processes_copy_a_lora_base_to_their_devices_once(monkeypatch):
+    """The continuous decoder of a multi-process run samples on each process's own copy of the
+    params (`sharding.process_local_copy`, an all-gather): with LoRA the base is copied on the
+    first call only, the adapters on every call."""
+    from gjax.rollout.backend import LocalSampler
+
+    copied = []
+
+    def counting_copy(train_mesh, local_mesh):
+        def copy(tree):
+            copied.append(sum(x.nbytes for x in jax.tree.leaves(tree)))
+            return jax.tree.map(lambda x: x + 0, tree)
+
+        return copy
+
+    monkeypatch.setattr(sharding, "process_local_copy", counting_copy)
+    mesh = sharding.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+    sampler = LocalSampler(CFG)
+    first = sampler._process_local(lora.merge(BASE, trained_adapters(seed=1)), mesh, mesh)
+    second = sampler._process_local(lora.merge(BASE, trained_adapters(seed=2)), mesh, mesh)
+    adapter_bytes = nbytes(trained_adapters())
+    assert copied == [nbytes(BASE), adapter_bytes, adapter_bytes]
+    b1, b2 = lora.split(first)[0], lora.split(second)[0]
+    assert all(x is y for x, y in zip(jax.tree.leaves(b1), jax.tree.leaves(b2)))
+    for x, y in zip(
+        jax.tree.leaves(lora.split(second)[1]), jax.tree.leaves(trained_adapters(seed=2))
+    ):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # Full fine-tuning: the whole tree, every call.
+    copied.clear()
+    LocalSampler(CFG.without_lora())._process_local(BASE, mesh, mesh)
+    assert copied == [nbytes(BASE)]
