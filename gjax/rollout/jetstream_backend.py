@@ -559,13 +559,13 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
     addresses = schema.server_addresses(r)
     pool = ReplicaPool(addresses)
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    handoff = _handoff(model_cfg, params)
     weights = ReplicaWeights(
         pool,
-        WeightPusher(
-            push_dir, ack_timeout_s=r.request_timeout_s, handoff=_handoff(model_cfg, params)
-        ),
+        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s, handoff=handoff),
         stream=r.weight_transfer == "grpc",
         ack_timeout_s=r.request_timeout_s,
+        handoff=handoff,
     )
     return JetStreamGrpcBackend(
         addresses,

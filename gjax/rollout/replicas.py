@@ -12,8 +12,8 @@ handed to `on_behind` (the pusher's re-push) and stays out until it serves the v
 
 `ReplicaWeights` pushes a new policy version to every replica: through the versioned
 directory (every process takes part in orbax's save; process 0 writes LATEST), or streamed
-over gRPC by process 0 (params gathered to its host; a LoRA run's adapters only, the
-directory's `handoff`), and then every process waits for each
+over gRPC by process 0 (params gathered to its host; a LoRA run's adapters only, its
+`handoff`), and then every process waits for each
 replica to report the version, so a step's rollouts start only on replicas that serve it.
 """
 
@@ -29,6 +29,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from gjax import multihost
+from gjax.rollout.handoff import Handoff
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.weight_stream import SERVICE, GrpcWeightPusher
 
@@ -231,8 +232,11 @@ class ReplicaWeights:
     `ack_timeout_s`, for each replica to serve the version (`ReplicaPool.await_version`).
     """
 
-    def __init__(self, pool: ReplicaPool, directory, *, stream: bool, ack_timeout_s: float):
+    def __init__(
+        self, pool: ReplicaPool, directory, *, stream: bool, ack_timeout_s: float, handoff=None
+    ):
         self.pool, self.directory, self.stream = pool, directory, stream
+        self.handoff = handoff or Handoff()  # LoRA: the adapters only (the directory's too)
         self.ack_timeout_s = ack_timeout_s
         self.version = directory.version
         self.last_bytes = 0
@@ -246,7 +250,7 @@ class ReplicaWeights:
                     r.address,
                     fallback=directory if one else None,
                     timeout_s=ack_timeout_s,
-                    handoff=directory.handoff,
+                    handoff=self.handoff,
                 )
                 for r in pool.replicas
             ]
@@ -254,7 +258,7 @@ class ReplicaWeights:
 
     def push(self, params) -> int:
         """Every process calls it, in the same order (a collective)."""
-        params = self.directory.handoff.payload(params)  # LoRA: only the adapters travel
+        params = self.handoff.payload(params)  # LoRA: only the adapters travel
         version = self.version + 1
         if self.stream:
             # Newer than any replica serves (streamed versions are not in the directory).
