@@ -35,6 +35,13 @@ directory/grpc 1.5-3.8x (median ~2.3x). Predicted push of a bf16 server's weight
 trainer (quieter run): 1.5B directory 16 s vs grpc 3.4 s; 8B 85 s vs 18 s. Both paths sit
 ~15-70x above memcpy: the directory pays orbax/tensorstore writes and reads; the stream pays
 gRPC's copies into and out of its buffers (Python, one core each side) and the placement.
+
+The adapter push, measured 2026-12-01 (`--sizes=0.25,1 --repeats=2`, the same box at load
+~17): rank 16 on all 7 targets of the 1.5B shape is 73.9 MB (f32) against 6.17 GB for the full
+f32 weights: 1.20 % of the bytes (1.2 % and not below 1 %: Qwen2.5-1.5B's 28 layers carry
+r (in + out) = 659k adapter values each against 1.54e9 params in all). 0.26 s streamed and
+1.34 s through the directory, against 33.6 s and 250.6 s predicted for the full push at the
+1 GB s/GB (0.8 % and 0.5 % of the seconds).
 """
 
 from __future__ import annotations
