@@ -207,6 +207,7 @@ def test_engine_step_benchmark_smoke():
         assert math.isfinite(rec[name]) and rec[name] != 0, rec
 
 
+@pytest.mark.slow
 def test_lora_decode_benchmark_smoke():
     """benchmarks/lora_decode.py on one layer of the 0.5B dims: one record; the merged and the
     low-rank step compute the same thing, and every figure is finite."""
