@@ -209,3 +209,40 @@ def test_several_processes_copy_a_lora_base_to_their_devices_once(monkeypatch):
     copied.clear()
     LocalSampler(CFG.without_lora())._process_local(BASE, mesh, mesh)
     assert copied == [nbytes(BASE)]
+
+
+def test_replica_weights_stop_with_the_refusal_of_a_replica_on_another_base(tmp_path):
+    """A LoRA trainer's directory push to a replica serving full weights (or another base):
+    the replica writes why it refused, and the trainer's wait for it ends at once with that
+    paragraph instead of waiting out the acknowledgement time-out."""
+    import time
+
+    pytest.importorskip("gjax.rollout.jetstream_compat")
+    from gjax.rollout.replicas import ReplicaPool, ReplicaWeights
+    from gjax.rollout.weight_stream import WeightServer
+    from tests.test_jetstream_grpc import _free_port
+
+    root, port = tmp_path / "push", _free_port()
+    holder = ParamsHolder(BASE)  # a full-weight server
+    srv = WeightServer(holder, f"127.0.0.1:{port}")
+    watcher = WeightWatcher(root, holder, poll_s=0.05).start()
+    trainer = Handoff(adapter_record(CFG, BASE))
+    pool = ReplicaPool([f"127.0.0.1:{port}"])
+    weights = ReplicaWeights(
+        pool,
+        WeightPusher(root, handoff=trainer),
+        stream=False,
+        ack_timeout_s=120,
+        handoff=trainer,
+    )
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(HandoffMismatch, match="carries LoRA adapters.*takes full weights"):
+            weights.push(lora.merge(BASE, trained_adapters()))
+        assert time.monotonic() - t0 < 30
+        assert holder.version == 0
+    finally:
+        weights.close()
+        pool.close()
+        watcher.stop()
+        srv.stop()

@@ -133,15 +133,18 @@ class ReplicaPool:
             finally:
                 self.release(replica)
 
-    def await_version(self, version: int, timeout_s: float) -> list[int]:
+    def await_version(self, version: int, timeout_s: float, abort=None) -> list[int]:
         """Sets `required = version` and waits (at most `timeout_s`) until every replica in
         service reports it; one that does not, or is unreachable, is taken out (the probe
-        re-admits it once it serves the version). Returns the versions reported (-1: none)."""
+        re-admits it once it serves the version). Returns the versions reported (-1: none).
+        `abort()` is called while waiting; what it raises ends the wait (a refused push)."""
         self.required = version
         deadline = time.monotonic() + timeout_s
         seen = [-1] * len(self.replicas)
         pending = [r for r in self.replicas if r.live]
         while pending:
+            if abort is not None:
+                abort()
             for r in list(pending):
                 v = r.served_version(min(self.probe_s, max(0.01, deadline - time.monotonic())))
                 seen[r.index] = -1 if v is None else v
@@ -277,7 +280,10 @@ class ReplicaWeights:
             self.directory.push(params, version, wait=False)
             self.last_bytes = self.directory.last_bytes
         self.version = version
-        seen = self.pool.await_version(version, self.ack_timeout_s)
+        # Directory: a replica that refuses the version (another base) says why in the
+        # directory; its paragraph ends the wait.
+        abort = None if self.stream else lambda: self.directory.raise_if_refused(version)
+        seen = self.pool.await_version(version, self.ack_timeout_s, abort)
         if jax.process_count() > 1:  # every process has seen the same replicas catch up
             multihost_utils.sync_global_devices(f"gjax-weights-{version}")
         served = version if max(seen) >= version else max(max(seen), 0)
