@@ -136,10 +136,12 @@ def test_bad_lora_settings_are_one_paragraph_before_anything_loads(field, value,
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
-def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path):
+@pytest.mark.parametrize("transfer", ["directory", "grpc"])
+def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path, transfer):
     """rollout.backend=jetstream_grpc with LoRA: a real `gjax.serve` on 127.0.0.1 (its own
-    load of the base, the run's model.lora) is pushed only the adapters each step, and serves
-    each version before the step's rollouts (the trainer waits for it)."""
+    load of the base, the run's model.lora) is pushed only the adapters each step (through
+    the push directory or streamed), and serves each version before the step's rollouts (the
+    trainer waits for it)."""
     import subprocess
     import sys
 
@@ -153,6 +155,7 @@ def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path):
     c = lora_config(EMBEDDED)
     c.rollout.backend = "jetstream_grpc"
     c.rollout.server_address = f"127.0.0.1:{port}"
+    c.rollout.weight_transfer = transfer
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -183,16 +186,22 @@ def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path):
         lines.extend(proc.stdout)
     got = rows(wd)
     assert [r["rollout/policy_version"] for r in got] == [1, 2]
+    # The trained adapters (f32, as the server holds them): what each push carries.
+    trained = saved_state(wd / "checkpoints" / "2")["params"]
+    adapter_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(trained))
     push = wd / "push"
-    assert weight_push.latest_version(push) == weight_push.served_version(push) == 2
-    version = weight_push.version_dir(push, 2)
-    record = json.loads((version / handoff.ADAPTER_META).read_text())
-    assert {k: record[k] for k in ("rank", "alpha")} == {"rank": 4, "alpha": 8.0}
-    with ocp.StandardCheckpointer() as reader:
-        saved = reader.restore(os.path.abspath(version))
-    leaves = jax.tree_util.tree_leaves_with_path(saved)
-    assert len(leaves) == 14 and all(p[-1].key in ("lora_a", "lora_b") for p, _ in leaves)
-    adapter_bytes = sum(np.asarray(x).nbytes for _, x in leaves)
+    if transfer == "directory":
+        assert weight_push.latest_version(push) == weight_push.served_version(push) == 2
+        version = weight_push.version_dir(push, 2)
+        record = json.loads((version / handoff.ADAPTER_META).read_text())
+        assert {k: record[k] for k in ("rank", "alpha")} == {"rank": 4, "alpha": 8.0}
+        with ocp.StandardCheckpointer() as reader:
+            saved = reader.restore(os.path.abspath(version))
+        leaves = jax.tree_util.tree_leaves_with_path(saved)
+        assert len(leaves) == 14 and all(p[-1].key in ("lora_a", "lora_b") for p, _ in leaves)
+        assert sum(np.asarray(x).nbytes for _, x in leaves) == adapter_bytes
+    else:
+        assert weight_push.latest_version(push) is None  # streamed: no fallback was needed
     assert all(r["rollout/push_bytes"] == adapter_bytes for r in got), got
     base_bytes = os.path.getsize(os.path.join(EMBEDDED, "model.safetensors"))
     assert adapter_bytes < base_bytes / 4, (adapter_bytes, base_bytes)
