@@ -113,7 +113,7 @@ def check_ranges(config: ml_collections.ConfigDict, reference: ml_collections.Co
 
 
 def check_lora(config: ml_collections.ConfigDict) -> None:
-    """`model.lora`: its targets name modules, its dtype exists, its backend takes adapters."""
+    """`model.lora`: its targets name modules, its dtype exists."""
     lora_cfg = config.model.lora
     _require(
         isinstance(lora_cfg.rank, int),
@@ -155,12 +155,6 @@ def check_lora(config: ml_collections.ConfigDict) -> None:
         "model.lora.targets",
         f"is empty, so rank {lora_cfg.rank} adapts nothing: list the projections to adapt "
         "(e.g. q,k,v,o,gate,up,down) or set model.lora.rank=0 for full fine-tuning",
-    )
-    _require(
-        config.rollout.backend != "jetstream_grpc",
-        "rollout.backend",
-        "jetstream_grpc hands full weights to gjax.serve replicas, which do not take LoRA "
-        "adapters yet: use rollout.backend=local or jetstream with model.lora.rank > 0",
     )
 
 

@@ -277,6 +277,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         train_mesh=mesh,
         rollout_mesh=rollout_mesh,
         backend=backend,
+        frozen=frozen,  # LoRA: the base goes to the rollout devices once
     )
     scope.callback(producer.close)  # on errors too: before the backend and rewards close
     stopping = False  # agreed by every process: a signal may reach only one host

@@ -5,6 +5,7 @@ In this process (`gjax.train.train`), on the suite's 8 CPU devices; slow (each r
 the sampler, the log-prob passes and the update), so marked `slow`; CI still runs them.
 """
 
+import json
 import os
 import shutil
 from types import SimpleNamespace
@@ -160,13 +161,77 @@ def test_bad_lora_settings_are_one_paragraph_before_anything_loads(field, value,
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
-def test_lora_refuses_the_grpc_server_backend(tmp_path):
-    from gjax.train import train
+@pytest.mark.parametrize("transfer", ["directory", "grpc"])
+def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path, transfer):
+    """rollout.backend=jetstream_grpc with LoRA: a real `gjax.serve` on 127.0.0.1 (its own
+    load of the base, the run's model.lora) is pushed only the adapters each step (through
+    the push directory or streamed), and serves each version before the step's rollouts (the
+    trainer waits for it)."""
+    import subprocess
+    import sys
 
+    import orbax.checkpoint as ocp
+
+    from gjax.rollout import handoff, weight_push
+    from gjax.train import train
+    from tests.test_jetstream_grpc import _ENV, _free_port, _stop
+
+    wd, port = tmp_path / "run", _free_port()
     c = lora_config(EMBEDDED)
     c.rollout.backend = "jetstream_grpc"
-    with pytest.raises(ConfigError, match="do not take LoRA adapters yet"):
-        train(c, str(tmp_path / "grpc"))
+    c.rollout.server_address = f"127.0.0.1:{port}"
+    c.rollout.weight_transfer = transfer
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gjax.serve",
+            "--config=configs/grpo.py:tiny",
+            f"--config.model.path={EMBEDDED}",
+            "--config.model.lora.rank=4",
+            "--config.model.lora.alpha=8.0",
+            f"--config.rollout.server_address=127.0.0.1:{port}",
+            f"--workdir={wd}",
+        ],
+        env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "gjax.serve: ready" in line or len(lines) > 400:
+                break
+        assert "gjax.serve: ready" in lines[-1], "".join(lines[-30:])
+        assert train(c, str(wd)) is None
+    finally:
+        _stop(proc)
+        lines.extend(proc.stdout)
+    got = rows(wd)
+    assert [r["rollout/policy_version"] for r in got] == [1, 2]
+    # The trained adapters (f32, as the server holds them): what each push carries.
+    trained = saved_state(wd / "checkpoints" / "2")["params"]
+    adapter_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(trained))
+    push = wd / "push"
+    if transfer == "directory":
+        assert weight_push.latest_version(push) == weight_push.served_version(push) == 2
+        version = weight_push.version_dir(push, 2)
+        record = json.loads((version / handoff.ADAPTER_META).read_text())
+        assert {k: record[k] for k in ("rank", "alpha")} == {"rank": 4, "alpha": 8.0}
+        with ocp.StandardCheckpointer() as reader:
+            saved = reader.restore(os.path.abspath(version))
+        leaves = jax.tree_util.tree_leaves_with_path(saved)
+        assert len(leaves) == 14 and all(p[-1].key in ("lora_a", "lora_b") for p, _ in leaves)
+        assert sum(np.asarray(x).nbytes for _, x in leaves) == adapter_bytes
+    else:
+        assert weight_push.latest_version(push) is None  # streamed: no fallback was needed
+    assert all(r["rollout/push_bytes"] == adapter_bytes for r in got), got
+    base_bytes = os.path.getsize(os.path.join(EMBEDDED, "model.safetensors"))
+    assert adapter_bytes < base_bytes / 4, (adapter_bytes, base_bytes)
+    log = "".join(lines)
+    assert "serving policy version 2" in log and "refused" not in log, log[-3000:]
 
 
 def test_qlora_run_reports_the_sampler_learner_mismatch_and_corrects_it(tmp_path):

@@ -128,9 +128,10 @@ async def _abort(context, code, details: str):
 
 class Server:
     """JetStream's Driver and the `Servicer` on host:port. Raises RuntimeError if the port
-    cannot be bound; `stop()` shuts it down."""
+    cannot be bound; `stop()` shuts it down. `handoff`: what a weight push holds
+    (`gjax.rollout.handoff`; LoRA: adapters over the base)."""
 
-    def __init__(self, engine: Engine, host: str, port: int):
+    def __init__(self, engine: Engine, host: str, port: int, handoff=None):
         self.engine = engine
         self.driver = Driver(
             prefill_engines=[engine],
@@ -146,7 +147,7 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gjax-serve")
         self._thread.start()
         self.servicer = Servicer(self.driver, engine)
-        self.weights = WeightReceiver(engine.holder)
+        self.weights = WeightReceiver(engine.holder, handoff)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
         async def start():

@@ -43,8 +43,10 @@ import numpy as np
 
 from gjax import multihost, schema
 from gjax.errors import UserError
+from gjax.models import lora
 from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
+from gjax.rollout.handoff import Handoff, adapter_record
 from gjax.rollout.jetstream_compat import Driver, jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 from gjax.rollout.weight_push import WeightPusher
@@ -526,6 +528,14 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self.pool.close()
 
 
+def _handoff(model_cfg, params) -> Handoff:
+    """What this run pushes to its replicas: with LoRA the adapters only, named by their
+    record (rank, alpha, targets and the base's digest, computed here once)."""
+    if not lora.enabled(model_cfg):
+        return Handoff()
+    return Handoff(adapter_record(model_cfg, lora.split(params)[0]))
+
+
 def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer=None):
     """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
     r = config.rollout
@@ -549,11 +559,13 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
     addresses = schema.server_addresses(r)
     pool = ReplicaPool(addresses)
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    handoff = _handoff(model_cfg, params)
     weights = ReplicaWeights(
         pool,
-        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s, handoff=handoff),
         stream=r.weight_transfer == "grpc",
         ack_timeout_s=r.request_timeout_s,
+        handoff=handoff,
     )
     return JetStreamGrpcBackend(
         addresses,
