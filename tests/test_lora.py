@@ -160,23 +160,9 @@ def lora_learner_setup():
 
 
 def run_lora_update(cfg, trained, frozen, batch, oc, tx, **kw):
-    import functools
+    from tests.test_learner import run_update
 
-    from gjax.learner import TrainState, update
-
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=trained, opt_state=tx.init(trained))
-    fn = jax.jit(
-        functools.partial(
-            update,
-            cfg=cfg,
-            obj_cfg=oc,
-            tx=tx,
-            minibatches=kw.get("minibatches", 1),
-            microbatches=kw.get("microbatches", 1),
-            num_iterations=1,
-        )
-    )
-    return fn(state, batch, jax.random.key(0), frozen)
+    return run_update(trained, batch, oc, tx=tx, cfg=cfg, frozen=frozen, **kw)
 
 
 def test_update_trains_the_adapters_alone_with_the_full_models_gradient():
