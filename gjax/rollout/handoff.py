@@ -40,6 +40,7 @@ def adapter_record(cfg: ModelConfig, base) -> dict | None:
         "rank": int(cfg.lora_rank),
         "alpha": float(cfg.lora_alpha),
         "targets": list(cfg.lora_targets),
+        "quantize": cfg.base_quant,
         "base_digest": lora.base_digest(base),
     }
 
@@ -83,7 +84,13 @@ class Handoff:
         if record == self.record:
             return
         mine, theirs = self.record or {}, record or {}
-        if (
+        if self.adapters and record is not None and mine.get("quantize") != theirs.get("quantize"):
+            why = (
+                f"the trainer's base is stored as quantize={theirs.get('quantize')!r}, this "
+                f"server's as {mine.get('quantize')!r}: start gjax.serve with the trainer's "
+                "model.lora.quantize"
+            )
+        elif (
             self.adapters
             and record is not None
             and mine.get("base_digest") != theirs.get("base_digest")
