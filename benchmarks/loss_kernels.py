@@ -34,20 +34,23 @@ Methods (all compute the loss and its gradients w.r.t. hidden [N, D] and head, f
   liger  liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss (beta 0, no reference model,
          loss_type 'dapo' = token mean, eps 0.2, torch.compile'd chunks; eager in --smoke).
 
-Measures per method: one warm-up call (JAX compiles before it, ahead of time; torch.compile
-during it), then `--reps` timed calls, medians of
+Measures per method: `--reps` timed calls (default 2), medians, after a warm-up call for
+torch (torch.compile and the allocator's first use happen in it); JAX compiles ahead of time
+(`jit(...).lower(...).compile()`, `compile_s`) and allocates every call's buffers afresh, so
+its first call is already a steady-state one and the default run spends no call on warm-up.
   wall s   the call's wall time; cpu s  this process's CPU time during it (all threads). On a
            shared machine CPU time is the steadier one (others' time slices do not count;
            their cache and memory-bandwidth pressure still does); on an idle one, wall.
   x floor  time / the floor method's time in the same run (wall and CPU).
   GFLOP/s  the head's useful matmul FLOPs (6 N D V: forward + backward) / wall time.
-  mem MB   scratch: memory one step needs beyond its inputs and outputs. JAX: the compiled
-           executable's memory_analysis().temp_size_in_bytes (XLA's scratch buffers). torch
-           CPU: the peak RSS of the timed calls above the RSS before them (the previous
-           call's gradients are resident before and freed at the start of each call, so the
-           outputs net out; autograd's saved tensors count); torch CUDA: the same with
-           torch.cuda.max_memory_allocated. JAX's RSS is measured the same way (rss_mb in
-           the JSON): fused vs a torch peer on the CPU compares RSS with RSS.
+  mem MB   scratch: memory one step needs beyond its inputs and the gradients it returns.
+           JAX: the compiled executable's memory_analysis().temp_size_in_bytes (XLA's
+           scratch buffers). torch CPU: the peak RSS of the timed calls above the RSS before
+           them (the previous call's gradients are resident before and freed at the start of
+           each call, so they net out; autograd's saved tensors count); torch CUDA: the same
+           with torch.cuda.max_memory_allocated. JAX's RSS is measured too (rss_mb in the
+           JSON: peak above before, less the returned gradients' bytes), so that fused vs a
+           torch peer on the CPU compares RSS with RSS.
 Materialized methods whose memory would not fit (JAX: the compiled sizes; torch: 4 [N x V]
 f32 arrays) against MemAvailable are skipped with a note instead of swapping the machine.
 
@@ -141,15 +144,18 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _measure(step, reps: int, device_peak=None) -> dict:
-    """Warm-up, then `reps` timed calls, the peak-RSS counter reset before them.
+def _measure(step, reps: int, *, warmup: bool = True, device_peak=None) -> dict:
+    """An optional warm-up call, then `reps` timed calls, the peak-RSS counter reset before
+    them. `rss_mb`: their peak RSS above the RSS before them.
 
     `device_peak`: (reset, read) of an accelerator allocator's peak bytes (torch CUDA)."""
     import gc
 
-    t0, c0 = time.perf_counter(), time.process_time()
-    step()
-    warmup_s, warmup_cpu = time.perf_counter() - t0, time.process_time() - c0
+    warmup_s = warmup_cpu = 0.0
+    if warmup:
+        t0, c0 = time.perf_counter(), time.process_time()
+        step()
+        warmup_s, warmup_cpu = time.perf_counter() - t0, time.process_time() - c0
     gc.collect()
     rss0 = _status_kb("VmRSS")
     reset = _reset_peak_rss()
@@ -165,7 +171,7 @@ def _measure(step, reps: int, device_peak=None) -> dict:
         "time_s": round(statistics.median(times), 4),
         "cpu_s": round(statistics.median(cpu), 4),
         "times_s": [round(t, 4) for t in times],
-        "warmup_s": round(warmup_s, 3),
+        "warmup_s": round(warmup_s, 3) if warmup else None,
         # all CPU time of the calls (warm-up included): the run's parallel part
         "calls_cpu_s": round(warmup_cpu + sum(cpu), 3),
         "rss_mb": round((peak - rss0) / 1024, 1) if reset else None,
@@ -290,6 +296,7 @@ def _jax_worker(spec: dict) -> None:
         for method in spec["methods"]:
             row = {"tokens": n, "hidden": d, "vocab": v, "method": method, "framework": "jax"}
             row.update(platform=dev.platform, device=device, compilation_cache=cache_dir)
+            row["pid"] = os.getpid()
             try:
                 row.update(_jax_one(jax, make, method, spec["reps"], dev.platform))
             except Exception as e:  # one method's failure is its row, the others still run
@@ -314,8 +321,18 @@ def _jax_one(jax, make, method: str, reps: int, platform: str) -> dict:
                 f"needs {need / 2**30:.1f} GiB beyond its inputs, {avail / 2**30:.1f} GiB available"
             )
             return out
-    out.update(_measure(lambda: jax.block_until_ready(compiled(*args)), reps))
-    out["loss"] = float(compiled(*args)[0])
+    holder = {}
+
+    def step():
+        holder["loss"] = jax.block_until_ready(compiled(*args))[0]
+
+    # No warm-up call: the program is compiled ahead of time, and every call allocates its
+    # buffers afresh (MALLOC_MMAP_THRESHOLD_), so the first call is a steady-state one.
+    out.update(_measure(step, reps, warmup=False))
+    out["loss"] = float(holder.pop("loss"))
+    if out["rss_mb"] is not None and mem is not None:  # the returned gradients net out, as
+        # for torch (whose previous gradients are resident before and freed in the call)
+        out["rss_mb"] = round(out["rss_mb"] - mem.output_size_in_bytes / 2**20, 1)
     return out
 
 
@@ -334,6 +351,7 @@ def _torch_worker(spec: dict) -> None:
         platform="gpu" if cuda else "cpu",
         device=torch.cuda.get_device_name(0) if cuda else _cpu_model(),
         torch_threads=torch.get_num_threads(),
+        pid=os.getpid(),
     )
     need = 4 * n * v * 4  # logits, log-softmax, and their gradients, f32
     avail = _mem_available_bytes()
@@ -412,7 +430,7 @@ def _torch_one(torch, dev, method, n, d, v, reps, smoke) -> dict:
             return torch.cuda.memory_allocated()
 
         device_peak = (reset, torch.cuda.max_memory_allocated)
-    out = _measure(step, reps, device_peak)
+    out = _measure(step, reps, device_peak=device_peak)
     out["loss"] = holder["loss"]
     return out
 
@@ -687,13 +705,13 @@ def _plan(args) -> tuple[list, list[str], int]:
                 f"tokens must be a multiple of {BATCH_ROWS} (the loss sees {BATCH_ROWS} rows of "
                 f"N / {BATCH_ROWS} tokens), got {n}; e.g. --tokens {n - n % BATCH_ROWS or 4}."
             )
-    if args.reps < 1:
-        raise UserError(f"--reps must be >= 1, got {args.reps}.")
-    reps = 1 if args.smoke and args.reps_default else args.reps
+    reps = (1 if args.smoke else 2) if args.reps is None else args.reps
+    if reps < 1:
+        raise UserError(f"--reps must be >= 1, got {reps}.")
     return cases, [m for m in METHODS if m in methods], reps
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--tokens", nargs="+", help="token counts N, e.g. 512,2048,8192 (a sweep)")
     ap.add_argument("--hidden", type=int, help=f"D for --tokens (default {DEFAULT_CASE[1]})")
@@ -709,9 +727,11 @@ def main(argv=None):
         default="default",
         help="JAX's persistent cache: 'default' (gjax.compile_cache's), a directory, '' off",
     )
-    args = ap.parse_args(argv)
-    args.reps_default = args.reps is None
-    args.reps = 2 if args.reps is None else args.reps
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     cases, methods, reps = _plan(args)
 
     t0, load0 = time.perf_counter(), os.getloadavg()
