@@ -346,6 +346,8 @@ def _torch_worker(spec: dict) -> None:
     (n, d, v), method = spec["cases"][0], spec["methods"][0]
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
+    if cuda:  # f32 matmuls as JAX runs them by default on the GPU (TF32 inputs, f32 sums)
+        torch.backends.cuda.matmul.allow_tf32 = True
     row = {"tokens": n, "hidden": d, "vocab": v, "method": method, "framework": "torch"}
     row.update(
         platform="gpu" if cuda else "cpu",
@@ -536,7 +538,10 @@ def verdict(fused: dict, peer: dict) -> str:
             parts.append(f"larger ({f_mb / p_mb:.1f}x more memory, {what} {f_mb} vs {p_mb} MB)")
     else:
         parts.append("memory not comparable")
-    return ", ".join(parts) + f", at N = {fused['tokens']}"
+    line = ", ".join(parts) + f", at N = {fused['tokens']}"
+    if fused.get("platform") != peer.get("platform"):
+        line += f" (different platforms: {fused.get('platform')} vs {peer.get('platform')})"
+    return line
 
 
 def case_table(rows: list[dict]) -> str:

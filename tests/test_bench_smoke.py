@@ -328,6 +328,8 @@ def test_loss_kernels_verdict_words():
     fused["rss_mb"] = 300.0  # across frameworks on the CPU: RSS against RSS
     v = bench.verdict(fused, trl)
     assert "fused is faster (2.00x" in v and "larger (10.0x more memory, RSS 300.0 vs 30.0" in v
+    fused["platform"] = "tpu"  # torch has no TPU: its peers then run on the host CPU
+    assert bench.verdict(fused, trl).endswith("at N = 512 (different platforms: tpu vs cpu)")
     skipped = {"tokens": 512, "method": "trl", "skipped": "needs 20 GiB"}
     assert bench.verdict(fused, skipped) == "vs trl: trl has no time (needs 20 GiB)"
 
