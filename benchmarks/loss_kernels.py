@@ -8,9 +8,9 @@ path, the bare matmul floor, Liger-Kernel's fused GRPO loss and a TRL-style PyTo
     python benchmarks/loss_kernels.py --smoke                # CI: a toy case, seconds
 
 The default run is one representative case (N = 512 tokens, hidden D = 1536, vocab V =
-151,936: Qwen2.5-1.5B's head) and every method; it takes about 2-3 minutes on an idle 2-core
-CPU (warm-up + 2 timed calls per method, each call a forward+backward over ~0.7 TFLOP of
-head matmuls). The same command runs on an accelerator: JAX goes to its default backend,
+151,936: Qwen2.5-1.5B's head) and every method; it takes about 2.5 minutes on an idle 2-core
+CPU (2 timed calls per method, each a forward+backward over 0.72 TFLOP of head matmuls;
+estimated from its 231 s of CPU time on a loaded host, see below). The same command runs on an accelerator: JAX goes to its default backend,
 torch to CUDA when it has it; every result names its platform and device.
 
 Processes: the JAX methods share ONE child process (one import, the persistent compilation
@@ -60,13 +60,19 @@ line per peer: fused faster/slower, smaller/larger at this N), then one JSON lin
 run's own wall and CPU time and the load average). Progress goes to stderr. With several
 token counts at one (D, V), a sweep table says at which N fused overtakes each peer in time.
 
-Measured 2026-12-01, this repo's shared 2-core CPU host (AVX-512, jax 0.10.2, torch 2.13,
-liger-kernel 0.8.5, load average 10-12 from other jobs), default run: see README
-"Benchmarks" for the table; earlier (2026-11-25, --full at N = 512 and 1024, load 6-14):
-  cpu x floor  fused 1.16 / 1.24 / 1.02 / 1.15, fused_ref 1.14 / 1.20 / 1.24 / 1.32
-  (512x896x151936, 512x1536x151936, 512x2048x32000, 1024x2048x32000); XLA temp memory
-  naive/fused 15.6x at V = 151936 (593.5 vs 38.0 MB); TRL-style loss / fused cpu 1.34 /
-  1.24 / 1.63 / 1.64, wall 0.87 / 1.25 / 1.88 / 2.13; Liger / fused 1.9-4.4x.
+Measured 2026-12-01 (this repo's shared 2-core AVX-512 CPU host, jax 0.10.2, torch 2.13,
+liger-kernel 0.8.5, load average 12-14 from other jobs; the default run): 629 s wall, 231 s
+CPU (all processes), ~141 s estimated idle (the calls' 181 CPU s / 2 + the rest as serial).
+CPU s (x floor): floor 7.97, fused 8.63 (1.08), fused_ref 8.44 (1.06), fused_3mm 14.10
+(1.77), naive 8.27 (1.04), trl 5.46 (0.69), liger 23.70 (2.97); scratch MB: fused 38 (XLA;
+50 RSS), fused_3mm 115, naive 594 (XLA), trl 298, liger 920 (RSS). So on this CPU fused is
+15.6x smaller than naive and 6x smaller than trl, 4 % / 37 % slower in CPU time at N = 512
+(torch's CPU matmuls outrun XLA:CPU's: trl is below the JAX floor), 2.75x faster than Liger.
+Earlier (2026-11-25, the grid at N = 512 and 1024, load 6-14): cpu x floor fused 1.16 /
+1.24 / 1.02 / 1.15 (512x896x151936, 512x1536x151936, 512x2048x32000, 1024x2048x32000);
+trl / fused cpu 1.34 / 1.24 / 1.63 / 1.64: the ranking against trl flipped between the two
+days, so under heavy load even CPU time is not a load-free measure (cache, memory bandwidth
+and SMT siblings are shared); rerun on an idle machine before reading the trl verdict.
 """
 
 from __future__ import annotations
