@@ -664,6 +664,24 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
+def report_blocks(rows: list[dict]) -> list[str]:
+    """The text before the JSON lines: a table per case, by (D, V) then N, and a sweep table
+    per (D, V) with several N. Sorts `rows` the same way (methods in METHODS order)."""
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows.sort(key=lambda r: (r["hidden"], r["vocab"], r["tokens"], order[r["method"]]))
+    blocks = []
+    cases = sorted({(r["hidden"], r["vocab"], r["tokens"]) for r in rows})
+    for d, v, n in cases:
+        blocks.append(
+            case_table([r for r in rows if (r["hidden"], r["vocab"], r["tokens"]) == (d, v, n)])
+        )
+    for dv in sorted({(r["hidden"], r["vocab"]) for r in rows}):
+        at = [r for r in rows if (r["hidden"], r["vocab"]) == dv]
+        if len({r["tokens"] for r in at}) > 1 and any(r["method"] == "fused" for r in at):
+            blocks.append(sweep_table(at))
+    return blocks
+
+
 def _parse_cases(text: str) -> list[tuple[int, int, int]]:
     cases = []
     for item in text.replace(" ", ",").split(","):
@@ -772,16 +790,7 @@ def main(argv=None):
             spec = {**base, "cases": [(n, d, v)], "methods": [m]}
             rows += _child("torch", spec, args.timeout, progress)
 
-    order = {m: i for i, m in enumerate(METHODS)}
-    rows.sort(key=lambda r: (r["hidden"], r["vocab"], r["tokens"], order[r["method"]]))
-    blocks = []
-    for c in sorted({(r["tokens"], r["hidden"], r["vocab"]) for r in rows}, key=lambda c: c[1:]):
-        blocks.append(case_table([r for r in rows if (r["tokens"], r["hidden"], r["vocab"]) == c]))
-    for dv in sorted({(r["hidden"], r["vocab"]) for r in rows}):
-        at = [r for r in rows if (r["hidden"], r["vocab"]) == dv]
-        if len({r["tokens"] for r in at}) > 1 and any(r["method"] == "fused" for r in at):
-            blocks.append(sweep_table(at))
-
+    blocks = report_blocks(rows)  # sorts rows
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - c0 + ru.ru_utime + ru.ru_stime

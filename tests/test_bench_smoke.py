@@ -368,3 +368,14 @@ def test_loss_kernels_plans():
     assert len(plan("--full")[0]) == 6
     assert plan("--smoke") == ([(64, 32, 1024)], list(bench.METHODS), 1)
     assert plan("--methods", "trl,fused")[1] == ["fused", "trl"]
+
+
+def test_loss_kernels_report_orders_cases_by_tokens():
+    bench = _loss_kernels_module()
+    rows = [_row(n, m, 1.0) for n in (8192, 512, 2048) for m in ("naive", "fused", "floor")]
+    blocks = bench.report_blocks(rows)
+    heads = [b.splitlines()[0] for b in blocks]
+    assert [h.split(" tokens")[0] for h in heads[:3]] == [f"## N = {n}" for n in (512, 2048, 8192)]
+    assert heads[3].startswith("## sweep over N at D = 8 x V = 16") and len(blocks) == 4
+    assert [r["method"] for r in rows[:3]] == ["floor", "fused", "naive"]
+    assert "| 512 | 1.000 | 1.00 (1.00) |" in blocks[3]
