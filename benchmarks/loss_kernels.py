@@ -750,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--smoke", action="store_true", help=f"CI: {SMOKE_CASE}, 1 rep, eager Liger")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--reps", type=int, default=None, help="timed calls per method (default 2)")
-    ap.add_argument("--timeout", type=int, default=1800, help="seconds per child process")
+    ap.add_argument("--timeout", type=int, default=900, help="seconds per (case, method)")
     ap.add_argument(
         "--compilation-cache",
         default="default",
@@ -784,7 +784,7 @@ def main(argv=None):
     jax_methods = [m for m in methods if m in JAX_METHODS]
     if jax_methods:
         spec = {**base, "cases": cases, "methods": jax_methods}
-        rows += _child("jax", spec, args.timeout, progress)
+        rows += _child("jax", spec, args.timeout * len(cases) * len(jax_methods), progress)
     for n, d, v in cases:
         for m in (m for m in methods if m in TORCH_METHODS):
             spec = {**base, "cases": [(n, d, v)], "methods": [m]}
