@@ -10,7 +10,7 @@ path, the bare matmul floor, Liger-Kernel's fused GRPO loss and a TRL-style PyTo
 The default run is one representative case (N = 512 tokens, hidden D = 1536, vocab V =
 151,936: Qwen2.5-1.5B's head) and every method; it takes about 2.5 minutes on an idle 2-core
 CPU (2 timed calls per method, each a forward+backward over 0.72 TFLOP of head matmuls;
-estimated from its 231 s of CPU time on a loaded host, see below). The same command runs on an accelerator: JAX goes to its default backend,
+estimated from its 216-231 s of CPU time on a loaded host, see below). The same command runs on an accelerator: JAX goes to its default backend,
 torch to CUDA when it has it; every result names its platform and device.
 
 Processes: the JAX methods share ONE child process (one import, the persistent compilation
@@ -61,8 +61,9 @@ run's own wall and CPU time and the load average). Progress goes to stderr. With
 token counts at one (D, V), a sweep table says at which N fused overtakes each peer in time.
 
 Measured 2026-12-01 (this repo's shared 2-core AVX-512 CPU host, jax 0.10.2, torch 2.13,
-liger-kernel 0.8.5, load average 12-14 from other jobs; the default run): 629 s wall, 231 s
-CPU (all processes), ~141 s estimated idle (the calls' 181 CPU s / 2 + the rest as serial).
+liger-kernel 0.8.5; the default run): 629 s wall, 231 s CPU (all processes) at load average
+12-14, cold compilation cache, ~141 s estimated idle (the calls' 181 CPU s / 2 + the rest as
+serial); 334 s wall, 216 s CPU at load 5.5-6, warm cache, ~127 s estimated idle. The first:
 CPU s (x floor): floor 7.97, fused 8.63 (1.08), fused_ref 8.44 (1.06), fused_3mm 14.10
 (1.77), naive 8.27 (1.04), trl 5.46 (0.69), liger 23.70 (2.97); scratch MB: fused 38 (XLA;
 50 RSS), fused_3mm 115, naive 594 (XLA), trl 298, liger 920 (RSS). So on this CPU fused is
