@@ -218,3 +218,177 @@ def test_lora_decode_benchmark_smoke():
     assert rec["max_rel_diff"] < 1e-4, rec
     for name in ("merged_step_ms", "low_rank_step_ms", "merged_layout_ms_per_version"):
         assert math.isfinite(rec[name]) and rec[name] > 0, rec
+
+
+# ------------------------------------------------------------------ loss_kernels.py
+
+
+def _loss_kernels_module():
+    spec = importlib.util.spec_from_file_location(
+        "loss_kernels_bench", os.path.join(ROOT, "benchmarks", "loss_kernels.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_loss_kernels_benchmark_smoke(tmp_path):
+    """`--smoke` (the CI mode): the table leads stdout, then a JSON line per method and the
+    summary last; every method ran, on the same loss, JAX's in one process."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = ROOT
+    cache = tmp_path / "jax_cache"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "loss_kernels.py"), "--smoke"]
+        + ["--compilation-cache", str(cache)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("## N = 64 tokens x D = 32 x V = 1024")
+    assert lines[1].startswith("platform: jax: cpu (") and "torch: cpu (" in lines[1]
+    first_json = next(i for i, line in enumerate(lines) if line.startswith("{"))
+    text, records = lines[:first_json], [json.loads(line) for line in lines[first_json:]]
+    rows, s = records[:-1], records[-1]
+    assert s["summary"] is True and s["cases"] == [[64, 32, 1024]]
+    bench = _loss_kernels_module()
+    assert [r["method"] for r in rows] == list(bench.METHODS)
+    for r in rows:
+        assert "error" not in r and "skipped" not in r, r
+        assert r["time_s"] > 0 and r["cpu_s"] >= 0 and r["platform"] == "cpu", r
+        assert (r["tokens"], r["hidden"], r["vocab"]) == (64, 32, 1024)
+    # Every method but the floor evaluates the same PPO-clip token-mean loss on the same data.
+    losses = {r["method"]: r["loss"] for r in rows if r["method"] != "floor"}
+    for m, loss in losses.items():
+        assert loss == pytest.approx(losses["fused"], rel=1e-5), (m, losses)
+    jax_rows = [r for r in rows if r["framework"] == "jax"]
+    torch_rows = [r for r in rows if r["framework"] == "torch"]
+    assert len({r["pid"] for r in jax_rows}) == 1  # one process for the JAX methods
+    assert len({r["pid"] for r in torch_rows}) == len(torch_rows) == 2  # one each for RSS
+    assert all(r["temp_mb"] is not None for r in jax_rows)
+    assert all(r["rss_mb"] is not None for r in torch_rows)
+    assert any(cache.iterdir())  # the JAX methods compiled into the persistent cache
+    # A table row per method and a verdict per peer (everything but fused and the floor).
+    assert sum(line.startswith("| ") for line in text) == 1 + len(rows)
+    verdicts = [line for line in text if line.startswith("vs ")]
+    assert [v.split(":")[0] for v in verdicts] == [
+        f"vs {m}" for m in bench.METHODS if m not in ("fused", "floor")
+    ]
+    assert all(("faster" in v or "slower" in v) and v.endswith("at N = 64") for v in verdicts)
+    assert s["speedup_vs_trl"] == [
+        pytest.approx(torch_rows[0]["time_s"] / rows[1]["time_s"], rel=1e-3)
+    ]
+    run = s["run"]
+    assert run["cores"] == os.cpu_count() and run["wall_s"] > 0 and run["cpu_s"] > 0
+    assert 0 < run["calls_cpu_s"] <= run["cpu_s"]
+
+
+def _row(n, method, time_s, cpu_s=None, **kw):
+    return {
+        "tokens": n,
+        "hidden": 8,
+        "vocab": 16,
+        "method": method,
+        "time_s": time_s,
+        "cpu_s": time_s if cpu_s is None else cpu_s,
+        **kw,
+    }
+
+
+def test_loss_kernels_crossover_is_where_fused_stays_ahead():
+    bench = _loss_kernels_module()
+    rows = [
+        _row(512, "fused", 1.0),
+        _row(512, "naive", 0.6),
+        _row(2048, "fused", 4.0),
+        _row(2048, "naive", 4.4, cpu_s=3.9),
+        _row(8192, "fused", 16.0),
+        _row(8192, "naive", 19.0),
+        _row(512, "trl", 0.9),
+        _row(2048, "trl", 4.5),
+        _row(8192, "trl", 15.0),
+    ]
+    assert bench.crossover(rows, "naive") == 2048
+    assert bench.crossover(rows, "naive", "cpu_s") == 8192
+    assert bench.crossover(rows, "trl") is None  # ahead at 2048, behind again at 8192
+    s = bench.summary(rows)
+    assert s["crossover_N"]["naive"] == {"wall": 2048, "cpu": 8192}
+    assert s["crossover_N"]["trl"] == {"wall": None, "cpu": None}
+    table = bench.sweep_table(rows)
+    assert "fused overtakes naive: wall from N = 2048 on, cpu from N = 8192 on" in table
+    assert "fused overtakes trl: wall not within the swept N" in table
+    # A point the sweep lacks (skipped: no memory) ends the run of wins there.
+    rows[3] = _row(2048, "naive", None, skipped="needs 9 GiB")
+    assert bench.crossover(rows, "naive") == 8192
+    assert "| 2048 | 4.000 | skipped |" in bench.sweep_table(rows)
+
+
+def test_loss_kernels_verdict_words():
+    bench = _loss_kernels_module()
+    fused = _row(512, "fused", 2.0, cpu_s=3.0, framework="jax", temp_mb=40.0, platform="cpu")
+    naive = _row(512, "naive", 1.0, cpu_s=3.3, framework="jax", temp_mb=600.0, platform="cpu")
+    v = bench.verdict(fused, naive)
+    assert v.startswith("vs naive: fused is slower (0.50x naive's speed in wall time, 1.10x")
+    assert "in CPU time: faster)" in v and "smaller (15.0x less memory, XLA temp" in v
+    assert v.endswith("at N = 512")
+    trl = _row(512, "trl", 4.0, framework="torch", rss_mb=30.0, platform="cpu")
+    fused["rss_mb"] = 300.0  # across frameworks on the CPU: RSS against RSS
+    v = bench.verdict(fused, trl)
+    assert "fused is faster (2.00x" in v and "larger (10.0x more memory, RSS 300.0 vs 30.0" in v
+    fused["platform"] = "tpu"  # torch has no TPU: its peers then run on the host CPU
+    assert bench.verdict(fused, trl).endswith("at N = 512 (different platforms: tpu vs cpu)")
+    skipped = {"tokens": 512, "method": "trl", "skipped": "needs 20 GiB"}
+    assert bench.verdict(fused, skipped) == "vs trl: trl has no time (needs 20 GiB)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tokens", "510"], "multiple of 4"),
+        (["--tokens", "512,x"], "not a positive integer"),
+        (["--cases", "512x1536"], "is not N x D x V"),
+        (["--methods", "fused,bogus"], "unknown bogus"),
+        (["--reps", "0"], "--reps must be >= 1"),
+    ],
+)
+def test_loss_kernels_bad_flags_are_user_errors(argv, message):
+    from gjax.errors import UserError
+
+    bench = _loss_kernels_module()
+    with pytest.raises(UserError, match=message):
+        bench.main(argv)
+
+
+def test_loss_kernels_plans():
+    bench = _loss_kernels_module()
+
+    def plan(*argv):
+        ap_args = bench.build_parser().parse_args(list(argv))
+        return bench._plan(ap_args)
+
+    assert plan() == ([(512, 1536, 151936)], list(bench.METHODS), 2)
+    assert plan("--tokens", "512,2048", "8192")[0] == [
+        (512, 1536, 151936),
+        (2048, 1536, 151936),
+        (8192, 1536, 151936),
+    ]
+    assert len(plan("--full")[0]) == 6
+    assert plan("--smoke") == ([(64, 32, 1024)], list(bench.METHODS), 1)
+    assert plan("--methods", "trl,fused")[1] == ["fused", "trl"]
+
+
+def test_loss_kernels_report_orders_cases_by_tokens():
+    bench = _loss_kernels_module()
+    rows = [_row(n, m, 1.0) for n in (8192, 512, 2048) for m in ("naive", "fused", "floor")]
+    blocks = bench.report_blocks(rows)
+    heads = [b.splitlines()[0] for b in blocks]
+    assert [h.split(" tokens")[0] for h in heads[:3]] == [f"## N = {n}" for n in (512, 2048, 8192)]
+    assert heads[3].startswith("## sweep over N at D = 8 x V = 16") and len(blocks) == 4
+    assert [r["method"] for r in rows[:3]] == ["floor", "fused", "naive"]
+    assert "| 512 | 1.000 | 1.00 (1.00) |" in blocks[3]
