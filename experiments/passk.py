@@ -16,14 +16,14 @@ import os
 import jax
 import numpy as np
 
-from gjax import sharding
+from gjax import model_record, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.embedded import resolve_model_path
 from gjax.evaluation.metrics import pass_at_k
 from gjax.evaluation.sampling import sample_and_score
-from gjax.models import hf_import
+from gjax.models import hf_import, lora
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
@@ -62,7 +62,9 @@ def evaluate(
             resolve_model_path(config.model.path), config.model, mesh
         )
         heldout = heldout_prompts(config, tok)
-        restored_step, final = restore_run_params(params, workdir, step=step)
+        restored_step, final_cfg, final = restore_policy(
+            config, workdir, model_cfg, params, mesh, step=step
+        )
         eos, pad_id = stop_and_pad(model_cfg, tok)
         sampling = SamplingParams(
             max_new_tokens=config.rollout.max_new_tokens,
@@ -71,23 +73,24 @@ def evaluate(
             stop_token_ids=eos,
             pad_token_id=pad_id,
         )
-        backend = LocalSampler(model_cfg)
+        backends = {model_cfg: LocalSampler(model_cfg)}  # the base's, and a LoRA policy's
+        backends.setdefault(final_cfg, LocalSampler(final_cfg))
         rng = jax.random.fold_in(jax.random.key(config.seed), 0x9A55)
         r = config.reward
         with Verifier(timeout_s=r.timeout_s, num_workers=r.workers) as verifier:
 
-            def correct_counts(p) -> list[int]:
+            def correct_counts(p, cfg) -> list[int]:
                 s = sample_and_score(
-                    backend, p, tok, heldout, verifier, num_samples=n, sampling=sampling,
+                    backends[cfg], p, tok, heldout, verifier, num_samples=n, sampling=sampling,
                     rng=rng, max_rows=config.eval.max_rows,
                 )  # fmt: skip
                 return s.correct_PxN.sum(-1).astype(int).tolist()
 
             base = read_result(base_path)
             if base is None:
-                base = {"correct_counts": correct_counts(params), "key": base_key}
+                base = {"correct_counts": correct_counts(params, model_cfg), "key": base_key}
                 _write(base_path, base)
-            final_counts = correct_counts(final)
+            final_counts = correct_counts(final, final_cfg)
     out = result(
         base["correct_counts"],
         final_counts,
@@ -106,6 +109,23 @@ def heldout_prompts(config, tokenizer):
     return data_builders.build_prompt_data(
         data_builders.run_data_config(config), tokenizer, heldout=True
     )
+
+
+def restore_policy(config, workdir: str, model_cfg, params, mesh, *, step: int | None = None):
+    """(step, model config, params) of the policy a run's last checkpoint (or `step`'s)
+    holds: the params themselves, or with LoRA the base plus the saved adapters
+    (`gjax.model_record.restore_lora`, digest-checked)."""
+    if not config.model.lora.rank:
+        restored, final = restore_run_params(params, workdir, step=step)
+        return restored, model_cfg, final
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))
+    try:
+        restored, cfg, adapters, base = model_record.restore_lora(
+            ckpt, model_cfg, config.model.to_dict(), step, mesh
+        )
+    finally:
+        ckpt.close()
+    return restored, cfg, lora.merge(base, adapters)
 
 
 def restore_run_params(like, workdir: str, *, step: int | None = None) -> tuple[int, object]:

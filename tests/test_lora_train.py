@@ -125,6 +125,14 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     for a, b in zip(jax.tree.leaves(lora.split(policy.params)[1]), jax.tree.leaves(want["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+    # The studies' pass@k of a LoRA run: the base and the saved adapters, not the base alone.
+    from experiments import passk
+
+    got_passk = passk.evaluate(
+        lora_config(base_dir), str(wd), num_samples=2, cache_dir=str(tmp_path / "passk")
+    )
+    assert got_passk["step"] == 2 and got_passk["problems"] == 16
+
     # Another rank on resume, or none: refused by name, before anything loads.
     for rank in (8, 0):
         with pytest.raises(ConfigError, match=f"model.lora.rank: 4 -> {rank}"):
