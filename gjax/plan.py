@@ -1,41 +1,43 @@
 """Memory planner: what a run needs per device, and whether it fits a slice's chips.
 
     python -m gjax.plan --config=configs/grpo.py --slice=v5e-8 [--shape=qwen3-8b] \
-        [--modes=full,lora,qlora] [--lora_rank=16] [--extrapolate] [--json=plan.json] \
-        [--config.mesh.data=1 --config.mesh.fsdp=-1 ...]
+        [--modes=full,lora,qlora] [--lora_rank=16] [--qlora_bits=8] [--margin=0.1] \
+        [--json=plan.json] [--config.mesh.data=1 --config.mesh.fsdp=-1 ...]
 
-No weight is read and nothing is allocated: the learner's update (the config's rollout batch,
-packing, remat, minibatches and microbatches) and the rollout step (the config's decoder:
-the continuous decoder's prefill and dispatch, or the static sampler's whole program) are
-jitted for the slice's mesh on `jax.ShapeDtypeStruct`s with their shardings, lowered and
-compiled on this machine's CPU (one fake CPU device per chip), and `memory_analysis()` of
-each compiled program gives its per-device temporaries. Parameter, optimizer, batch and KV
-bytes are the per-device shards of their abstract trees (`sharding.shard_shape`).
+No weight is read and nothing is allocated: the learner's update (the config's rollout batch
+at its longest, its packing, remat, minibatches and microbatches) and the rollout step (the
+config's decoder: the continuous decoder's per-layer weights, prefill and dispatch, or the
+static sampler's whole program) are jitted for the slice's mesh on `jax.ShapeDtypeStruct`s
+with their shardings, lowered and compiled on this machine's CPU (one fake CPU device per
+chip), and `memory_analysis()` of each compiled program gives its per-device temporaries.
+Parameter, optimizer, batch and KV bytes are the per-device shards of the abstract trees.
+The whole model is compiled (the 8B update and rollout programs for 8 devices: about 2.5
+minutes and 0.9 GB of memory on a 2-core machine; measured, a linear extrapolation from 2
+and 3 layers put a 1.5B continuous decoder's temporaries at 1.6 GiB where the whole
+model's compile gives 5.6, so none is offered).
 
-Per device, a run holds the frozen base (LoRA), the trained params and their Adam state
+Per device a run holds the frozen base (LoRA), the trained params and their Adam state
 throughout; on top of that either the update's batch and temporaries, or the rollout's
-per-layer decode weights, KV / slot state and temporaries (rollouts share the train mesh):
-peak = params + optimizer + max(update, rollout). It fits when the peak stays under
+per-layer decode weights, decoder state (KV) and temporaries (rollouts share the train
+mesh): peak = params + optimizer + max(update, rollout). It fits when the peak stays under
 (1 - --margin) of the chip's HBM.
 
-Rows (`--modes`): full (the config as given), lora (rank `model.lora.rank`, or --lora_rank
-when the config trains every parameter), qlora (the lora row with the frozen base quantized
-per `--qlora_bits`: int8 with one f32 scale per output column, or int4 in groups of 64 with
-a bf16 scale each; QLoRA is not in gjax yet, so its base bytes are counted from those
-formats and its update and rollout temporaries are the lora row's compiled ones; every
-figure so derived is marked `analytic`).
+Rows (`--modes`): full (every parameter trained), lora (rank `model.lora.rank`, or
+--lora_rank when the config trains every parameter), qlora (lora with the frozen base
+quantized as `--qlora_bits` says: int8 with an f32 scale per output column, or int4 in
+groups of 64 with a bf16 scale each). Until gjax quantizes the base itself
+(`model.lora.quantize`), the qlora row's base bytes are counted in that format and its
+temporaries are the lora row's, and the row says so; once the field exists the row is
+compiled like the others.
 
-`--extrapolate` compiles each program at num_layers = 2 and 3 and extends its figures
-linearly to the model's L (per-layer costs are linear in L: stacked params, scanned
-activations, per-layer KV), marking them `extrapolated`; without it the whole model is
-compiled. Caveats, also printed: these are XLA:CPU's buffer assignments, which fuse and
-schedule differently from a TPU's or a GPU's; attention compiles as `model.attention`
-resolves on CPU (auto: xla, dense masked scores) where a TPU runs splash attention (no
-T x T scores), so long rows' activations are overstated.
+Caveats, also printed: these are XLA:CPU's buffer assignments, which fuse and schedule
+differently from a TPU's or a GPU's; attention compiles as `model.attention` resolves on a
+CPU (auto: xla, dense masked scores) where a TPU runs splash attention (no T x T scores), so
+long rows' activations are overstated.
 
 The chips' HBM (`CHIPS`) and the named model shapes (`SHAPES`, from the models' public
-config.json, since no hub is reachable here) are small strict registries; the model shape
-otherwise comes from `config.model.path`'s config.json.
+config.json files, as no hub is reachable here) are small strict registries; without
+--shape the model's shape is `config.model.path`'s config.json.
 """
 
 from __future__ import annotations
@@ -391,14 +393,6 @@ def plan_rollout(config, model_cfg, mesh, *, compile: bool = True) -> dict[str, 
     return out
 
 
-# Figures only a compile gives (extrapolated in L with --extrapolate); the others are the
-# per-device shards of abstract trees, exact at any L.
-COMPILED = ("update_temp", "decode_weights", "rollout_temp")
-# L values an extrapolation compiles: a scan of length 1 compiles unlike longer ones
-# (measured: the 8B update's temp at L = 1, 2, 3 was 7.32, 5.88, 5.94 GB).
-EXTRAPOLATION_LAYERS = (2, 3)
-
-
 # ------------------------------------------------------------------------------ the plan
 
 
@@ -406,8 +400,7 @@ EXTRAPOLATION_LAYERS = (2, 3)
 class Row:
     mode: str
     figures: dict[str, int]
-    how: str  # compiled | extrapolated; with "analytic" fields named
-    analytic: tuple[str, ...] = ()
+    analytic: tuple[str, ...] = ()  # the figures counted, not compiled
 
     @property
     def persistent(self) -> int:
@@ -457,28 +450,13 @@ def model_config(config, hf: dict[str, Any], num_layers: int | None = None):
     return lora.configure(cfg, m.lora)
 
 
-def _measure(config, hf, mesh, *, lora_on: bool, num_layers=None, compile=True) -> dict:
-    cfg = model_config(config, hf, num_layers)
+def measure(config, hf, mesh, *, lora_on: bool) -> dict[str, int]:
+    """Per-device figures of one row, the whole model compiled."""
+    cfg = model_config(config, hf)
     return {
-        **plan_update(config, cfg, mesh, lora_on=lora_on, compile=compile),
-        **plan_rollout(config, cfg, mesh, compile=compile),
+        **plan_update(config, cfg, mesh, lora_on=lora_on),
+        **plan_rollout(config, cfg, mesh),
     }
-
-
-def measure(config, hf, mesh, *, lora_on: bool, extrapolate: bool) -> tuple[dict, str]:
-    """Per-device figures of one row; with `extrapolate` the compiled ones come from
-    L = EXTRAPOLATION_LAYERS, extended linearly to the model's L."""
-    if not extrapolate:
-        return _measure(config, hf, mesh, lora_on=lora_on), "compiled"
-    layers = hf["num_hidden_layers"]
-    out = _measure(config, hf, mesh, lora_on=lora_on, compile=False)
-    l1, l2 = EXTRAPOLATION_LAYERS
-    one = _measure(config, hf, mesh, lora_on=lora_on, num_layers=l1)
-    two = _measure(config, hf, mesh, lora_on=lora_on, num_layers=l2)
-    for k in COMPILED:
-        slope = (two[k] - one[k]) / (l2 - l1)
-        out[k] = max(int(round(one[k] + (layers - l1) * slope)), 0)
-    return out, f"{', '.join(COMPILED)} extrapolated from L={l1},{l2} to L={layers}"
 
 
 def qlora_compiled(config) -> bool:
@@ -495,7 +473,6 @@ def make_plan(
     modes=MODES,
     lora_rank: int = 16,
     qlora_bits: int = 8,
-    extrapolate: bool = False,
 ) -> tuple[list[Row], dict[str, int]]:
     """The rows of `modes` for `config` on a mesh over `devices` (see the module docstring),
     and the mesh's shape."""
@@ -508,7 +485,7 @@ def make_plan(
     shape = config_lib.resolve_mesh_shape(config.mesh, len(devices))
     mesh = sharding.make_mesh(shape, devices)
     rows: list[Row] = []
-    measured: dict[str, tuple[dict, str]] = {}
+    measured: dict[str, dict[str, int]] = {}
     with jax.set_mesh(mesh), sharding.use_rules():
         for mode in modes:
             c = mode_config(config, mode, lora_rank)
@@ -525,11 +502,8 @@ def make_plan(
             # a counted qlora row is the lora row with its base bytes replaced
             program = "lora" if counted else mode
             if program not in measured:
-                measured[program] = measure(
-                    c, hf, mesh, lora_on=mode != "full", extrapolate=extrapolate
-                )
-            figures, how = measured[program]
-            figures = dict(figures)
+                measured[program] = measure(c, hf, mesh, lora_on=mode != "full")
+            figures = dict(measured[program])
             analytic: tuple[str, ...] = ()
             if counted:
                 whole = transformer.abstract_params(cfg.without_lora())
@@ -539,7 +513,7 @@ def make_plan(
                     f"base counted as int{qlora_bits} (QLoRA is not in gjax yet)",
                     "temporaries are the lora row's (base in param_dtype)",
                 )
-            rows.append(Row(mode, figures, how, analytic))
+            rows.append(Row(mode, figures, analytic))
     return rows, shape
 
 
@@ -579,8 +553,8 @@ def table(rows: list[Row], chip: Chip, margin: float) -> str:
 def notes(rows: list[Row], config) -> list[str]:
     out = []
     for row in rows:
-        extra = f"; analytic: {'; '.join(row.analytic)}" if row.analytic else ""
-        out.append(f"  {row.mode}: {row.how}{extra}")
+        how = f"compiled, except: {'; '.join(row.analytic)}" if row.analytic else "compiled"
+        out.append(f"  {row.mode}: {how}")
     out.append(
         "  peak = base + trained + optim + max(batch + upd.tmp, dec.w + decoder state + "
         "roll.tmp); KV is part of the decoder state (continuous decoder: unsharded, whole on "
@@ -627,7 +601,6 @@ def report(rows: list[Row], *, slice_name, chip_name, chip, n, mesh, shape_name,
         "rows": [
             {
                 "mode": row.mode,
-                "how": row.how,
                 "analytic": list(row.analytic),
                 **{f"{k}_bytes": v for k, v in row.figures.items()},
                 "peak_bytes": row.peak,
@@ -682,19 +655,16 @@ def main(argv) -> None:
     if not 0 <= F.margin < 1:
         raise UserError(f"--margin={F.margin}: must be in [0, 1)")
     config = F.config
-    reference = schema.base()
-    config_lib.check_schema(config, reference)
-    config_lib.check_ranges(config, reference)
-    config_lib.check_lora(config)
+    devices = _devices(n)  # first: anything below may start jax's backend
+    config_lib.validate(config, n)  # the run's own checks, for the slice's device count
     hf = _hf_of(config, F.shape)
     rows, mesh = make_plan(
         config,
         hf,
-        _devices(n),
+        devices,
         modes=tuple(F.modes),
         lora_rank=F.lora_rank,
         qlora_bits=F.qlora_bits,
-        extrapolate=F.extrapolate,
     )
     shape_name = F.shape or config.model.path
     print(
@@ -729,7 +699,6 @@ def _define_flags() -> None:
     flags.DEFINE_integer("lora_rank", 16, "the lora/qlora rows' rank when model.lora.rank is 0")
     flags.DEFINE_integer("qlora_bits", 8, "the qlora row's base format: 8 (int8) or 4 (int4)")
     flags.DEFINE_float("margin", 0.1, "share of each chip's HBM kept free (runtime, fragmentation)")
-    flags.DEFINE_bool("extrapolate", False, "compile at L = 2, 3 and extend the compiled figures linearly to L")
     flags.DEFINE_string("json", None, "also write the plan as JSON to this path")
 
 
