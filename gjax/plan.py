@@ -78,7 +78,7 @@ GiB, GB = 1 << 30, 10**9
 @dataclasses.dataclass(frozen=True)
 class Chip:
     hbm_bytes: int
-    platform: str  # what `model.attention=auto` would resolve to there
+    platform: str  # where `model.attention=auto` resolves (gjax.models.attention.AUTO)
     source: str
 
 
@@ -108,7 +108,8 @@ SLICES: dict[str, tuple[str, int]] = {
     **{f"{g}x{n}": (g, n) for g in ("h100", "h200") for n in (2, 4, 8)},
 }
 
-# config.json fields of public checkpoints (huggingface.co/<id>/blob/main/config.json).
+# config.json fields of public checkpoints (huggingface.co/<id>/blob/main/config.json), as
+# published on the model cards (no hub is reachable from where this table was written).
 _QWEN3 = dict(model_type="qwen3", vocab_size=151936, head_dim=128, num_key_value_heads=8)
 _QWEN3.update(rope_theta=1000000.0, rms_norm_eps=1e-6, max_position_embeddings=40960)
 _QWEN25 = dict(model_type="qwen2", vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6)
@@ -178,7 +179,6 @@ def get_shape(name: str) -> dict[str, Any]:
 def tree_bytes(tree) -> int:
     """Per-device bytes of a tree of `ShapeDtypeStruct`s with shardings (the largest shard;
     a leaf without a sharding counts whole)."""
-
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.shape if x.sharding is None else x.sharding.shard_shape(x.shape)
@@ -187,7 +187,6 @@ def tree_bytes(tree) -> int:
 
 
 def with_shardings(tree, shardings):
-
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
@@ -196,7 +195,6 @@ def with_shardings(tree, shardings):
 def quantized_bytes(abstract_base, bits: int) -> int:
     """Per-device bytes of the base with its layer kernels in QLoRA's `bits` format (norms,
     biases, embedding and head stay as they are)."""
-
     per, scale_bytes, group = QLORA_FORMATS[bits]
     total = 0
     for path, x in jax.tree_util.tree_leaves_with_path(abstract_base):
@@ -228,7 +226,6 @@ def _memory(compiled) -> dict[str, int]:
 def worst_case_batch(config, mesh, dp: int):
     """The update's device batch as abstract arrays: every prompt and completion at its full
     length (the most tokens a step can bring), laid out and packed as `Learner.batch` does."""
-
     r = config.rollout
     p, g, s, n = r.prompts_per_step, r.num_samples, config.data.max_prompt_len, r.max_new_tokens
     groups = Groups(
@@ -274,10 +271,10 @@ def worst_case_batch(config, mesh, dp: int):
     }
 
 
-def plan_update(config, model_cfg, mesh, *, lora_on: bool, compile: bool = True) -> dict:
+def plan_update(config, model_cfg, mesh, *, lora_on: bool) -> dict[str, int]:
     """The update's per-device bytes: frozen base, trained params, Adam state, batch, and
-    (`compile`) the compiled program's temporaries."""
-
+    the compiled program's temporaries. (The teacher-forced reference / old log-prob passes
+    are programs of their own, forward only, smaller than the update; not compiled here.)"""
     obj_cfg = schema.to_objective_config(
         config.objective, rollout_temperature=config.rollout.temperature
     )
@@ -314,29 +311,25 @@ def plan_update(config, model_cfg, mesh, *, lora_on: bool, compile: bool = True)
         schedule=schedule,
     )
     batch = worst_case_batch(config, mesh, dp)
-    out = {
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    compiled = learner.update.lower(state, batch, key, base).compile()
+    return {
         "base": 0 if base is None else tree_bytes(base),
         "trained": tree_bytes(trained),
         "optimizer": tree_bytes(opt) + tree_bytes(step),
         "batch": tree_bytes(batch),
+        "update_temp": _memory(compiled)["temp"],
     }
-    if compile:
-        key = jax.eval_shape(lambda: jax.random.key(0))
-        key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
-        out["update_temp"] = _memory(learner.update.lower(state, batch, key, base).compile())[
-            "temp"
-        ]
-    return out
 
 
-def plan_rollout(config, model_cfg, mesh, *, compile: bool = True) -> dict[str, int]:
+def plan_rollout(config, model_cfg, mesh) -> dict[str, int]:
     """The rollout's per-device bytes beyond the params, for the config's decoder: KV (the
-    slot state, or the static sampler's caches) and, with `compile`, the per-layer decode
-    weights and the programs' temporaries.
+    slot state, or the static sampler's caches), the per-layer decode weights and the
+    compiled programs' temporaries.
 
     The continuous decoder's slot state is made unsharded (`decoder.init_state`, outside
     jit): every device holds all of it, whatever the mesh."""
-
     r = config.rollout
     p, g, s, n = r.prompts_per_step, r.num_samples, config.data.max_prompt_len, r.max_new_tokens
     whole = transformer.abstract_params(model_cfg)
@@ -356,8 +349,6 @@ def plan_rollout(config, model_cfg, mesh, *, compile: bool = True) -> dict[str, 
         state = with_shardings(state, jax.tree.map(lambda _: replicated, state))
         kv = [*state.cache_k, *state.cache_v, *state.prompt_k, *state.prompt_v]
         out = {"kv": tree_bytes(kv), "decode_state": tree_bytes(state)}
-        if not compile:
-            return out
         layers_c = dec._layers_jit.lower(params, cfg=model_cfg).compile()
         layers = with_shardings(
             jax.eval_shape(functools.partial(transformer.decode_layers, cfg=model_cfg), params),
@@ -381,16 +372,17 @@ def plan_rollout(config, model_cfg, mesh, *, compile: bool = True) -> dict[str, 
         shape = (rows, model_cfg.num_kv_heads, length, model_cfg.head_dim)
         spec = sharding.activation_sharding(mesh, kv_axes, shape=shape)
         per_layer += math.prod(spec.shard_shape(shape)) * dtype * 2
-    out = {"kv": per_layer * model_cfg.num_layers, "decode_state": 0}
-    if compile:
-        tokens = jax.ShapeDtypeStruct((p, s), jnp.int32, sharding=replicated)
-        compiled = sampler._generate_jit.lower(
-            params, model_cfg, tokens, tokens, key, num_samples=g, sampling=sp
-        ).compile()
-        mem = _memory(compiled)
-        out["decode_weights"] = 0  # inside the program's temp
-        out["rollout_temp"] = mem["temp"] + mem["output"]
-    return out
+    tokens = jax.ShapeDtypeStruct((p, s), jnp.int32, sharding=replicated)
+    compiled = sampler._generate_jit.lower(
+        params, model_cfg, tokens, tokens, key, num_samples=g, sampling=sp
+    ).compile()
+    mem = _memory(compiled)
+    return {
+        "kv": per_layer * model_cfg.num_layers,
+        "decode_state": 0,
+        "decode_weights": 0,  # inside the program's temp
+        "rollout_temp": mem["temp"] + mem["output"],
+    }
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -433,7 +425,6 @@ def mode_config(config, mode: str, lora_rank: int):
 
 def model_config(config, hf: dict[str, Any], num_layers: int | None = None):
     """The run's `ModelConfig` (numerics from `config.model`, LoRA from `model.lora`)."""
-
     m = config.model
     try:
         cfg = ModelConfig.from_hf(
@@ -476,7 +467,6 @@ def make_plan(
 ) -> tuple[list[Row], dict[str, int]]:
     """The rows of `modes` for `config` on a mesh over `devices` (see the module docstring),
     and the mesh's shape."""
-
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UserError(f"--modes={','.join(modes)}: unknown {unknown}; valid: {', '.join(MODES)}.")
@@ -550,7 +540,7 @@ def table(rows: list[Row], chip: Chip, margin: float) -> str:
     return "\n".join(lines)
 
 
-def notes(rows: list[Row], config) -> list[str]:
+def notes(rows: list[Row], config, chip: Chip) -> list[str]:
     out = []
     for row in rows:
         how = f"compiled, except: {'; '.join(row.analytic)}" if row.analytic else "compiled"
@@ -563,8 +553,8 @@ def notes(rows: list[Row], config) -> list[str]:
     out.append(
         "  XLA:CPU buffer assignment (a TPU or GPU compile fuses and schedules differently); "
         f"attention compiled as model.attention={config.model.attention!r} resolves on CPU "
-        "(auto: xla, dense T x T scores), which overstates long rows' activations next to "
-        "splash / flash attention."
+        f"(auto: xla, dense T x T scores; on the chip auto runs "
+        f"{attention.AUTO.get(chip.platform, 'xla')}), which overstates long rows' activations."
     )
     return out
 
@@ -631,7 +621,6 @@ def _hf_of(config, shape_name: str | None) -> dict[str, Any]:
 
 def _devices(n: int):
     """`n` devices for the plan: fake CPU devices, asked for before jax starts a backend."""
-
     with contextlib.suppress(RuntimeError):  # a backend already started (in-process callers)
         jax.config.update("jax_num_cpu_devices", n)
     devices = jax.devices("cpu")
@@ -672,7 +661,7 @@ def main(argv) -> None:
         f"{F.margin:.0%} kept free), mesh {mesh}"
     )
     print(table(rows, chip, F.margin))
-    print("\n".join(notes(rows, config)))
+    print("\n".join(notes(rows, config, chip)))
     if F.json:
         rep = report(
             rows,
