@@ -360,9 +360,10 @@ def plan_rollout(config, model_cfg, mesh) -> dict[str, int]:
         dispatch_c = dec._dispatch_jit.lower(
             params, model_cfg, layers, state, sp=sp, steps=r.tokens_per_dispatch
         )
-        temps = [_memory(prefill_c.compile())["temp"], _memory(dispatch_c.compile())["temp"]]
-        out["decode_weights"] = tree_bytes(layers) + _memory(layers_c)["temp"]
-        out["rollout_temp"] = max(temps)
+        # one program at a time: building the decode weights, a prefill, a dispatch
+        programs = (layers_c, prefill_c.compile(), dispatch_c.compile())
+        out["decode_weights"] = tree_bytes(layers)
+        out["rollout_temp"] = max(_memory(c)["temp"] for c in programs)
         return out
     # The static sampler: one program; its caches and per-layer weights are temporaries.
     dtype = jnp.dtype(model_cfg.jnp_dtype).itemsize
