@@ -189,7 +189,7 @@ from gjax.rollout.collect import Rollout  # noqa: E402
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
 SHAPES = flops.QWEN2_SHAPES  # for `--shape` (random weights, the character tokenizer)
 # `--compare-packing`'s "auto_coarse": the auto ladder before 2026-11-26 (8 values per doubling;
-# now `packing.AUTO_STEPS` = 16).
+# 16 from then to 2026-12-01, now `packing.AUTO_STEPS` = 4: fewer compiles).
 COARSE_STEPS = 8
 
 

@@ -59,6 +59,7 @@ def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     c.data.problem_field, c.data.answer_field = "problem", "answer"
     c.data.demonstration_field = "demonstration"
     c.data.template = "plain"
+    c.reward.extractors = "boxed,answer_tag"  # the task's answers are \boxed{}
     c.data.synthetic.update(EMBEDDED_TASK)  # other task fields stay overridable
     c.data.max_prompt_len = 24  # the task's prompts are <= 21 tokens
     c.data.heldout_size = 256
@@ -173,12 +174,18 @@ def dapo_math_dataset(
     copy keeps it (subset "all": 17k rows, `prompt` the problem with DAPO's instruction as
     one string, `solution` its ground truth; the original repeats each row ~100 times with the
     prompt as a chat list: problem_field="prompt[0].content",
-    answer_field="reward_model.ground_truth" read it). Held out: AIME 2024, DAPO's benchmark."""
+    answer_field="reward_model.ground_truth" read it). Held out: AIME 2024, DAPO's benchmark.
+    Prompt and reward are DAPO's: the instruction asks for a last line "Answer: $Answer"
+    (template `dapo`), the verifier reads it (extractor `answer_line`)."""
     c.model.path = "Qwen/Qwen2.5-Math-7B"
     c.data.source = "open-r1/DAPO-Math-17k-Processed"
     c.data.subset = "all"
     c.data.problem_field, c.data.answer_field = "prompt", "solution"
-    c.data.template = "qwen_boxed"
+    # The prompts ask for DAPO's "Answer: ..." last line, and DAPO's reward reads it: the
+    # `dapo` template adds no \boxed{} system line (and wraps held-out problems in DAPO's
+    # instruction), `answer_line` reads that line.
+    c.data.template = "dapo"
+    c.reward.extractors = "answer_line"
     c.data.max_prompt_len = 2048
     c.data.heldout_source = heldout
     return c

@@ -29,7 +29,9 @@ def get_config(arg=None):
     c.data.source = "knoveleng/open-rs"
     c.data.problem_field = "problem"
     c.data.answer_field = "answer"
-    c.data.template = "r1"
+    # Open-RS's prompt (CW-GRPO App. B) through the model's own chat template, as Open-RS
+    # applied it: think/answer tags and the answer in \boxed{} (the default extractors).
+    c.data.template = "open_rs"
     c.data.heldout_source = "math500"
     c.rollout.prompts_per_step = 16
     c.rollout.num_samples = 12

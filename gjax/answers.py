@@ -5,6 +5,8 @@ Extractors (``VerifierConfig.extractors`` names them, tried in order, the first 
     brace-less ``\\boxed 5`` form (up to the next whitespace or ``$``, trailing ``.,;:``
     dropped);
   * ``"answer_tag"``: the content of the last ``<answer>...</answer>`` pair;
+  * ``"answer_line"``: the rest of the line after the last ``Answer:`` (any case), the
+    form DAPO's prompts ask for, read as DAPO's reward reads it;
   * ``"regex"``: group 1 (or the whole match) of the last match of ``answer_regex``;
   * ``"math_verify"``: the whole response, left to math-verify's own extraction.
 
@@ -93,6 +95,24 @@ def extract_answer_tag(text: str) -> str | None:
     if open_ == -1:
         return None
     return text[open_ + len("<answer>") : close].strip()
+
+
+_ANSWER_LINE_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")  # DAPO's pattern
+
+
+@EXTRACTORS.register("answer_line")
+def extract_answer_line(text: str) -> str | None:
+    """What follows the LAST ``Answer:`` (case-insensitive) to the end of that line (or of the
+    next, when nothing follows on its own), stripped of whitespace, markdown bold and a final
+    period: DAPO's answer format (its prompts end
+    "The last line of your response should be of the form Answer: $Answer"; its reward,
+    verl's ``math_dapo``, reads the last match of ``(?i)Answer\\s*:\\s*([^\\n]+)``)."""
+    last = None
+    for last in _ANSWER_LINE_RE.finditer(text):  # noqa: B007 (we want the last one)
+        pass
+    if last is None:
+        return None
+    return last.group(1).strip().strip("*").strip().removesuffix(".").strip() or None
 
 
 @EXTRACTORS.register("math_verify")

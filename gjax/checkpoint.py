@@ -357,13 +357,8 @@ class Checkpointer:
         self.wait()
         self._mngr.close()
 
-    def restore_params(self, abstract_params: Any, *, step: int | None = None) -> tuple[int, Any]:
-        """Only the policy params of the newest checkpoint (or `step`): what an export needs.
-
-        The optimizer state (twice the params' size for Adam) is never read. Leaves of
-        `abstract_params` are `jax.ShapeDtypeStruct`s; they land on their `sharding` (default:
-        host memory, i.e. the CPU device, also on an accelerator machine).
-        """
+    def _pick(self, step: int | None) -> tuple[int, list[int]]:
+        """`(step, all steps)`: `step`, or the newest when None; a missing one is refused."""
         steps = self.all_steps()
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}: the run has saved none yet")
@@ -371,7 +366,29 @@ class Checkpointer:
             raise CheckpointError(
                 f"no checkpoint for step {step} in {self.directory}; it has steps {steps}"
             )
-        step = steps[-1] if step is None else step
+        return (steps[-1] if step is None else step), steps
+
+    def restore_meta(self, *, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """The `meta` item (data position, history, fingerprint) of the newest checkpoint (or
+        `step`), without reading its state: what an export checks before loading weights."""
+        step, steps = self._pick(step)
+        try:
+            meta = self._mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise CheckpointError(
+                f"the checkpoint of step {step} in {self.directory} could not be read "
+                f"({type(e).__name__}: {e}); the run has steps {steps}: pick another with --step"
+            ) from e
+        return step, meta.meta
+
+    def restore_params(self, abstract_params: Any, *, step: int | None = None) -> tuple[int, Any]:
+        """Only the policy params of the newest checkpoint (or `step`): what an export needs.
+
+        The optimizer state (twice the params' size for Adam) is never read. Leaves of
+        `abstract_params` are `jax.ShapeDtypeStruct`s; they land on their `sharding` (default:
+        host memory, i.e. the CPU device, also on an accelerator machine).
+        """
+        step, steps = self._pick(step)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
         restore_args = jax.tree.map(
             lambda x: ocp.ArrayRestoreArgs(dtype=x.dtype, sharding=x.sharding or device),

@@ -18,8 +18,13 @@ import ml_collections
 
 from gjax import packing, schema
 from gjax.errors import ConfigError
-from gjax.models import hf_format, hf_import
-from gjax.models.config import ATTENTION_IMPLEMENTATIONS, REMAT_POLICIES, parse_lora_targets
+from gjax.models import hf_format, hf_import, quant
+from gjax.models.config import (
+    ATTENTION_IMPLEMENTATIONS,
+    BASE_QUANT,
+    REMAT_POLICIES,
+    parse_lora_targets,
+)
 from gjax.schema import FIELDS, unknown_field, walk
 
 # A subsystem's config check: raises ConfigError naming the field (e.g.
@@ -108,7 +113,7 @@ def check_ranges(config: ml_collections.ConfigDict, reference: ml_collections.Co
 
 
 def check_lora(config: ml_collections.ConfigDict) -> None:
-    """`model.lora`: its targets name modules, its dtype exists, its backend takes adapters."""
+    """`model.lora`: its targets name modules, its dtype exists."""
     lora_cfg = config.model.lora
     _require(
         isinstance(lora_cfg.rank, int),
@@ -120,8 +125,27 @@ def check_lora(config: ml_collections.ConfigDict) -> None:
         "model.lora.dtype",
         f"must be one of {DTYPES}, got {lora_cfg.dtype!r}",
     )
+    quantize = lora_cfg.get("quantize", "none")
+    _require(
+        quantize in BASE_QUANT,
+        "model.lora.quantize",
+        f"must be one of {BASE_QUANT}, got {quantize!r}",
+    )
     if lora_cfg.rank == 0:
+        _require(
+            quantize == "none",
+            "model.lora.quantize",
+            f"={quantize!r} quantizes a frozen base, and without LoRA nothing would train: "
+            "set model.lora.rank > 0 (QLoRA) or model.lora.quantize=none",
+        )
         return
+    _require(
+        quantize == "none" or quant.available(),
+        "model.lora.quantize",
+        f"={quantize!r} needs the qwix package (its quantized arrays), which is not "
+        "installed: pip install 'gjax[qlora]' (or pip install qwix), or set "
+        "model.lora.quantize=none",
+    )
     try:
         targets = parse_lora_targets(lora_cfg.targets)
     except ValueError as e:
@@ -131,12 +155,6 @@ def check_lora(config: ml_collections.ConfigDict) -> None:
         "model.lora.targets",
         f"is empty, so rank {lora_cfg.rank} adapts nothing: list the projections to adapt "
         "(e.g. q,k,v,o,gate,up,down) or set model.lora.rank=0 for full fine-tuning",
-    )
-    _require(
-        config.rollout.backend != "jetstream_grpc",
-        "rollout.backend",
-        "jetstream_grpc hands full weights to gjax.serve replicas, which do not take LoRA "
-        "adapters yet: use rollout.backend=local or jetstream with model.lora.rank > 0",
     )
 
 
@@ -247,9 +265,11 @@ def validate(
     if config.objective.advantage == "pass_at_k":  # subgroups of k out of the G samples
         k = config.objective.advantage_kwargs.get("k")
         _require(
-            isinstance(k, int) and 1 <= k <= r.num_samples,
+            isinstance(k, int) and 1 <= k < r.num_samples,
             "objective.advantage_kwargs.k",
-            f"pass@k subgroups need an int k in [1, num_samples={r.num_samples}], got {k!r}",
+            f"pass@k subgroups need an int k in [1, num_samples={r.num_samples}), got {k!r}: "
+            "with k = num_samples the one subgroup is the whole group and every advantage is "
+            "0 (Chen et al. 2025's normalisation over subgroups has nothing to compare)",
         )
     data_parallel = mesh["data"] * mesh["fsdp"]
     per_update = t.minibatches * t.microbatches

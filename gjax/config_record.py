@@ -25,9 +25,11 @@ HISTORY = "config_history.jsonl"
 OPT_IN = "train.allow_config_change"
 
 # Fields a resume may change without changing what a step trains: the run's length (but see
-# `_training_changes`: a cosine schedule decays over it), checkpoint and log cadences, storage
-# and request timeouts, the server's address and the verifier's worker count; and how rollouts
-# are decoded (decoder, slots, tokens per dispatch, prefill chunk): the same distribution,
+# `_training_changes`: a cosine schedule decays over it), checkpoint and log cadences (and
+# where the run logs: Weights & Biases), storage and request timeouts, the compilation cache
+# (a cached program is the one a compile makes), the server's address and the verifier's
+# worker count; and how rollouts are decoded (decoder, slots, tokens per dispatch, prefill
+# chunk): the same distribution,
 # other draws at most, and nothing in the checkpoint (a run started when 'auto' was static on
 # several processes resumes continuous). Anything else, parallelism and mesh included, needs
 # the opt-in.
@@ -36,12 +38,18 @@ HARMLESS = frozenset(
         OPT_IN,
         "train.steps",
         "train.storage_timeout_s",
+        "train.compilation_cache",
         "checkpoint.every",
         "checkpoint.keep",
         "checkpoint.async_save",
         "log.tensorboard",
         "log.progress",
         "log.eval_every",
+        "log.wandb_project",
+        "log.wandb_entity",
+        "log.wandb_name",
+        "log.wandb_tags",
+        "log.wandb_mode",
         "eval.max_rows",
         "rollout.server_address",
         "rollout.request_timeout_s",

@@ -6,6 +6,9 @@
         [--k=1,4,16] [--greedy] [--out=DIR]
     # local copies in each benchmark's own format (no Hub access needed):
     python -m gjax.eval --model=DIR --benchmarks=aime24=/data/aime_2024.parquet,math500=m.jsonl
+    # the same prompts, greedy settings and scoring as an lm-evaluation-harness task
+    # (gjax.evaluation.lm_eval_task; writes DIR/gjax_heldout/, evaluates nothing):
+    python -m gjax.eval --checkpoint=workdirs/a_grae --write_lm_eval_task=DIR
 
 `--checkpoint` is a training `--workdir` (or its `checkpoints` dir, or one step dir in it);
 only the policy parameters are restored. `--model` is a Hugging Face checkpoint dir (local,
@@ -51,12 +54,15 @@ from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import benchmarks as bench_lib
+from gjax.data.builders import run_data_config
 from gjax.data.prompts import PromptData
 from gjax.embedded import resolve_model_path
+from gjax.evaluation import lm_eval_task
 from gjax.evaluation.metrics import EvalError, Samples, parse_ks, summarize
 from gjax.evaluation.report import markdown_table
 from gjax.evaluation.sampling import sample_and_score
-from gjax.models import hf_format, hf_import
+from gjax.models import hf_format, hf_import, lora
+from gjax.rewards.pipeline import verifier_extractors
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
@@ -133,20 +139,43 @@ class _Policy:
     mesh: Any
 
 
+def _model_and_run(checkpoint: str | None, model: str | None) -> tuple[str, dict[str, Any]]:
+    """(model dir, run config) of --checkpoint (a training run) or --model (an HF dir, with
+    the tiny config's data and rollout standing in for the run: `heldout` is the embedded
+    task's)."""
+    if checkpoint:
+        workdir, _, _ = split_checkpoint_path(checkpoint, None)
+        return run_model_source(workdir)
+    tiny = common.tiny(common.base())
+    return resolve_model_path(model), {
+        "data": tiny.data.to_dict(),
+        "rollout": tiny.rollout.to_dict(),
+    }
+
+
 def _load_policy(F, mesh_for) -> _Policy:
     """--checkpoint (params restored alone) or --model (an HF dir), placed on the mesh."""
 
     if F.checkpoint:
         workdir, ckpt_dir, step = split_checkpoint_path(F.checkpoint, F.step)
-        model_path, run = run_model_source(workdir)
-    else:
-        tiny = common.tiny(common.base())  # `heldout` with --model: the embedded task's
-        model_path, step = resolve_model_path(F.model), None
-        run = {"data": tiny.data.to_dict(), "rollout": tiny.rollout.to_dict()}
+    model_path, run = _model_and_run(F.checkpoint, F.model)
     mesh = mesh_for(run)
     dtype = F.dtype or run.get("model", {}).get("dtype")
     overrides = {"dtype": dtype} if dtype else {}
-    if F.checkpoint:
+    if F.checkpoint and run.get("model", {}).get("lora", {}).get("rank", 0):
+        # A LoRA run's checkpoints hold its adapters: the base comes from its model.path.
+        cfg = hf_import.load_config(model_path, **overrides)
+        cfg = cfg.replace(param_dtype=run["model"].get("param_dtype", "float32"))
+        ckpt = Checkpointer(ckpt_dir)
+        try:
+            step, cfg, adapters, base = model_record.restore_lora(
+                ckpt, cfg, run["model"], step, mesh
+            )
+        finally:
+            ckpt.close()
+        params = lora.merge(base, adapters)
+        label, out_dir = f"{workdir} step {step}", os.path.join(workdir, "eval", f"step_{step}")
+    elif F.checkpoint:
         param_dtype = run.get("model", {}).get("param_dtype", "float32")
         cfg = hf_import.load_config(model_path, **overrides).replace(param_dtype=param_dtype)
         shapes = jax.tree.map(
@@ -163,10 +192,128 @@ def _load_policy(F, mesh_for) -> _Policy:
         label, out_dir = f"{workdir} step {step}", os.path.join(workdir, "eval", f"step_{step}")
     else:
         cfg, params = hf_import.load_pretrained(model_path, mesh=mesh, **overrides)
-        label = F.model
+        step, label = None, F.model
         out_dir = os.path.join("eval_results", os.path.basename(os.path.normpath(F.model)))
     tok = hf_import.load_tokenizer(model_path)
     return _Policy(cfg, params, tok, model_path, run, label, step, out_dir, mesh)
+
+
+def prompt_format(
+    run: dict[str, Any], template: str | None, extractors: str | None, is_run: bool
+) -> tuple[str, tuple[str, ...]]:
+    """(prompt template, answer extractors) of an evaluation: the flags', else the run's own
+    for its checkpoints (the format its prompts ask for), else the papers' for a model."""
+    template = template or (run["data"]["template"] if is_run else "qwen_boxed")
+    names = extractors or run.get("reward", {}).get("extractors", "boxed,answer_tag")
+    return template, verifier_extractors(names)
+
+
+def benchmark_prompts(
+    spec: bench_lib.BenchmarkSpec,
+    cfg,
+    tok,
+    run: dict[str, Any],
+    *,
+    template: str,
+    max_new_tokens: int | None = None,
+    temperature: float = PAPER_TEMPERATURE,
+    top_p: float = PAPER_TOP_P,
+) -> tuple[PromptData, SamplingParams]:
+    """A benchmark's prompts (every problem, templated and tokenized) and its sampling: up to
+    `max_new_tokens` (default: the run's rollout length for `heldout`, else the papers'),
+    capped by the context the longest prompt leaves; stops at the model's EOS."""
+    data = bench_lib.load_benchmark(
+        spec,
+        tok,
+        template=template,
+        max_prompt_len=cfg.max_position_embeddings - 1,
+        heldout_data=run_data_config(run),
+    )
+    room = cfg.max_position_embeddings - max(len(x) for x in data.prompt_ids)
+    heldout = spec.name == bench_lib.HELDOUT
+    want = max_new_tokens or (run["rollout"]["max_new_tokens"] if heldout else PAPER_MAX_NEW_TOKENS)
+    if max_new_tokens and want > room:
+        raise EvalError(
+            f"--max_new_tokens={want} does not fit: {spec.name}'s longest prompt "
+            f"leaves {room} of the model's {cfg.max_position_embeddings} positions"
+        )
+    eos, pad_id = stop_and_pad(cfg, tok)
+    sampling = SamplingParams(
+        max_new_tokens=min(want, room),
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=eos,
+        pad_token_id=pad_id,
+    )
+    return data, sampling
+
+
+def greedy_sampling(sampling: SamplingParams) -> SamplingParams:
+    """`--greedy`'s sampling: temperature 0 (argmax), otherwise as `sampling`."""
+    return dataclasses.replace(sampling, temperature=0.0, top_p=1.0)
+
+
+def write_lm_eval_tasks(
+    out_dir: str,
+    *,
+    checkpoint: str | None = None,
+    model: str | None = None,
+    benchmarks: str = bench_lib.HELDOUT,
+    template: str | None = None,
+    extractors: str | None = None,
+    max_new_tokens: int | None = None,
+    verifier_timeout_s: float = 5.0,
+) -> list[str]:
+    """Writes each benchmark as a local lm-evaluation-harness task, `out_dir/gjax_<name>/`
+    (`gjax.evaluation.lm_eval_task`): the prompts, max new tokens, stop tokens and answer
+    scoring of `gjax.eval --greedy` on the same checkpoint. Reads the run's config, the
+    model's config and its tokenizer, never the weights. Returns the task dirs."""
+    if bool(checkpoint) == bool(model):
+        raise EvalError("give exactly one of --checkpoint (a training workdir) or --model (HF dir)")
+    model_path, run = _model_and_run(checkpoint, model)
+    cfg = hf_import.load_config(model_path)
+    tok = hf_import.load_tokenizer(model_path)
+    template, names = prompt_format(run, template, extractors, bool(checkpoint))
+    stop_ids, _ = stop_and_pad(cfg, tok)
+    stop = [tok.decode([i], skip_special_tokens=False) for i in stop_ids]
+    dirs = []
+    for spec in bench_lib.parse_specs(benchmarks):
+        data, sampling = benchmark_prompts(
+            spec, cfg, tok, run, template=template, max_new_tokens=max_new_tokens
+        )
+        _check_tokenization(spec.name, data, tok)
+        source = {
+            "evaluated": checkpoint or model,
+            "model": model_path,
+            "template": (
+                run_data_config(run)["template"] if spec.name == bench_lib.HELDOUT else template
+            ),
+            "benchmark_source": spec.path or bench_lib.source_of(spec.name),
+        }
+        dirs.append(
+            lm_eval_task.write_task(
+                out_dir,
+                spec.name,
+                data,
+                max_new_tokens=sampling.max_new_tokens,
+                stop=stop,
+                extractors=names,
+                verifier_timeout_s=verifier_timeout_s,
+                source=source,
+            )
+        )
+    return dirs
+
+
+def _check_tokenization(name: str, data: PromptData, tok) -> None:
+    """The prompts' text must come back as gjax's token ids (lm-eval tokenizes the text)."""
+    for prompt, ids in zip(data.prompts, data.prompt_ids):
+        if tok(prompt, add_special_tokens=False)["input_ids"] != ids.tolist():
+            raise EvalError(
+                f"benchmark {name!r}: a templated prompt does not tokenize back to the ids gjax "
+                f"samples from ({prompt[:80]!r}...), so lm-eval would not see gjax's input; "
+                "this tokenizer cannot be evaluated through a text task"
+            )
 
 
 def main(argv) -> None:
@@ -177,9 +324,28 @@ def main(argv) -> None:
     F = flags.FLAGS
     if bool(F.checkpoint) == bool(F.model):
         raise EvalError("give exactly one of --checkpoint (a training workdir) or --model (HF dir)")
-    for name in ("checkpoint", "model", "out"):
+    for name in ("checkpoint", "model", "out", "write_lm_eval_task"):
         paths.require_backend(F[name].value, f"--{name}")
     specs = bench_lib.parse_specs(F.benchmarks)
+    if F.write_lm_eval_task:
+        dirs = write_lm_eval_tasks(
+            F.write_lm_eval_task,
+            checkpoint=F.checkpoint,
+            model=F.model,
+            benchmarks=F.benchmarks,
+            template=F.template,
+            extractors=F.extractors,
+            max_new_tokens=F.max_new_tokens,
+            verifier_timeout_s=F.verifier_timeout_s,
+        )
+        tasks = ",".join(os.path.basename(d) for d in dirs)
+        print(
+            f"lm-eval task(s) {tasks} written to {F.write_lm_eval_task}. Evaluate an export "
+            "(python -m gjax.export --workdir=RUN --out=EXPORT) with:\n  lm_eval --model hf "
+            "--model_args pretrained=EXPORT,dtype=float32,add_bos_token=False "
+            f"--tasks {tasks} --include_path {F.write_lm_eval_task} --batch_size 32"
+        )
+        return
 
     def mesh_for(run):  # the run's mesh (or data-parallel), --fsdp / --tensor override it
         mesh_cfg = dict(run.get("mesh") or {"data": -1, "fsdp": 1, "tensor": 1})
@@ -195,40 +361,23 @@ def main(argv) -> None:
         scope.enter_context(jax.set_mesh(policy.mesh))
         scope.enter_context(sharding.use_rules())
         cfg, tok, run = policy.cfg, policy.tokenizer, policy.run
-        eos, pad_id = stop_and_pad(cfg, tok)
         out_dir = F.out or policy.out_dir
-        # The run's own prompt template for its checkpoints; the papers' for a model.
-        template = F.template or (run["data"]["template"] if F.checkpoint else "qwen_boxed")
+        template, extractors = prompt_format(run, F.template, F.extractors, bool(F.checkpoint))
         results: dict[str, dict[str, float]] = {}
         per_benchmark: dict[str, dict[str, Any]] = {}
         backend = LocalSampler(cfg)
-        with Verifier(timeout_s=F.verifier_timeout_s, num_workers=F.verifier_workers) as verifier:
+        verifier = Verifier(
+            timeout_s=F.verifier_timeout_s,
+            num_workers=F.verifier_workers,
+            extractors=extractors,
+        )
+        with verifier:
             for i, spec in enumerate(specs):
-                data = bench_lib.load_benchmark(
-                    spec,
-                    tok,
-                    template=template,
-                    max_prompt_len=cfg.max_position_embeddings - 1,
-                    heldout_data=run.get("data"),
-                )
-                room = cfg.max_position_embeddings - max(len(x) for x in data.prompt_ids)
-                heldout = spec.name == bench_lib.HELDOUT
-                want = F.max_new_tokens or (
-                    run["rollout"]["max_new_tokens"] if heldout else PAPER_MAX_NEW_TOKENS
-                )
-                if F.max_new_tokens and want > room:
-                    raise EvalError(
-                        f"--max_new_tokens={want} does not fit: {spec.name}'s longest prompt "
-                        f"leaves {room} of the model's {cfg.max_position_embeddings} positions"
-                    )
+                data, sampling = benchmark_prompts(
+                    spec, cfg, tok, run, template=template, max_new_tokens=F.max_new_tokens,
+                    temperature=F.temperature, top_p=F.top_p,
+                )  # fmt: skip
                 n = F.num_samples or bench_lib.default_num_samples(spec.name)
-                sampling = SamplingParams(
-                    max_new_tokens=min(want, room),
-                    temperature=F.temperature,
-                    top_p=F.top_p,
-                    stop_token_ids=eos,
-                    pad_token_id=pad_id,
-                )
                 results[spec.name] = _evaluate_one(
                     F, spec.name, backend, policy.params, tok, data, verifier, n, sampling,
                     rng=jax.random.fold_in(jax.random.key(F.seed), i), out_dir=out_dir,
@@ -247,6 +396,7 @@ def main(argv) -> None:
             "temperature": F.temperature,
             "top_p": F.top_p,
             "template": template,
+            "extractors": list(extractors),
             "seed": F.seed,
         },
         "per_benchmark": per_benchmark,
@@ -274,8 +424,7 @@ def _evaluate_one(F, name, backend, params, tok, data, verifier, n, sampling, *,
     metrics = summarize(samples, ks)
     if F.greedy:
         greedy = sample_and_score(
-            backend, params, tok, data, verifier, num_samples=1,
-            sampling=dataclasses.replace(sampling, temperature=0.0, top_p=1.0),
+            backend, params, tok, data, verifier, num_samples=1, sampling=greedy_sampling(sampling),
             progress=f"{name} greedy", **kw,
         )  # fmt: skip
         metrics["greedy"] = float(greedy.correct_PxN.mean())
@@ -314,6 +463,11 @@ def _define_flags() -> None:
     d.DEFINE_string("k", None, "k values of pass@k and maj@k (default: 1, 2, 4, ... n).")
     d.DEFINE_bool("greedy", False, "Also report greedy (temperature 0) accuracy.")
     d.DEFINE_string("template", None, "Prompt template (default: the run's, else qwen_boxed).")
+    d.DEFINE_string(
+        "extractors",
+        None,
+        "Answer extractors, comma list (default: the run's, else boxed,answer_tag).",
+    )
     d.DEFINE_string("out", None, "Output dir (default: WORKDIR/eval/step_N or eval_results/NAME).")
     d.DEFINE_integer("max_rows", 256, "Sequences per sampler call (bounds memory).")
     d.DEFINE_integer("seed", 0, "Sampling seed.")
@@ -323,6 +477,12 @@ def _define_flags() -> None:
     d.DEFINE_float("verifier_timeout_s", 5.0, "Per-answer verifier deadline in seconds.")
     d.DEFINE_integer("verifier_workers", 2, "Verifier worker processes.")
     d.DEFINE_bool("save_samples", False, "Also write OUT/<benchmark>_samples.jsonl.")
+    d.DEFINE_string(
+        "write_lm_eval_task",
+        None,
+        "Write the benchmarks as lm-evaluation-harness tasks in this dir (DIR/gjax_<name>/: "
+        "gjax's prompts, greedy, max new tokens, stop tokens, scoring) instead of evaluating.",
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Export a gjax training run (local or gs://) to Hugging Face format.
 
     python -m gjax.export --workdir=workdirs/a_grae --out=hf_out [--step=N]
-                          [--dtype=bfloat16] [--max_shard_size=5GB]
+                          [--dtype=bfloat16] [--max_shard_size=5GB] [--format=hf|peft]
 
 Needs only the workdir. Training records its policy's architecture and tokenizer in
 `WORKDIR/model/` when it starts (HF `config.json`, `generation_config.json`, tokenizer files:
@@ -16,6 +16,20 @@ chat template is the run's prompt template (`data.template`, as Jinja from
 `--out` may be relative, absolute or gs:// paths. A workdir written before `model/` was
 recorded falls back to the base model named in its `config.json` (its config and tokenizer
 only).
+
+A LoRA run (`model.lora.rank` > 0) checkpoints only its adapters, so its export also loads
+the frozen base from the run's `model.path` (as training resolved it, `embedded:` names
+included) and refuses a base whose content (`gjax.models.lora.base_digest`) is not the one
+the checkpoint recorded. Two forms:
+
+    python -m gjax.export --workdir=WD --out=merged               # --format=hf (default)
+    python -m gjax.export --workdir=WD --out=adapter --format=peft
+
+`--format=hf` writes the merged weights (each adapted kernel W + (alpha / r) A B) as a plain
+Hugging Face checkpoint of the base architecture, as above; `--format=peft` writes a PEFT
+LoRA adapter directory (`adapter_config.json`, `adapter_model.safetensors`, the tokenizer),
+loadable by `peft.PeftModel.from_pretrained(base, out)` on the base model. `--format=peft`
+of a full fine-tuning run is refused (it has no adapters).
 """
 
 from __future__ import annotations
@@ -26,11 +40,12 @@ import jax
 import numpy as np
 from absl import flags
 
-from gjax import cli, model_record, paths
+from gjax import cli, model_record, paths, sharding
 from gjax.checkpoint import Checkpointer
 from gjax.data import templates
-from gjax.models import hf_export, hf_format
-from gjax.models.config import dtype_from_name
+from gjax.embedded import resolve_model_path
+from gjax.models import hf_export, hf_format, lora
+from gjax.models.config import ModelConfig, dtype_from_name
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's --workdir (local or gs://).")
 _OUT = flags.DEFINE_string("out", None, "Output directory (local or gs://).")
@@ -41,6 +56,14 @@ _DTYPE = flags.DEFINE_string(
     "Write tensors in this dtype: float32, bfloat16 or float16 (default: as trained).",
 )
 _SHARD = flags.DEFINE_string("max_shard_size", "5GB", "Bytes per safetensors file.")
+FORMATS = ("hf", "peft")
+_FORMAT = flags.DEFINE_enum(
+    "format",
+    "hf",
+    FORMATS,
+    "hf: a Hugging Face checkpoint (a LoRA run's adapters merged into the base); "
+    "peft: a LoRA run's adapters as a PEFT adapter directory.",
+)
 
 
 def export(
@@ -50,8 +73,10 @@ def export(
     step: int | None = None,
     dtype: str | None = None,
     max_shard_size: str = "5GB",
+    format: str = "hf",
 ) -> int:
-    """Writes the run's checkpoint `step` (default: newest) to `out`; returns the step."""
+    """Writes the run's checkpoint `step` (default: newest) to `out` in `format` ("hf" or
+    "peft", see the module docstring); returns the step."""
     paths.require_backend(workdir, "--workdir")
     paths.require_backend(out, "--out")
     try:
@@ -60,19 +85,47 @@ def export(
         hf_export.parse_size(max_shard_size)
     except ValueError as e:
         raise model_record.RecordError(str(e)) from None
+    if format not in FORMATS:
+        raise model_record.RecordError(
+            f"--format={format!r} is not an export format; use one of {list(FORMATS)}"
+        )
     cfg, source = model_record.load(workdir)
+    run_model = model_record.run_config(workdir)["model"]
+    lora_run = bool(run_model.get("lora", {}).get("rank", 0))
+    if format == "peft" and not lora_run:
+        raise model_record.RecordError(
+            f"--format=peft writes LoRA adapters, but the run in {workdir} fine-tuned all "
+            "parameters (its config.json has model.lora.rank=0), so it has none: export it as a "
+            "Hugging Face checkpoint (--format=hf, the default)"
+        )
     chat_template = _chat_template(model_record.prompt_template(workdir))
-    abstract = jax.tree.map(
-        lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
-        hf_format.param_shapes(cfg),
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
     ckpt = Checkpointer(paths.resolve(workdir) / "checkpoints", async_save=False)
     try:
-        step, params = ckpt.restore_params(abstract, step=step)
+        if lora_run:
+            mesh = sharding.make_mesh({}, devices=jax.local_devices(backend="cpu")[:1])
+            step, lora_cfg, adapters, base = model_record.restore_lora(
+                ckpt, cfg, run_model, step, mesh
+            )
+        else:
+            step, params = ckpt.restore_params(
+                _abstract(hf_format.param_shapes(cfg), cfg), step=step
+            )
     finally:
         ckpt.close()
     out_path = str(paths.resolve(out))
+    if format == "peft":
+        hf_export.save_peft_adapter(
+            adapters,
+            lora_cfg,
+            out_path,
+            base_model_name_or_path=resolve_model_path(run_model["path"]),
+            tokenizer=source,
+            dtype=dtype,
+            chat_template=chat_template,
+        )
+        return step
+    if lora_run:
+        params = lora.merged(lora.merge(base, adapters), lora_cfg)
     hf_export.save_pretrained(
         params,
         cfg,
@@ -83,6 +136,14 @@ def export(
         chat_template=chat_template,
     )
     return step
+
+
+def _abstract(shapes, cfg: ModelConfig):
+    return jax.tree.map(
+        lambda shape: jax.ShapeDtypeStruct(shape, np.dtype(cfg.jnp_param_dtype)),
+        shapes,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
 
 
 def _chat_template(name: str | None) -> str | None:
@@ -112,6 +173,7 @@ def main(argv):
         step=_STEP.value,
         dtype=_DTYPE.value,
         max_shard_size=_SHARD.value,
+        format=_FORMAT.value,
     )
     print(f"exported step {step} of {_WORKDIR.value} to {paths.resolve(_OUT.value)}")
     jax.effects_barrier()

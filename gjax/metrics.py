@@ -1,6 +1,7 @@
 """Metrics sinks: JSONL (the record), TensorBoard (for eyes), a progress bar (for the terminal).
 
-`MetricsWriter.write(step, metrics)` takes host floats; the loop hands it step N's metrics
+`MetricsWriter.write(step, metrics)` takes host floats (and mirrors them to Weights & Biases
+with log.wandb_project: `gjax.wandb_log`); the loop hands it step N's metrics
 while the device already runs step N+1 (pulled one step late, nanodo-style).
 
 On resume from step k the sinks continue where the checkpoint ends: JSONL rows past k are
@@ -101,6 +102,7 @@ class MetricsWriter:
         history: list[Mapping[str, Any]] = (),
         storage_timeout_s: float = 300.0,
         last_intact: Callable[[], str] | None = None,
+        wandb=None,
     ):
         root = paths.resolve(workdir)
         root.mkdir(parents=True, exist_ok=True)
@@ -111,6 +113,9 @@ class MetricsWriter:
         self._uploaded_at = time.monotonic()
         self._truncate_after(start_step, history)
         self._file = None if self._remote else open(self.path, "a")  # noqa: SIM115 - for the run
+        self._wandb = wandb  # a gjax.wandb_log.WandbSink (log.wandb_project) or None
+        if wandb is not None:
+            wandb.warn = self.warn  # its warnings above the progress bar too
         self._tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # imported only when log.tensorboard is on
@@ -164,6 +169,8 @@ class MetricsWriter:
             for k, v in metrics.items():
                 if math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
+        if self._wandb is not None:
+            self._wandb.log(step, metrics)
         if self._progress:
             self._show(step, metrics)
 
@@ -214,6 +221,8 @@ class MetricsWriter:
             self._uploaded_at = time.monotonic()
         else:
             self._file.flush()
+        if self._wandb is not None:
+            self._wandb.flush()
 
     def close(self) -> None:
         """Closes the sinks; the bar ends its line, so what is printed next has its own."""
@@ -236,7 +245,9 @@ def _finite(v):
     return v if v is None or math.isfinite(v) else None
 
 
-def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bool) -> str:
+def workdir_layout(
+    workdir: str, *, checkpoint_steps: list[int], tensorboard: bool, wandb: bool = False
+) -> str:
     """What a run leaves in its workdir, for the last lines it prints."""
     ckpts = ", ".join(map(str, checkpoint_steps)) or "none"
     lines = [
@@ -245,6 +256,11 @@ def workdir_layout(workdir: str, *, checkpoint_steps: list[int], tensorboard: bo
         *(
             ["  tensorboard/    TensorBoard events (tensorboard --logdir WORKDIR/tensorboard)"]
             if tensorboard
+            else []
+        ),
+        *(
+            ["  wandb_run.json  the Weights & Biases run's id: a resume continues that run"]
+            if wandb
             else []
         ),
         f"  checkpoints/    steps {ckpts}; the same command resumes, gjax.export converts",

@@ -48,6 +48,9 @@ PEER_TIMEOUT_S = 300  # default of --peer_timeout_s: how long start-up waits for
 PEER_DEAD_S = 30.0  # gjax's PeerWatch: a peer silent this long is dead; the survivors exit
 HEARTBEAT_TIMEOUT_S = 100  # jax's own (it aborts the process): later than PeerWatch, always
 WAITING_NOTE_S = 5.0  # start-up says it is waiting for peers after this, then every 30 s
+# Default of --collective_timeout_s: how long a CPU (gloo) collective waits for a live peer
+# still compiling or loading. A dead peer is found sooner, by PeerWatch (PEER_DEAD_S).
+COLLECTIVE_TIMEOUT_S = 1800
 
 
 def requested(jax_distributed: bool = False, coordinator_address: str | None = None) -> bool:
@@ -63,6 +66,8 @@ def initialize(
     *,
     peer_timeout_s: int = PEER_TIMEOUT_S,
     heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S,
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
+    peer_dead_s: float = PEER_DEAD_S,
     on_peer_failure: Callable[[str], None] | None = None,
 ) -> PeerWatch | None:
     """`jax.distributed.initialize` from flags, else the environment, else auto-detection.
@@ -74,10 +79,14 @@ def initialize(
     Faults end within bounded time. While peers are missing a line says so after
     `WAITING_NOTE_S` (then every 30 s); after `peer_timeout_s` the process prints a
     `DistributedError` paragraph naming the flags and exits 2 (jax, whose own time-out is set
-    later, would abort with a C++ fatal error and no Python exception). Once running, with `on_peer_failure` a `PeerWatch` is returned: a peer silent for
-    `PEER_DEAD_S` (killed, host lost) makes it call `on_peer_failure(reason)` on its thread
-    (which should print what to do and `os._exit`); jax itself aborts after
-    `heartbeat_timeout_s`.
+    later, would abort with a C++ fatal error and no Python exception). Once running, with
+    `on_peer_failure` a `PeerWatch` is returned: a peer silent for `peer_dead_s` (killed,
+    host lost) makes it call `on_peer_failure(reason)` on its thread (which should print what
+    to do and `os._exit`); jax itself aborts after `heartbeat_timeout_s`. A CPU (gloo)
+    collective waits `collective_timeout_s` for a peer that is alive but late (compiling a
+    program the other already runs, under load): XLA's own time-out, set here rather than
+    left to jaxlib's default; one that still times out raises, and the caller says what to
+    do (`gjax.train.collective_faults`: a `CollectiveFailed` paragraph).
     """
     env = os.environ
     coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS") or None
@@ -100,6 +109,7 @@ def initialize(
         )
     # Cross-process collectives of the CPU backend (harmless where an accelerator runs them).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    set_collective_timeout(collective_timeout_s)
     who = (
         f"process {process_id} of {num_processes}" if all(given) else "this process"
     ) + f" (coordinator {coordinator_address or 'auto-detected'})"
@@ -146,7 +156,23 @@ def initialize(
         done.set()
     if on_peer_failure is None or jax.process_count() == 1:
         return None
-    return PeerWatch(on_peer_failure)
+    return PeerWatch(on_peer_failure, dead_after_s=peer_dead_s)
+
+
+COLLECTIVE_TIMEOUT_FLAG = "--xla_cpu_collective_timeout_seconds"
+
+
+def set_collective_timeout(seconds: int) -> None:
+    """How long XLA's CPU collectives (gloo) wait for the other processes, through XLA_FLAGS,
+    which XLA reads once, when the first backend starts (so: before any jax computation). A
+    value the user put in XLA_FLAGS is kept."""
+    xla_flags = os.environ.get("XLA_FLAGS", "")
+    if COLLECTIVE_TIMEOUT_FLAG not in xla_flags:
+        os.environ["XLA_FLAGS"] = f"{xla_flags} {COLLECTIVE_TIMEOUT_FLAG}={int(seconds)}".strip()
+
+
+class CollectiveFailed(DistributedError):
+    """A cross-process operation failed, or timed out, while every process was still alive."""
 
 
 class PeerWatch:
@@ -189,7 +215,7 @@ class PeerWatch:
                 if now - reachable > self.dead_after_s:
                     return self._fail(
                         f"the coordinator (process 0) has not answered process {self.index} of "
-                        f"{self.count} for {now - reachable:.0f} s: {_first_line(e)}"
+                        f"{self.count} for {now - reachable:.0f} s: {first_line(e)}"
                     )
                 time.sleep(self.BEAT_S)
                 continue
@@ -222,9 +248,11 @@ class PeerWatch:
 
 def collective_failed(err: BaseException) -> bool:
     """Whether `err` is (or was caused by) a failed jax runtime operation, e.g. a collective
-    whose peer died (gloo fails at once), rather than a user error or a bug of the caller's."""
+    whose peer died (gloo fails at once) or timed out, rather than a user error or a bug of
+    the caller's. jax raises a failed gloo collective as a ValueError ("UNKNOWN: Gloo
+    AllGather failed: ... Timed out waiting 30000ms ..."), not a JaxRuntimeError."""
     while err is not None:
-        if isinstance(err, jax.errors.JaxRuntimeError):
+        if isinstance(err, jax.errors.JaxRuntimeError) or "Gloo " in first_line(err):
             return True
         err = err.__cause__ or err.__context__
     return False
@@ -237,7 +265,7 @@ def _exit_now(err: UserError) -> None:
     os._exit(2)
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
 
 
@@ -390,6 +418,15 @@ def gather_rows(x: np.ndarray, layout: RowLayout, *, gather=allgather) -> np.nda
 def any_process(flag: bool, *, gather=allgather) -> bool:
     """True on every process when `flag` is set on any (e.g. a SIGTERM seen by one host)."""
     return bool(gather(np.asarray(bool(flag))).any())
+
+
+def stop_signal(signum: int | None, *, gather=allgather) -> tuple[int | None, int | None]:
+    """(signal, process): the stop signal of the lowest-numbered process that received one and
+    that process's index, the same on every process; (None, None) when none did. A signal
+    (SIGTERM on one host of a preempted pod) often reaches only some processes."""
+    got = np.asarray(gather(np.asarray(signum or 0, np.int64))).reshape(-1)
+    first = int(np.flatnonzero(got)[0]) if got.any() else None
+    return (None, None) if first is None else (int(got[first]), first)
 
 
 def combine_metrics(metrics: Mapping[str, float], *, gather=allgather) -> dict[str, float]:

@@ -5,11 +5,17 @@ token up to the position that predicts its last loss token) is copied into one o
 W tokens by minimum bin slack (`pack_rows`), so the model runs on [J, W] instead of [B, S].
 J and W are static (`Packing`); a batch whose rows do not fit is a clear error (`plan`).
 With J = 0 (auto, the default) each batch takes the fewest bins it needs rounded up on a ladder of
-`AUTO_STEPS` values per doubling (`auto_bins`: at most 1/16 of the bins empty; a run
-compiles once per J it meets); the update reads the chosen J from the shape of the batch's
-`pack_bins_J` marker; auto bins also run the LM head only at the C positions per bin
-whose log-probs the loss reads (`read_positions`; C from the plan, `pack_reads_C` marker),
-not at the prompts'; auto J splits evenly over the data-parallel devices (`auto_bins`).
+`AUTO_STEPS` values per doubling (`auto_bins`: under 1/5 of the bins empty); the update
+reads the chosen J from the shape of the batch's `pack_bins_J` marker; auto bins also run
+the LM head only at the C positions per bin whose log-probs the loss reads
+(`read_positions`; C from the plan on `READ_STEPS` values per doubling, `pack_reads_C`
+marker), not at the prompts'; auto J splits evenly over the data-parallel devices
+(`auto_bins`). A run compiles one update per (J, C) it meets: the ladders are coarse so that
+it meets few (a need that stays within a factor of two meets at most AUTO_STEPS + 1 values of
+J and READ_STEPS + 1 of C). The README's command meets 4, where 16 values per doubling and C
+a multiple of W / 8 made it 21 (4-7 s of compile each on an idle 2-core CPU, more than the
+emptier bins cost: 135 s of CPU time for the whole command instead of 230 s; pack/fill 0.78
+instead of 0.83).
 Positions are the rows' own (they restart in every row) and each row is its own segment
 (its padding stays segment 0; a row holds one sequence, as
 `gjax.experience.to_model_inputs` builds them), so attention never crosses rows.
@@ -35,8 +41,8 @@ from gjax.errors import ConfigError
 
 MODES = ("padded", "packed")
 PLAN_KEYS = ("pack_start_B", "pack_len_B", "pack_bin_B", "pack_offset_B")
-AUTO_STEPS = 16  # auto bins: J on {16..31} x 2^e (J < 32: exact), at most R rows
-READ_STEPS = 8  # auto bins' C: a multiple of W / READ_STEPS
+AUTO_STEPS = 4  # auto bins: J on {4..7} x 2^e (J < 8: exact), at most R rows
+READ_STEPS = 2  # auto bins' C: on {2, 3} x 2^e (C < 4: exact), at most W
 AUTO_SHAPES = 4  # rounding="quarter": J in {R/4, R/2, 3R/4, R} (R rows per minibatch)
 ROUNDINGS = ("ladder", "quarter")
 PACKERS = ("mbs", "ffd")  # `pack_rows`
@@ -85,8 +91,9 @@ def auto_bins(
     `rows` and a multiple of `microbatches` x `shards` (each microbatch's bins split evenly
     over the `shards` data-parallel devices; `rows` itself when that exceeds it). "ladder":
     `used` rounded up to m x 2^e with m in [s, 2s) (`steps` s values per doubling; exact
-    below 2s), so at most 1/s of the bins are empty (before the rounding to the devices) and
-    a run whose need drifts by +-10 % meets a few shapes (one compile each). "quarter": up to
+    below 2s; `ladder`), so fewer than 1/(s + 1) of the bins are empty (before the rounding
+    to the devices) and a need within a factor of two meets at most s + 1 values (one
+    compile each). "quarter": up to
     a multiple of ceil(rows / AUTO_SHAPES): at most 4 shapes, up to a quarter of the rows
     empty.
 
@@ -97,13 +104,18 @@ def auto_bins(
     data when the sizes agree)."""
     quantum = microbatches * shards
     if rounding == "ladder":
-        j = max(used, 1)
-        step = max(1, (1 << (j.bit_length() - 1)) // steps)
-        j = -(-j // step) * step
+        j = ladder(max(used, 1), steps)
         return min(-(-j // quantum) * quantum, rows)
     size = -(-rows // AUTO_SHAPES)
     size = -(-size // quantum) * quantum
     return min(max(-(-used // size), 1) * size, rows)
+
+
+def ladder(n: int, steps: int) -> int:
+    """`n` >= 1 rounded up to m x 2^e with m in [steps, 2 steps) (exact below 2 steps):
+    `steps` values per doubling, fewer than 1/(steps + 1) of the result above `n`."""
+    step = max(1, (1 << (n.bit_length() - 1)) // steps)
+    return -(-n // step) * step
 
 
 def check_fixed_bins(bins: int, microbatches: int, shards: int, processes: int) -> None:
@@ -257,8 +269,8 @@ def plan(
     `train.pack_bins` by), and `pack_bins`: J (an int; `auto_bins` when `packing.bins` is 0,
     over `shards` data-parallel devices).
     With `t` (completion length T), `pack_reads`: C, the most positions of one bin whose
-    log-probs the loss reads (`read_counts`), rounded up to a multiple of W / `READ_STEPS`
-    (<= W; at most 8 values, so few compiles).
+    log-probs the loss reads (`read_counts`), rounded up on the ladder of `READ_STEPS`
+    values per doubling (`ladder`; <= W), so few compiles.
     Every process computes the same plan from the all-gathered spans. Raises ConfigError when
     rows do not fit."""
     b = len(spans_Bx2)
@@ -293,8 +305,8 @@ def plan(
     if t is not None:
         reads_B = read_counts(spans_Bx2, s=s, t=t)
         per_bin = np.bincount((np.arange(b) % minibatches) * bins + bin_B, reads_B)
-        step = -(-width // READ_STEPS)  # C on READ_STEPS values per W: <= W / 8 unread
-        out["pack_reads"] = min(max(-(-int(per_bin.max(initial=0)) // step), 1) * step, width)
+        # C on READ_STEPS values per doubling: fewer than 1/3 of the head's positions unread
+        out["pack_reads"] = min(ladder(max(int(per_bin.max(initial=0)), 1), READ_STEPS), width)
     return out
 
 

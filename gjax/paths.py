@@ -77,7 +77,7 @@ def with_retries(
             left = timeout_s - (time.monotonic() - start)
             if left <= delay:
                 raise StorageUnavailable(
-                    f"{what} kept failing for {time.monotonic() - start:.0f} s ({tries} tries, "
+                    f"{what} kept failing for {time.monotonic() - start:.0f} s ({tries} tr{'y' if tries == 1 else 'ies'}, "
                     f"the last: {reason}); the storage is unreachable or refuses the write, "
                     f"so the run stopped (bound: config.train.storage_timeout_s={timeout_s:g})."
                     + (f" {then()}" if then else "")

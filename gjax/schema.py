@@ -136,6 +136,11 @@ SCHEMA: dict[str, Any] = {
                 "comma list of projections to adapt (q,k,v,o,gate,up,down; PEFT names; all)",
             ),
             "dtype": Field("float32", "dtype of the adapters and their optimizer state"),
+            "quantize": Field(
+                "none",
+                "QLoRA: store the frozen base's projections as none | int8 | int4 | nf4 "
+                "(gjax.models.quant, through qwix: the qlora extra)",
+            ),
         },
     },
     "mesh": {
@@ -428,6 +433,11 @@ SCHEMA: dict[str, Any] = {
     },
     "reward": {
         "functions": Field("accuracy", "comma list of name[:weight] from gjax.rewards.REWARDS"),
+        "extractors": Field(
+            "boxed,answer_tag",
+            "comma list of the answer extractors the verifier tries in order (gjax.answers: "
+            "boxed | answer_tag | answer_line | math_verify); the format the prompt asks for",
+        ),
         "timeout_s": Field(5.0, "verifier deadline per completion, seconds", Range("(0, 3600]")),
         "workers": Field(2, "verifier worker processes", Range("[1, 1024]")),
         "judge": {  # gjax.rewards.judge
@@ -457,6 +467,40 @@ SCHEMA: dict[str, Any] = {
             ),
         },
     },
+    # gjax.envs: multi-turn environments and tools. Groundwork, not yet wired to the decoder:
+    # gjax.envs.check_config refuses env.name != '' until rollouts drive environments.
+    "env": {
+        "name": Field(
+            "",
+            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn "
+            "(others refused: not yet wired to the decoder)",
+        ),
+        "max_turns": Field(4, "policy turns per episode; a longer one is truncated", _COUNT),
+        "max_tool_calls": Field(
+            8, "tool calls per episode; a turn that passes it truncates the episode", _NONNEG
+        ),
+        "tools": Field(
+            "calculator", "comma list of the tool environment's tools: calculator|python|search"
+        ),
+        "tool_timeout_s": Field(
+            5.0, "wall-clock limit of one sandboxed tool call, seconds", Range("(0, 600]")
+        ),
+        "tool_memory_mb": Field(
+            512, "address-space limit of a sandboxed tool call's process, MiB", Range("[16, inf)")
+        ),
+        "tool_output_chars": Field(
+            4096, "longest tool output the policy sees; longer is an 'output' error", _COUNT
+        ),
+        "tool_workers": Field(2, "tool calls (sandbox processes) running at once", _COUNT),
+        "max_in_flight": Field(256, "episode steps running at once (gjax.envs.EnvRunner)", _COUNT),
+        "search_corpus": Field(
+            "", 'JSONL of {"title", "text"} passages for the search tool (local or gs://)'
+        ),
+        "search_top_k": Field(3, "passages the search tool returns", _COUNT),
+        "search_passage_chars": Field(
+            500, "characters of each returned passage (the rest is cut)", _COUNT
+        ),
+    },
     "optim": {
         "lr": Field(1e-6, "peak learning rate (AdamW)", Range("(0, 1]")),
         "warmup_steps": Field(0, "steps of linear warmup from 0 to lr", _NONNEG),
@@ -482,10 +526,11 @@ SCHEMA: dict[str, Any] = {
         "pack_bins": Field(
             0,
             "bins per minibatch when packed (0: auto, the fewest each batch needs rounded up "
-            "to 16 values per doubling (at most 1/16 of the bins empty), then to a multiple of "
+            "to 4 values per doubling (under 1/5 of the bins empty), then to a multiple of "
             "microbatches x the data-parallel devices, and the LM head runs only at the "
-            "positions per bin the loss reads (a multiple of pack_length/8); one compile per "
-            "shape a run meets; N: always N bins, the head at every position, one compile, a "
+            "positions per bin the loss reads (2 values per doubling); one compile per shape "
+            "a run meets, a few (metric pack/fill: the bins' tokens that are rows); "
+            "N: always N bins, the head at every position, one compile, a "
             "batch whose rows do not fit stops with an error, and on several processes N must "
             "be a multiple of microbatches x the data-parallel devices; "
             "metric pack/bins_used_max: what batches needed)",
@@ -508,6 +553,12 @@ SCHEMA: dict[str, Any] = {
             "hang, retried with backoff, before the run stops naming its last checkpoint",
             _POS,
         ),
+        "compilation_cache": Field(
+            "default",
+            "persistent XLA compilation cache directory (a rerun reads its programs back "
+            "instead of compiling): default ($JAX_COMPILATION_CACHE_DIR if set, empty: off; "
+            "else $XDG_CACHE_HOME/gjax/jax or ~/.cache/gjax/jax) | a path | '' (off)",
+        ),
     },
     "checkpoint": {
         "every": Field(
@@ -521,6 +572,15 @@ SCHEMA: dict[str, Any] = {
         "progress": Field(True, "show a progress bar"),
         "eval_every": Field(
             0, "held-out evaluation every N steps (0: only before and after)", _NONNEG
+        ),
+        # Weights & Biases (gjax.wandb_log; `pip install wandb`): the series, config,
+        # held-out table and curves; a resume continues the same wandb run.
+        "wandb_project": Field("", "wandb project to log the run to (empty: wandb off)"),
+        "wandb_entity": Field("", "wandb entity (user or team; empty: wandb's default)"),
+        "wandb_name": Field("", "wandb run name (empty: wandb picks one)"),
+        "wandb_tags": Field("", "comma list of wandb tags, e.g. 'grpo,tiny'"),
+        "wandb_mode": Field(
+            "", "online | offline | disabled (empty: wandb's default, WANDB_MODE or online)"
         ),
     },
     # Held-out evaluation (gjax.eval): greedy accuracy (eval/heldout_accuracy) plus pass@k

@@ -13,7 +13,10 @@ its rollouts here and pushes new weights after every update through the director
 config.rollout.push_dir (default WORKDIR/push; see gjax.rollout.weight_push): this server
 loads each new version between decode steps, and a restarted server starts from the newest.
 With config.rollout.weight_transfer=grpc they are streamed to this port instead
-(gjax.rollout.weight_stream), the directory being the fallback.
+(gjax.rollout.weight_stream), the directory being the fallback. With config.model.lora.rank
+> 0 (the trainer's LoRA settings) it serves its own load of the base with the pushed adapters:
+a push carries the adapters only, and one made for another base or other adapter settings is
+refused by name (gjax.rollout.handoff).
 SIGTERM/SIGINT stop it cleanly.
 """
 
@@ -37,10 +40,11 @@ from gjax.data import builders as data_builders
 from gjax.embedded import resolve_model_path
 from gjax.errors import ConfigError
 from gjax.evaluation import heldout as eval_lib
-from gjax.models import hf_import
+from gjax.models import hf_import, lora
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rollout import factory as rollout_factory
 from gjax.rollout.backend import rollout_sampling
+from gjax.rollout.handoff import Handoff, adapter_record
 
 # The subsystems' config hooks `validate` asks: the run's config is the trainer's.
 CONFIG_CHECKS = (data_builders.check_config, rewards_pipeline.check_config, eval_lib.check_config)
@@ -116,7 +120,14 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     # The policy's config.json checked (found, supported, long enough) before weights load.
     model_path = check_model(config, resolve_model_path(config.model.path))
     model_cfg, params, tok = hf_import.load_policy(model_path, config.model, mesh)
-    holder = ParamsHolder(params, version=0)
+    # LoRA (config.model.lora, the trainer's): the loaded weights are the base, served with
+    # the trainer's initial adapters (B = 0: the base's outputs) until a push brings new ones;
+    # pushes carry the adapters only (gjax.rollout.handoff).
+    model_cfg, base, adapters = lora.attach(
+        model_cfg, params, config.model.lora, mesh, jax.random.key(config.seed)
+    )
+    handoff = Handoff(adapter_record(model_cfg, base), base)
+    holder = ParamsHolder(lora.merge(base, adapters), version=0)
     run = rollout_sampling(config, model_cfg, tok)
     if sampling == "eval":
         run = dataclasses.replace(
@@ -136,10 +147,10 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         weight_change=config.rollout.weight_change,
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
-    watcher = WeightWatcher(push_dir, holder)
+    watcher = WeightWatcher(push_dir, holder, handoff=handoff)
     watcher.load_latest(announce=False)  # a restarted server starts from LATEST; no write yet
     try:
-        server = start_server(engine, host, port)
+        server = start_server(engine, host, port, handoff)
     except RuntimeError as e:  # taken since the probe: still nothing written
         raise _port_taken(config, host, port, e) from e
     try:
@@ -160,12 +171,13 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     return server, watcher
 
 
-def start_server(engine, host: str, port: int):
+def start_server(engine, host: str, port: int, handoff=None):
     """JetStream's Driver and gRPC service over `engine` (interleaved: one engine prefills and
-    generates) on host:port; returns the `grpc_server.Server` (`.stop()` shuts it down)."""
+    generates) on host:port; returns the `grpc_server.Server` (`.stop()` shuts it down);
+    `handoff`: what weight pushes hold (`gjax.rollout.handoff`)."""
     from gjax.rollout import grpc_server  # optional dependency: JetStream
 
-    return grpc_server.Server(engine, host, port)
+    return grpc_server.Server(engine, host, port, handoff)
 
 
 def main(argv) -> None:

@@ -464,6 +464,8 @@ def logical_axes_for_path(path: Sequence[str]) -> tuple[str | None, ...]:
     if path[:1] == ("layers",) and path[1:] in _LAYER_AXES:
         return ("layers", *_LAYER_AXES[path[1:]])
     kernel = _LAYER_AXES.get((*path[1:-1], "kernel")) if path[:1] == ("layers",) else None
+    if kernel is not None and path[-1] == "kernel_scale":  # QLoRA: [L, blocks, out]
+        return ("layers", None, kernel[1])
     if kernel is not None and path[-1] == "lora_a":  # LoRA A [in, r]: sharded as W's rows
         return ("layers", kernel[0], None)
     if kernel is not None and path[-1] == "lora_b":  # LoRA B [r, out]: as W's columns

@@ -11,16 +11,20 @@ update, hands the params back to the producer and writes the previous step's met
 
 SIGTERM or Ctrl-C (SIGINT) finishes the step, saves a checkpoint and exits with status 128 +
 the signal's number (143, 130), so a supervisor sees an unfinished run; a second one exits at
-once, unsaved. A rerun with the same --workdir resumes exactly; one whose config changes
-training is refused at start unless train.allow_config_change (`gjax.config_record`). A run
-stops at once (exit 2, one paragraph) when training diverges or a checkpoint cannot be saved;
-the last intact checkpoint is named and kept.
+once, unsaved. In a multi-process run a signal that reached one process stops them all (each
+with that status; one that received none names the process that did). A rerun with the same
+--workdir resumes exactly; one whose config changes training is refused at start unless
+train.allow_config_change (`gjax.config_record`). A run stops at once (exit 2, one
+paragraph) when training diverges or a checkpoint cannot be saved; the last intact
+checkpoint is named and kept.
 
 Faults end within bounded time, with one paragraph and exit status 2: a workdir holds one run
 (`WORKDIR/.lock`, `gjax.runlock`); a multi-process start-up waits --peer_timeout_s for its
-peers, saying so; a dead peer ends the survivors in about 20-40 s (`gjax.multihost`); storage
-that fails or hangs is retried for config.train.storage_timeout_s. Each names the last intact
-checkpoint where a run was under way.
+peers, saying so; a dead peer ends the survivors in about 20-40 s (`gjax.multihost`); a live
+peer late to a collective (compiling under load) is waited for --collective_timeout_s, past
+which every process stops (`collective_faults`); storage that fails or hangs is retried for
+config.train.storage_timeout_s. Each names the last intact checkpoint where a run was under
+way.
 """
 
 from __future__ import annotations
@@ -41,13 +45,25 @@ from absl import flags
 from ml_collections import config_flags
 
 from gjax import checkpoint as ckpt_lib
-from gjax import cli, config_record, model_record, multihost, paths, runlock, schema, sharding
+from gjax import (
+    cli,
+    compile_cache,
+    config_record,
+    model_record,
+    multihost,
+    paths,
+    runlock,
+    schema,
+    sharding,
+    wandb_log,
+)
 from gjax import stopping as stopping_lib
 from gjax.config import check_model, validate
 from gjax.data import builders as data_builders
 from gjax.data.builders import build_prompt_data, build_sharded_prompts
 from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
+from gjax.envs import environments as envs_environments
 from gjax.errors import ConfigError, format_user_error
 from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
@@ -55,8 +71,7 @@ from gjax.learner import build_learner
 from gjax.metrics import MetricsWriter, to_host, workdir_layout
 from gjax.models import hf_import, lora
 from gjax.rewards import pipeline as rewards_pipeline
-from gjax.rewards.pipeline import build_rewards
-from gjax.rewards.verifier import Verifier
+from gjax.rewards.pipeline import build_rewards, build_verifier
 from gjax.rollout import factory as rollout_factory
 from gjax.rollout.collect import Rollout, ServingFailed
 from gjax.rollout.factory import make_backend
@@ -68,6 +83,8 @@ CONFIG_CHECKS = (
     rewards_pipeline.check_config,
     eval_lib.check_config,
     rollout_factory.check_config,
+    envs_environments.check_config,  # refuses env.name != '' (not yet wired)
+    wandb_log.check_config,
 )
 
 log = logging.getLogger("gjax")
@@ -103,6 +120,8 @@ def main(argv) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     F = flags.FLAGS
     config = F.config
+    # Before the first compile: a rerun reads its programs back (gjax.compile_cache).
+    compile_cache.enable(config.train.compilation_cache)
     # Local (relative or absolute) or gs://; every file below is written through epath.
     workdir = str(paths.resolve(F.workdir or os.path.join("workdirs", config.algo)))
     paths.require_backend(workdir, "--workdir")
@@ -113,20 +132,41 @@ def main(argv) -> None:
             F.num_processes,
             F.process_id,
             peer_timeout_s=F.peer_timeout_s,
+            collective_timeout_s=F.collective_timeout_s,
             on_peer_failure=functools.partial(_peer_failed, workdir),
         )
     if not multihost.is_primary():  # process 0 logs; the others only warn
         logging.getLogger().setLevel(logging.WARNING)
-    try:
+    with collective_faults(watch, workdir, F.collective_timeout_s):
         signum = train(config, workdir)
-    except Exception as e:
-        # A collective fails at once when a peer dies (gloo): that peer's paragraph, not this
-        # traceback, if the watch finds one dead.
-        if watch is not None and multihost.collective_failed(e):
-            watch.await_verdict()
-        raise
     if signum is not None:
         sys.exit(128 + signum)
+
+
+@contextlib.contextmanager
+def collective_faults(watch, workdir: str, timeout_s: int):
+    """A failed cross-process operation inside -> one paragraph and exit 2, never a traceback.
+
+    A collective fails at once when a peer dies (gloo): the watch then finds that peer dead
+    and ends this process with its paragraph (`_peer_failed`). With every peer alive (one was
+    slower than `timeout_s` to join, e.g. compiling under load, or the processes run different
+    programs) it is a `multihost.CollectiveFailed` naming the last intact checkpoint. `watch`
+    None (one process): errors pass unchanged."""
+    try:
+        yield
+    except Exception as e:
+        if watch is None or not multihost.collective_failed(e):
+            raise
+        watch.await_verdict()  # a dead peer ends the process here, with its own paragraph
+        raise multihost.CollectiveFailed(
+            f"a cross-process operation failed on process {jax.process_index()} while every "
+            f"process of this run is still alive ({multihost.first_line(e)}). Most likely "
+            f"another process took longer than --collective_timeout_s={timeout_s} to reach it "
+            "(compiling, loading or saving on a slow or overloaded host), or the processes run "
+            "different code or configs. " + _last_intact_now(workdir) + " Start every "
+            "process again with the same command to resume (with a larger "
+            "--collective_timeout_s if one host is that slow)."
+        ) from None
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> int | None:
@@ -163,11 +203,13 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         model_record.save(workdir, model_cfg, model_path)  # WORKDIR/model: what an export needs
     # LoRA (model.lora.rank > 0): the loaded weights become the frozen base and `params` the
     # fresh adapters; `policy(params)` is the whole tree that samples and scores (a union).
+    # The checkpoints record the base's content as loaded (before a QLoRA quantization).
+    base_digest = lora.base_digest(params) if config.model.lora.rank else None
+    run_fingerprint = fingerprint(config, base_digest)
     model_cfg, frozen, params = lora.attach(
         model_cfg, params, config.model.lora, mesh, jax.random.key(config.seed)
     )
     policy = functools.partial(lora.merge, frozen)
-    run_fingerprint = fingerprint(config, lora.base_digest(frozen))
     # The KL reference, kept only when the objective has a KL term: a frozen copy of the
     # initial policy, or with LoRA the base itself (adapters off, no second copy).
     ref_params = None
@@ -178,8 +220,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     train_data, heldout = _load_data(config, tok)
 
     # --- rewards, backend, learner: fresh or resumed ------------------------------------
-    r = config.reward
-    verifier = scope.enter_context(Verifier(timeout_s=r.timeout_s, num_workers=r.workers))
+    verifier = scope.enter_context(build_verifier(config))
     rewards = scope.enter_context(build_rewards(config, verifier))
     backend = make_backend(
         config, model_cfg, policy(params), mesh=mesh, workdir=workdir, tokenizer=tok
@@ -221,7 +262,10 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     )  # evaluated once, printed at each (re)start
 
     # --- the RL loop --------------------------------------------------------------------
-    recorder = Recorder(config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size)
+    wandb_sink = _wandb_sink(config, workdir, start, scope)  # process 0, log.wandb_project
+    recorder = Recorder(
+        config, workdir, checkpointer, meta["history"], start, model_cfg.vocab_size, wandb_sink
+    )
     base_key = jax.random.key(config.seed)
     producer = make_producer(
         rollout=rollout,
@@ -233,12 +277,16 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         train_mesh=mesh,
         rollout_mesh=rollout_mesh,
         backend=backend,
+        frozen=frozen,  # LoRA: the base goes to the rollout devices once
     )
     scope.callback(producer.close)  # on errors too: before the backend and rewards close
     stopping = False  # agreed by every process: a signal may reach only one host
+    stopped_by = (None, None)  # (signal, the process that received it), agreed by all
     for step in range(start, config.train.steps):
-        if step == start and (stopping := multihost.any_process(stop["signal"] is not None)):
-            break  # arrived before this run trained a step: nothing new to save
+        if step == start:
+            stopped_by = multihost.stop_signal(stop["signal"])
+            if stopping := stopped_by[0] is not None:
+                break  # arrived before this run trained a step: nothing new to save
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         produced = _produce(producer, step, checkpointer, recorder)
@@ -255,7 +303,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         host_metrics["time/step_s"] = time.perf_counter() - t0
         host_metrics["throughput/tokens_per_s"] = float(num_tokens / host_metrics["time/step_s"])
         recorder.add(step + 1, metrics, host_metrics)
-        stopping = multihost.any_process(stop["signal"] is not None)  # all stop, or none
+        stopped_by = multihost.stop_signal(stop["signal"])  # all stop, or none
+        stopping = stopped_by[0] is not None
         last = step + 1 == config.train.steps
         if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
             host_metrics.update(
@@ -271,14 +320,35 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     recorder.close()  # ends the progress bar's line: what follows has lines of its own
 
     # --- finish: held-out accuracy after training, or the stop's message -----------------
-    signum = (stop["signal"] or signal.SIGTERM) if stopping else None  # a host that saw none
+    # Its own signal where this process received one; else the first process's that did.
+    signum = (stop["signal"] or stopped_by[0]) if stopping else None
     if signum is None:
         after = functools.partial(evaluate, policy(state.params))
-        _finish(config, workdir, checkpointer, state, start, meta, heldout, after)
+        _finish(config, workdir, checkpointer, state, start, meta, heldout, after, wandb_sink)
     else:
-        _stopped(signum, checkpointer, int(state.step), start)
+        by = None if stop["signal"] is not None else stopped_by[1]  # None: this process
+        _stopped(signum, checkpointer, int(state.step), start, by=by)
     checkpointer.close()
+    if wandb_sink is not None:
+        wandb_sink.close(
+            exit_code=0 if signum is None else 128 + signum, preempted=signum is not None
+        )
     return signum
+
+
+def _wandb_sink(config, workdir: str, start: int, scope: contextlib.ExitStack):
+    """The run's Weights & Biases sink (`gjax.wandb_log`) on process 0 with
+    log.wandb_project, else None; a run that ends in an error closes it with exit code 1."""
+    if not (wandb_log.enabled(config) and multihost.is_primary()):
+        return None
+    sink = wandb_log.WandbSink(config, workdir, start_step=start)
+
+    def close_on_error(exc_type, exc, tb):
+        if exc_type is not None:
+            sink.close(exit_code=1)  # (a finished run closed it already: then a no-op)
+
+    scope.push(close_on_error)
+    return sink
 
 
 def _check_config_record(config, workdir: str, checkpointer) -> dict | None:
@@ -432,9 +502,11 @@ def _before(meta: dict) -> dict[str, float]:
     return meta.get("heldout_before") or {"eval/heldout_accuracy": meta["heldout_accuracy_before"]}
 
 
-def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate) -> None:
-    """Held-out accuracy after training (every process samples; process 0 writes);
-    `evaluate()` evaluates the trained policy."""
+def _finish(
+    config, workdir, checkpointer, state, start, meta, heldout, evaluate, wandb_sink=None
+) -> None:
+    """Held-out accuracy after training (every process samples; process 0 writes, and logs
+    the held-out table and the curves to wandb); `evaluate()` evaluates the trained policy."""
     trained = int(state.step)
     summary_path = os.path.join(workdir, "summary.json")
     summary = _read_json(summary_path) if trained == start else None
@@ -455,6 +527,11 @@ def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate
         }
         if multihost.is_primary():
             paths.write_text(summary_path, json.dumps(summary, indent=2))
+        if wandb_sink is not None:
+            from gjax import plot  # on use: matplotlib
+
+            wandb_sink.heldout(trained, _before(meta), after)
+            wandb_sink.curves(trained, lambda png: plot.plot_runs([workdir], png))
     if multihost.is_primary():
         print(
             f"\nheld-out accuracy after {trained} steps: "
@@ -464,16 +541,21 @@ def _finish(config, workdir, checkpointer, state, start, meta, heldout, evaluate
                 workdir,
                 checkpoint_steps=checkpointer.all_steps(),
                 tensorboard=config.log.tensorboard,
+                wandb=wandb_sink is not None and wandb_sink.run is not None,
             ),
             flush=True,
         )
 
 
-def _stopped(signum: int, checkpointer, trained: int, start: int) -> None:
+def _stopped(signum: int, checkpointer, trained: int, start: int, by: int | None = None) -> None:
+    """The stop's line (stderr). `by`: the process that received the signal, where this one
+    received none (its peer's signal stopped the whole run)."""
     name = signal.Signals(signum).name
     saved = f"checkpoint at step {trained} saved" if trained > start else "nothing new to save"
+    here = jax.process_index()
+    what = name if by is None else f"process {by} received {name} (process {here} received none)"
     print(
-        f"{name}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
+        f"{what}: stopped at step {trained}, {saved} in {checkpointer.directory}; "
         f"exit status {128 + signum}. Rerun the same command to resume.",
         file=sys.stderr,
         flush=True,
@@ -538,7 +620,9 @@ class Recorder:
     """A step's metrics, pulled to the host one step late (the device runs ahead), checked
     for divergence and written by process 0; `history` is what a checkpoint keeps."""
 
-    def __init__(self, config, workdir, checkpointer, history, start: int, vocab_size: int):
+    def __init__(
+        self, config, workdir, checkpointer, history, start: int, vocab_size: int, wandb=None
+    ):
         self.config, self.checkpointer, self.history = config, checkpointer, history
         self.writer = None  # process 0 writes metrics; every process computes the same rows
         if multihost.is_primary():
@@ -551,6 +635,7 @@ class Recorder:
                 history=history,
                 storage_timeout_s=config.train.storage_timeout_s,
                 last_intact=checkpointer.last_intact,
+                wandb=wandb,
             )
         self.watch = CollapseWatch(vocab_size)
         self.pending = None  # (step, device metrics, host metrics)
@@ -619,6 +704,12 @@ def _define_flags() -> None:
         "peer_timeout_s",
         multihost.PEER_TIMEOUT_S,
         "Multi-process start-up: seconds to wait for every process to join before giving up.",
+    )
+    flags.DEFINE_integer(
+        "collective_timeout_s",
+        multihost.COLLECTIVE_TIMEOUT_S,
+        "Multi-process CPU runs: seconds a cross-process collective waits for a live peer "
+        "(e.g. one still compiling) before the run stops; a dead peer is found within ~30 s.",
     )
     flags.mark_flags_as_required(["config"])
 

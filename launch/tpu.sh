@@ -141,6 +141,7 @@ cmd_create() {
   [[ "${GJAX_SPOT:-0}" == 1 ]] && spot=(--spot)
   state=$(vm_state "$name" "$zone")
   if [[ -n "$state" ]]; then
+    refuse_unusable "$name" "$zone" "$state" "$3"
     echo "TPU VM $name already exists in $zone ($state)" >&2
     return
   fi
@@ -158,6 +159,24 @@ cmd_create() {
     tpu tpu-vm create "$name" --zone="$zone" --accelerator-type="$accel" \
       --version="$version" "${spot[@]}"
   fi
+}
+
+# Stops here (one line, exit 2) when the VM is in a state where it cannot run anything, saying
+# what to do: a preempted or terminated VM never runs again (a spot VM created without
+# queued resources stays PREEMPTED until deleted), a stopped one must be started first.
+refuse_unusable() {
+  local name=$1 zone=$2 state=$3 accel=${4:-ACCELERATOR} again
+  again="launch/tpu.sh delete $name $zone, then launch/tpu.sh create $name $zone $accel"
+  again+=" (or GJAX_QUEUED=1 launch/tpu.sh create ..., a queued resource, which waits for capacity),"
+  again+=" then install and train again: a gs:// WORKDIR resumes from its last checkpoint"
+  case "$state" in
+    PREEMPTED | TERMINATED)
+      die "TPU VM $name in $zone is $state and cannot run again; delete it and create it anew: $again" ;;
+    STOPPED | STOPPING)
+      die "TPU VM $name in $zone is $state; start it (gcloud compute tpus tpu-vm start $name --zone=$zone) or delete it and create it anew: $again" ;;
+    DELETING)
+      die "TPU VM $name in $zone is being deleted; wait for that, then launch/tpu.sh create $name $zone $accel" ;;
+  esac
 }
 
 # Polls a queued resource until it is ACTIVE (granted and booted); fails on a dead end.
@@ -183,7 +202,19 @@ wait_active() {
 
 on_all_workers() {
   local name=$1 zone=$2 command=$3
-  tpu tpu-vm ssh "$name" --zone="$zone" --worker=all --command="$command"
+  ssh_workers "$name" "$zone" --worker=all --command="$command"
+}
+
+# `gcloud compute tpus tpu-vm ssh NAME --zone=ZONE ARGS...`; when it fails, the VM's state
+# says why if it cannot run (preempted, stopped: what to do, exit 2), else ssh's own status.
+ssh_workers() {
+  local name=$1 zone=$2 status=0
+  shift 2
+  tpu tpu-vm ssh "$name" --zone="$zone" "$@" || status=$?
+  if [[ $status -ne 0 ]]; then
+    refuse_unusable "$name" "$zone" "$(vm_state "$name" "$zone")"
+    return "$status"
+  fi
 }
 
 cmd_install() {
@@ -210,7 +241,7 @@ start_detached() {
   for word in "$VENV/bin/python" -m "$@"; do
     args+=" $(q "$word")"
   done
-  tpu tpu-vm ssh "$name" --zone="$zone" --worker="$workers" \
+  ssh_workers "$name" "$zone" --worker="$workers" \
     --command="cd $REMOTE_DIR || exit 1; nohup env PYTHONUNBUFFERED=1${args} > ~/$log 2>&1 < /dev/null & echo \$! > ~/$pidfile"
 }
 
@@ -259,7 +290,7 @@ refuse_busy() {
 cmd_logs() {
   [[ $# -eq 2 || $# -eq 3 ]] || usage
   # The trainer's log; on a rollout VM (no trainer log) the server's.
-  tpu tpu-vm ssh "$1" --zone="$2" --worker="${3:-0}" \
+  ssh_workers "$1" "$2" --worker="${3:-0}" \
     --command="f=~/$LOG; [ -f \$f ] || [ ! -f ~/$SERVE_LOG ] || f=~/$SERVE_LOG; tail -n +1 -F \$f"
 }
 

@@ -8,7 +8,8 @@ config, one after another in fresh workdirs under `--root`, then the README's ow
 written (`a_grae.py:tiny`, no intermediate evaluations; skip with `--no-readme_command`).
 From each workdir it reads the held-out accuracy before and after training (`summary.json`)
 and at the first intermediate evaluation (`eval/heldout_accuracy` in `metrics.jsonl`), and
-times the whole command (start-up, compilation and evaluations included). It prints one JSON
+times the whole command (start-up, compilation and evaluations included; each run with an
+empty compilation cache of its own, `WORKDIR.cache`, as a first run has). It prints one JSON
 line per run and a JSON summary last, and the markdown table, dated and naming the machine, on
 stderr and in `ROOT/readme_block.md`. Only with `--write` does it also put that table between
 the `<!-- readme_results:begin -->` and `<!-- readme_results:end -->` markers of `--readme`
@@ -96,6 +97,12 @@ def run_one(name: str, workdir: str, eval_every: int, overrides: list[str], env)
         *(f"--config.{o}" for o in overrides),
     ]
     log_path = workdir.rstrip("/") + ".log"
+    # A first run's time: gjax.train's default compilation cache, empty (a cache of its own
+    # under the run's XDG_CACHE_HOME), so no run reads another's programs.
+    cache_home = workdir.rstrip("/") + ".cache"
+    shutil.rmtree(cache_home, ignore_errors=True)
+    env = {k: v for k, v in env.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env["XDG_CACHE_HOME"] = cache_home
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -313,6 +313,7 @@ def test_metrics_over_kept_samples():
     assert float(m["num_kept"]) == 2 and float(m["num_valid"]) == 4
     for name in ADVANTAGES:
         kw = {"scores_PxG": jnp.ones((2, 4))} if name == "dagrpo" else {}
+        kw = {"k": 2} if name == "pass_at_k" else kw  # k < G = 4
         m = compute_advantages(name, jnp.asarray([[1.0, 0, 0, 0], [1.0] * 4]), _ones((2, 4)), **kw)
         assert {"adv_mean", "adv_std", "adv_min", "adv_max", "zero_var_frac"} <= set(m.metrics)
         assert all(v.shape == () and v.dtype == jnp.float32 for v in m.metrics.values())
@@ -322,6 +323,7 @@ def test_metrics_over_kept_samples():
 def test_nonfinite_rewards_become_invalid(name):
     r = jnp.asarray([[1.0, jnp.nan, 0.0, 0.0], [jnp.inf, 1.0, 0.0, 1.0]])
     kw = {"scores_PxG": jnp.full((2, 4), 5.0), "delta": 0.0} if name == "dagrpo" else {}
+    kw = {"k": 2} if name == "pass_at_k" else kw  # k < G = 4
     out = compute_advantages(name, r, _ones(r), **kw)
     clean = jnp.asarray([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 1.0]])
     valid = jnp.asarray([[1, 0, 1, 1], [0, 1, 1, 1]], bool)
@@ -337,6 +339,7 @@ def test_nonfinite_rewards_become_invalid(name):
 def test_all_masked_batch_gives_zeros_and_finite_metrics(name):
     r = jnp.asarray([[1.0, 0.0, 0.0, 1.0]])
     kw = {"scores_PxG": jnp.full((1, 4), 5.0)} if name == "dagrpo" else {}
+    kw = {"k": 2} if name == "pass_at_k" else kw  # k < G = 4
     out = compute_advantages(name, r, jnp.zeros((1, 4), bool), **kw)
     assert isinstance(out, AdvantageOutput)
     assert np.all(np.asarray(out.adv_PxG) == 0) and not bool(jnp.any(out.keep_PxG))
@@ -393,6 +396,7 @@ def test_every_estimator_jits_with_static_hparams():
     s = jnp.asarray(rng.uniform(1, 10, (2, 4)), jnp.float32)
     for name in ADVANTAGES:
         kw = {"scores_PxG": s} if name == "dagrpo" else {}
+        kw = {"k": 2} if name == "pass_at_k" else kw  # k < G = 4
         eager = compute_advantages(name, r, v, **kw)
         jitted = jax.jit(lambda r, v, kw=kw, name=name: compute_advantages(name, r, v, **kw))(r, v)
         np.testing.assert_allclose(eager.adv_PxG, jitted.adv_PxG, rtol=1e-6, atol=1e-7)
@@ -406,6 +410,8 @@ st = hyp.strategies
 
 
 def _kw(name, scores):
+    if name == "pass_at_k":
+        return {"k": 2}  # k < G = 4
     return {"scores_PxG": jnp.asarray(scores)} if name == "dagrpo" else {}
 
 
@@ -480,7 +486,7 @@ def test_pass_at_k_golden_by_hand():
     assert float(out.metrics["zero_var_frac"]) == pytest.approx(3 / 5)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 7])
 def test_pass_at_k_matches_subgroup_enumeration(k):
     rng = np.random.default_rng(k)
     r = (rng.random((6, 8)) < 0.4).astype(np.float32)
@@ -506,6 +512,12 @@ def test_pass_at_k_bad_k_and_non_binary_rewards():
     for k, match in ((0, "k must be an int >= 1"), (2.0, "k must be an int"), (5, "G = 4")):
         with pytest.raises(ValueError, match=match):
             ADVANTAGES.get("pass_at_k")(r, _ones(r), k=k)
+    # k = G: the one subgroup is the whole group (brute force: all 0), refused as meaningless.
+    np.testing.assert_array_equal(_pass_at_k_brute_force(np.asarray(r), np.ones((1, 4)), 4), 0)
+    with pytest.raises(
+        ValueError, match="k = 4 must be below the group size G = 4.*every advantage would be 0"
+    ):
+        ADVANTAGES.get("pass_at_k")(r, _ones(r), k=4)
     out = ADVANTAGES.get("pass_at_k")(r, _ones(r), k=2)
     assert float(out.metrics["rewards_not_binary"]) == 1.0  # 0.7 counts as correct (>= 0.5)
     np.testing.assert_allclose(
@@ -522,3 +534,52 @@ def test_w_reinforce_weights_positive_and_negative_samples():
     np.testing.assert_allclose(out.adv_PxG, [[0.1, -1.0, 0.0], [-1.0, -1.0, -1.0]])
     with pytest.raises(ValueError, match="positive_weight"):
         ADVANTAGES.get("w_reinforce")(r, valid, positive_weight=-1.0)
+
+
+# ------------------------------------------------------------------ rewards of any finite size
+
+# Rows [s, 0, 0, 0], [s, s, 0, 0], [s, -s, 0, 0] at scales where (r - mean)**2 overflows
+# float32 (1e20 -> 1e40) and where sums of rewards do (3e38 + 3e38).
+_BIG = (1e20, 3e38)
+
+
+def _rows(s):
+    return jnp.asarray([[s, 0, 0, 0], [s, s, 0, 0], [s, -s, 0, 0]], jnp.float32)
+
+
+@pytest.mark.parametrize("s", _BIG)
+@pytest.mark.parametrize("name,kw", [("grpo", {}), ("dapo", {}), ("gpg", {"norm": "group"})])
+def test_group_normalised_advantages_of_huge_rewards_are_the_scale_free_ones(name, kw, s):
+    # By hand (population std, eps/s below float32's resolution): [1, 0, 0, 0]: mean 1/4,
+    # std sqrt(3)/4 -> [sqrt(3), -1/sqrt(3) x 3]; [1, 1, 0, 0]: mean 1/2, std 1/2 -> +-1;
+    # [1, -1, 0, 0]: mean 0, std sqrt(1/2) -> [sqrt(2), -sqrt(2), 0, 0]. Times s: the same.
+    r3, r2 = math.sqrt(3), math.sqrt(2)
+    want = [[r3, -1 / r3, -1 / r3, -1 / r3], [1, 1, -1, -1], [r2, -r2, 0, 0]]
+    out = ADVANTAGES.get(name)(_rows(s), _ones(_rows(s)), **kw)
+    if name == "gpg":  # alpha = B / (B - M) = 1 here (no zero-variance group)
+        assert float(out.metrics["alpha"]) == 1.0
+    np.testing.assert_allclose(out.adv_PxG, want, rtol=1e-6, atol=1e-7)
+    assert all(np.isfinite(float(v)) for v in out.metrics.values()), out.metrics
+    assert float(out.metrics["reward_mean"]) == pytest.approx(s / 4, rel=1e-6)  # 3 s / 12
+
+
+@pytest.mark.parametrize("s", _BIG)
+def test_batch_scaled_advantages_of_huge_rewards(s):
+    # grpo scale='batch': the group means [1/4, 1/2, 0] subtracted, divided by the batch's
+    # population std of [1,0,0,0,1,1,0,0,1,-1,0,0] (mean 1/4, E[r^2] = 5/12: var 17/48).
+    # batch_norm (group baseline): the same centred values over their own batch std.
+    centred = np.array([[3, -1, -1, -1], [2, 2, -2, -2], [4, -4, 0, 0]], np.float64) / 4
+    out = ADVANTAGES.get("grpo")(_rows(s), _ones(_rows(s)), scale="batch")
+    np.testing.assert_allclose(out.adv_PxG, centred * math.sqrt(48 / 17), rtol=1e-6, atol=1e-7)
+    out = ADVANTAGES.get("batch_norm")(_rows(s), _ones(_rows(s)))
+    want = (centred - centred.mean()) / centred.std()
+    np.testing.assert_allclose(out.adv_PxG, want, rtol=1e-6, atol=1e-7)
+
+
+def test_unnormalised_advantages_of_huge_rewards_are_the_centred_rewards():
+    # Dr.GRPO: r - mean, exactly representable at 3e38 (no sum of rewards overflows).
+    s = 3e38
+    out = ADVANTAGES.get("dr_grpo")(_rows(s), _ones(_rows(s)))
+    want = np.array([[3, -1, -1, -1], [2, 2, -2, -2], [4, -4, 0, 0]], np.float64) * s / 4
+    np.testing.assert_allclose(out.adv_PxG, want, rtol=1e-6)
+    assert np.isfinite(float(out.metrics["adv_std"]))

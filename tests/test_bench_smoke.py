@@ -205,3 +205,16 @@ def test_engine_step_benchmark_smoke():
     # size it is timer noise and can come out negative (-2.5e-6 s seen), so only finiteness.
     for name in ("static_cpu_s_per_token", "engine_k1_over_static", "engine_k4_over_static"):
         assert math.isfinite(rec[name]) and rec[name] != 0, rec
+
+
+@pytest.mark.slow
+def test_lora_decode_benchmark_smoke():
+    """benchmarks/lora_decode.py on one layer of the 0.5B dims: one record; the merged and the
+    low-rank step compute the same thing, and every figure is finite."""
+    (rec,) = _benchmark_records(
+        "lora_decode.py", "--shape=qwen2-0.5b", "--layers=1", "--slots=4", "--repeats=2"
+    )
+    assert (rec["layers"], rec["rank"], rec["slots"]) == (1, 16, 4)
+    assert rec["max_rel_diff"] < 1e-4, rec
+    for name in ("merged_step_ms", "low_rank_step_ms", "merged_layout_ms_per_version"):
+        assert math.isfinite(rec[name]) and rec[name] > 0, rec

@@ -272,10 +272,15 @@ def test_storage_retries_back_off_then_stop_within_the_bound(caplog):
     assert [round(b - a) for a, b in zip(calls, calls[1:])] == [1, 2]  # backoff doubles
     assert caplog.text.count("uploading x failed (ConnectionRefusedError") == 2
 
-    for fn in (lambda: (_ for _ in ()).throw(OSError("down")), lambda: time.sleep(60)):
+    failing = lambda: (_ for _ in ()).throw(OSError("down"))  # noqa: E731
+    for fn, tries in (
+        (failing, "(2 tries, the last: OSError"),
+        (lambda: time.sleep(60), "(1 try,"),
+    ):
         t0 = time.monotonic()
         with pytest.raises(paths.StorageUnavailable) as e:
             paths.with_retries(fn, what="uploading y", timeout_s=3, then=lambda: "Step 7 is safe.")
         assert time.monotonic() - t0 < 4.5
         assert str(e.value).startswith("uploading y kept failing") and e.value.exit_now
         assert str(e.value).endswith("Step 7 is safe.") and "storage_timeout_s=3" in str(e.value)
+        assert tries in str(e.value), str(e.value)  # a try that hung for the bound: "1 try"

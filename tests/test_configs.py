@@ -7,6 +7,7 @@ import pathlib
 import re
 
 import ml_collections
+import numpy as np
 import pytest
 
 from configs import common
@@ -102,11 +103,14 @@ def test_pass_at_k_needs_k_within_the_group():
     from configs import pass_at_k
 
     c = pass_at_k.get_config("tiny")
-    c.objective.advantage_kwargs.k = 8  # = num_samples: fine
+    c.objective.advantage_kwargs.k = 7  # < num_samples: fine
     validate(c, 1)
-    c.objective.advantage_kwargs.k = 9
-    with pytest.raises(ConfigError, match=r"advantage_kwargs\.k: .*\[1, num_samples=8\], got 9"):
-        validate(c, 1)
+    for k in (8, 9):  # k = G: one subgroup, the whole group, all advantages 0
+        c.objective.advantage_kwargs.k = k
+        with pytest.raises(
+            ConfigError, match=rf"advantage_kwargs\.k: .*\[1, num_samples=8\), got {k}.*0"
+        ):
+            validate(c, 1)
 
 
 def test_mesh_resolution_and_errors():
@@ -409,6 +413,7 @@ def test_paper_config_reads_its_dataset_and_a_heldout_set_of_its_own(algo, tok):
     copy, held_answers = BENCHMARK_COPIES[bench]
     c.data.source, c.data.subset = str(DATA / fixture), None
     c.data.heldout_source = f"{bench}={DATA / copy}"
+    c.data.max_prompt_len = 4096  # the test tokenizer has a token per character
     validate(c, num_devices=8)
     train = build_prompt_data(c.data, tok)
     assert train.answers == ANSWERS[fixture] and train.stats["kept"] == len(ANSWERS[fixture])
@@ -491,3 +496,148 @@ def test_continuous_decoder_is_the_local_backends_only():
         validate(c, 1)
     c.rollout.decoder = "auto"  # the default: a serving backend batches on its own
     validate(c, 1)
+
+
+# ------------------------------------------------------------------ answer format and reward
+
+
+def _answer_in_the_asked_format(prompt: str, answer: str) -> str:
+    """A correct response written exactly as `prompt` asks: DAPO's "Answer: ..." last line,
+    \\boxed{} inside <answer> tags (Open-RS), or \\boxed{} alone. A prompt asking for two
+    formats that exclude each other fails here."""
+    asks_line = "Answer: $Answer" in prompt
+    asks_boxed = "\\boxed{}" in prompt
+    asks_tags = "<answer> answer here </answer>" in prompt
+    assert asks_line or asks_boxed or asks_tags, f"the prompt asks for no answer format: {prompt!r}"
+    assert not (asks_line and (asks_boxed or asks_tags)), (
+        f"the prompt asks both for DAPO's 'Answer:' line and for \\boxed{{}}/<answer>: {prompt!r}"
+    )
+    if asks_line:
+        return f"Working through it step by step, the result is {answer}.\nAnswer: {answer}"
+    if asks_tags:
+        boxed = f"\\boxed{{{answer}}}" if asks_boxed else answer
+        return f"<think> reasoning process here </think> <answer> {boxed} </answer>"
+    return f"Working through it step by step, the final answer is $\\boxed{{{answer}}}$."
+
+
+@pytest.fixture(scope="module")
+def chat_tok():
+    """A tokenizer with a chat template (the embedded policy's, ChatML), for `open_rs`."""
+    from gjax.embedded import resolve_model_path
+    from gjax.models import hf_import
+
+    return hf_import.load_tokenizer(resolve_model_path(common.EMBEDDED_POLICY))
+
+
+@pytest.fixture(scope="module")
+def verifiers():
+    """The run's verifier per extractor list (`build_verifier`), started once per list."""
+    from gjax.rewards.pipeline import build_verifier
+
+    made = {}
+
+    def get(config):
+        key = config.reward.extractors
+        if key not in made:
+            config = ml_collections.ConfigDict(config.to_dict())
+            config.reward.workers = 1
+            made[key] = build_verifier(config).__enter__()
+        return made[key]
+
+    yield get
+    for v in made.values():
+        v.close()
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_an_answer_in_the_format_the_prompt_asks_for_scores_one(algo, chat_tok, verifiers):
+    """Each paper config's final prompt (its template on its dataset's rows and on its
+    held-out benchmark's), answered correctly in exactly the format that prompt asks for,
+    scores 1 through the run's reward path (`build_verifier`, `build_rewards`)."""
+    from gjax.data.builders import build_prompt_data
+    from gjax.rewards.pipeline import build_rewards
+
+    also = {"pass_at_k": PAPER_DATA["grpo"], "cispo": PAPER_DATA["dapo"]}  # the same setups
+    _, fixture, bench = {**PAPER_DATA, **also}[algo]
+    c = importlib.import_module(f"configs.{algo}").get_config()
+    c.data.max_prompt_len = 4096  # the embedded tokenizer has a token per character
+    c.data.source, c.data.subset = str(DATA / fixture), None
+    c.data.heldout_source = f"{bench}={DATA / BENCHMARK_COPIES[bench][0]}"
+    c.reward.judge.name = "none"  # DaGRPO's judge scores against the demonstration, not here
+    validate(c, num_devices=8)
+    train = build_prompt_data(c.data, chat_tok)
+    held = build_prompt_data(c.data, chat_tok, heldout=True)
+    prompts = train.prompts + held.prompts
+    answers = train.answers + held.answers
+    completions = [_answer_in_the_asked_format(p, a) for p, a in zip(prompts, answers)]
+    with build_rewards(c, verifiers(c)) as rewards:
+        result = rewards.submit(prompts, completions, answers).result(timeout=60)
+    assert result.valid.all()
+    assert c.reward.functions == "accuracy"
+    np.testing.assert_array_equal(result.rewards, np.ones(len(prompts)))
+    # A bare \boxed{} answer to DAPO's "Answer:" prompt is not what it asked for: DAPO's
+    # reward scores it 0, and so does this config's.
+    if "Answer: $Answer" in prompts[0]:
+        boxed = [f"so it is $\\boxed{{{a}}}$." for a in answers]
+        with build_rewards(c, verifiers(c)) as rewards:
+            result = rewards.submit(prompts, boxed, answers).result(timeout=60)
+        np.testing.assert_array_equal(result.rewards, np.zeros(len(prompts)))
+
+
+def test_cw_grpo_prompts_go_through_the_chat_models_template(chat_tok):
+    """CW-GRPO trains a chat model (DeepSeek-R1-Distill) on Open-RS's prompt, which Open-RS
+    applies through the tokenizer's chat template (CW-GRPO App. B): its system turn, then the
+    problem as the user turn; not the raw R1-Zero text completion."""
+    from configs import cw_grpo
+    from gjax.data.templates import OPEN_RS_SYSTEM, apply_template
+
+    c = cw_grpo.get_config()
+    prompt = apply_template(c.data.template, "What is $9 \\cdot 9 - 1$?", chat_tok)
+    turns = [
+        {"role": "system", "content": OPEN_RS_SYSTEM},
+        {"role": "user", "content": "What is $9 \\cdot 9 - 1$?"},
+    ]
+    assert prompt == chat_tok.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+
+
+# --------------------------------------------------------------------- the README's own data
+
+
+def test_readme_own_data_example_validates_and_reads_its_example_row(tmp_path, chat_tok):
+    """The README's own-data command, as written, on the README's example JSONL row: the
+    config validates (the first stage of `gjax.train`) and the row's answer is read."""
+    import shlex
+
+    from gjax.data.builders import build_prompt_data
+
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("Your own problems as a JSONL file") :]
+    row = re.search(r"```json\n(.*?)\n```", section, re.DOTALL).group(1)
+    cmd = re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
+    argv = shlex.split(cmd.replace("\\\n", " "))
+    assert argv[:4] == ["python", "-m", "gjax.train", "--config=configs/grpo.py"], argv
+    more = [
+        {"problem": f"What is ${i} + 1$?", "solution": f"$\\boxed{{{i + 1}}}$"} for i in range(39)
+    ]
+    (tmp_path / "mine.jsonl").write_text("\n".join([row, *map(json.dumps, more)]) + "\n")
+    from configs import grpo
+
+    c = grpo.get_config()
+    for arg in argv[4:]:
+        key, _, value = arg.removeprefix("--").partition("=")
+        if key == "workdir":
+            continue
+        path = key.removeprefix("config.")
+        old = c
+        for k in path.split("."):
+            old = old[k]
+        value = str(tmp_path / value) if path == "data.source" else value
+        _set(c, path, type(old)(value))
+    assert c.model.path == "Qwen/Qwen2.5-Math-7B"  # the README says it trains the 7B model
+    validate(c, num_devices=64)
+    c.data.max_prompt_len = 4096  # the test tokenizer has a token per character
+    train = build_prompt_data(c.data, chat_tok)
+    held = build_prompt_data(c.data, chat_tok, heldout=True)
+    assert len(held) == 2 and len(train) == 38  # 5% of 40 rows held out, removed from training
+    answers = dict(zip(train.problems + held.problems, train.answers + held.answers))
+    assert answers[json.loads(row)["problem"]] == "17"

@@ -457,3 +457,75 @@ def test_heldout_dropped_requests_are_counted_and_all_dropped_is_an_error(tok, v
     msg = str(err.value)
     assert "every request of a held-out evaluation batch was dropped" in msg
     assert "127.0.0.1:1: connection refused" in msg and "\n" not in msg
+
+
+def _own_data_run(workdir):
+    """A run as `gjax.train` leaves it after training on the user's own JSONL: columns
+    problem and answer only (no `demonstration`), the held-out set carved from it."""
+    import optax
+
+    from configs import common
+    from gjax.checkpoint import Checkpointer
+    from gjax.learner import TrainState
+    from gjax.models import hf_import
+
+    os.makedirs(workdir, exist_ok=True)
+    source = os.path.join(workdir, "mine.jsonl")
+    with open(source, "w") as f:
+        for row in _problems(16):
+            f.write(json.dumps({"problem": row["problem"], "answer": row["answer"]}) + "\n")
+    config = common.tiny(common.base())  # data.demonstration_field = "demonstration"
+    config.data.source, config.data.heldout_source = source, ""
+    config.data.heldout_fraction, config.data.heldout_size = 0.25, 4
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2))
+    _, params = hf_import.load_pretrained(EMBEDDED)
+    tx = optax.adam(1e-3)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), async_save=False)
+    state = TrainState(step=jnp.int32(1), params=params, opt_state=tx.init(params))
+    ckpt.save(1, state, {"data": None, "history": []}, force=True)
+    ckpt.close()
+    return source
+
+
+def test_heldout_of_a_run_on_own_data_without_demonstrations(tmp_path, tok):
+    """`heldout` of a run trained on a JSONL without a demonstration column reads the data as
+    training did (the field blanked where nothing uses it), not the raw run config."""
+    from gjax.data.builders import run_data_config
+
+    wd = str(tmp_path / "run")
+    _own_data_run(wd)
+    _, run = ev.run_model_source(wd)
+    assert run["data"]["demonstration_field"] == "demonstration"  # as the run config says
+    with pytest.raises(DataError, match="no column 'demonstration'"):  # the raw config
+        bl.load_benchmark(
+            bl.BenchmarkSpec(bl.HELDOUT), tok, template="plain", max_prompt_len=32,
+            heldout_data=run["data"],
+        )  # fmt: skip
+    data = bl.load_benchmark(
+        bl.BenchmarkSpec(bl.HELDOUT), tok, template="plain", max_prompt_len=32,
+        heldout_data=run_data_config(run),
+    )  # fmt: skip
+    assert len(data) == 4 and data.origin["carved"]["fraction"] == 0.25
+    assert not data.has_demonstrations
+
+
+@pytest.mark.slow
+def test_cli_on_a_run_trained_on_own_data_without_demonstrations(tmp_path):
+    wd = str(tmp_path / "run")
+    _own_data_run(wd)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "gjax.eval", f"--checkpoint={wd}", "--benchmarks=heldout",
+            "--num_samples=1", "--k=1", "--max_new_tokens=4", f"--out={out}",
+            "--verifier_workers=1",
+        ],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "results.json").read_text())
+    assert report["benchmarks"]["heldout"]["problems"] == 4
+    assert report["settings"]["extractors"] == ["boxed", "answer_tag"]  # the run's

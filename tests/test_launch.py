@@ -195,25 +195,30 @@ def write_exe(path, text):
     path.chmod(0o755)
 
 
-def fake_gcloud(tmp_path, states, *, queued=False, busy=False):
+def fake_gcloud(tmp_path, states, *, queued=False, busy=False, vm=None):
     """A `gcloud` recording its argv (one shell-quoted line per call); `tpu-vm describe` says
-    the VM does not exist; `queued-resources describe` says the same until the resource is
-    created (or from the start with `queued`), then answers `states` one by one; `ssh` runs
-    nothing and, with `busy`, answers the busy check as a worker running gjax.train does."""
+    the VM does not exist (with `vm`: answers that state); `queued-resources describe` says the
+    same until the resource is created (or from the start with `queued`), then answers
+    `states` one by one; `ssh` runs nothing and, with `busy`, answers the busy check as a
+    worker running gjax.train does; on a `vm` not READY it fails as gcloud does (255)."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
     (tmp_path / "states").write_text("\n".join(states) + "\n")
     calls = tmp_path / "calls"
     created = "true" if queued else f"grep -q 'queued-resources create' {calls}"
     answer = 'echo "gjax.train runs on w0"' if busy else ":"
+    vm_describe = "exit 1" if vm is None else f"echo {vm}; exit 0"
+    ssh_fails = "exit 255" if vm not in (None, "READY") else ":"
     write_exe(
         bin_ / "gcloud",
         f"""printf '%q ' gcloud "$@" >> {calls}; echo >> {calls}
 case "$4" in
   describe)
-    if [ "$3" = tpu-vm ] || ! {created}; then exit 1; fi
+    if [ "$3" = tpu-vm ]; then {vm_describe}; fi
+    if ! {created}; then exit 1; fi
     head -n 1 {tmp_path}/states; sed -i 1d {tmp_path}/states ;;
   ssh)
+    {ssh_fails}
     case "$*" in *pgrep*) {answer} ;; esac ;;
 esac
 """,
@@ -255,6 +260,48 @@ def test_a_second_create_waits_for_the_queued_resource_instead_of_failing(tmp_pa
         assert "queued resource n already exists in z (WAITING_FOR_RESOURCES)" in proc.stderr
         calls = (tmp_path / "calls").read_text()
         assert " create " not in calls and calls.count("queued-resources describe") == 3
+
+
+def test_a_preempted_vm_is_refused_with_what_to_do(tmp_path):
+    """A spot VM created without queued resources stays PREEMPTED: `create` (and so `up`) stops
+    in one line saying to delete and create it (or use queued resources) instead of returning
+    as if it were usable; `install` / `train` / `logs`, whose ssh then fails, say the same."""
+    env = fake_gcloud(tmp_path, [], vm="PREEMPTED")
+    again = (
+        f"delete it and create it anew: launch/tpu.sh delete {NAME} {ZONE}, then "
+        f"launch/tpu.sh create {NAME} {ZONE} v5p-64 (or GJAX_QUEUED=1 launch/tpu.sh create ..."
+    )
+    for args in [("create", NAME, ZONE, "v5p-64"), UP]:
+        proc = launch(*args, env=env, script=TPU if args[0] == "create" else TPU_VM)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.strip().splitlines() == [
+            f"launch/tpu.sh: TPU VM {NAME} in {ZONE} is PREEMPTED and cannot run again; "
+            + again
+            + ", a queued resource, which waits for capacity), then install and train again: "
+            "a gs:// WORKDIR resumes from its last checkpoint"
+        ], proc.stderr
+        assert "create" not in (tmp_path / "calls").read_text().replace("describe", "")
+        assert " ssh " not in (tmp_path / "calls").read_text()
+    for args in [
+        ("install", NAME, ZONE),
+        ("train", NAME, ZONE, "configs/a_grae.py", "gs://b/r"),
+        ("logs", NAME, ZONE),
+    ]:
+        proc = launch(*args, env=env)
+        assert proc.returncode == 2, proc.stderr
+        flat = " ".join(proc.stderr.split())
+        assert f"TPU VM {NAME} in {ZONE} is PREEMPTED and cannot run again" in flat, args
+        assert f"launch/tpu.sh delete {NAME} {ZONE}" in flat and "GJAX_QUEUED=1" in flat
+        assert "nohup" not in (tmp_path / "calls").read_text()  # nothing started
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    proc = launch("install", NAME, ZONE, env=fake_gcloud(stopped, [], vm="STOPPED"))
+    assert proc.returncode == 2
+    assert f"start it (gcloud compute tpus tpu-vm start {NAME} --zone={ZONE})" in proc.stderr
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    proc = launch("create", NAME, ZONE, "v5p-64", env=fake_gcloud(ready, [], vm="READY"))
+    assert proc.returncode == 0 and "already exists in us-east5-a (READY)" in proc.stderr
 
 
 def test_train_refuses_a_busy_slice(tmp_path):

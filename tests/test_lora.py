@@ -280,3 +280,90 @@ def test_lora_update_on_a_data_fsdp_tensor_mesh_equals_one_device():
             assert q_b.sharding.spec == jax.sharding.PartitionSpec(None, None, "tensor")
     for a, b in zip(jax.tree.leaves(out[1]), jax.tree.leaves(out[2])):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+# ------------------------------------------------------------------------ QLoRA
+
+
+@pytest.mark.parametrize("how, bits", [("int8", 8), ("int4", 4), ("nf4", 4)])
+def test_quantized_kernels_round_trip_within_half_a_step(how, bits):
+    """Codes * scale reproduce W within half a quantization step of its block (int codes:
+    step = absmax / (2^(b-1) - 1)); nf4's step is its code book's widest gap (-1 to -0.696 of
+    absmax: QLoRA App. E's NormalFloat4); the codes are stored in qwix's dtypes."""
+    from gjax.models import quant
+
+    w = jax.random.normal(jax.random.key(0), (2, 128, 48)) * jnp.linspace(0.1, 2.0, 48)
+    codes, scale = quant.quantize(w, how)
+    assert codes.dtype == quant.code_dtype(how) and codes.shape == w.shape
+    blocks = 1 if how == "int8" else 128 // quant.BLOCK
+    assert scale.shape == (2, blocks, 48) == (2, *quant.scale_shape(128, 48, how))
+    back = quant.dequantize(codes, scale, how, jnp.float32)
+    w_blocks = w.reshape(2, blocks, -1, 48)
+    absmax = jnp.abs(w_blocks).max(axis=2, keepdims=True)
+    err = jnp.abs(back.reshape(w_blocks.shape) - w_blocks)
+    step = absmax / (2 ** (bits - 1) - 1) if how != "nf4" else (1 - 0.6961928) * absmax
+    assert bool((err <= step / 2 + 1e-6).all()), float((err - step / 2).max())
+    assert float(err.max()) > 0  # lossy: the test can tell codes from floats
+
+
+def qlora_cfg(how):
+    return CFG.replace(base_quant=how)
+
+
+def quantized_base(cfg):
+    from gjax import sharding
+    from gjax.models import quant
+
+    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
+    abstract = lora.split(tr.abstract_params(cfg))[0]
+    base = jax.tree.map(lambda x: x.copy(), BASE)  # quantize_base deletes its sources
+    return quant.quantize_base(base, cfg, sharding.param_shardings(abstract, mesh))
+
+
+@pytest.mark.parametrize("how", ["int8", "nf4"])
+def test_qlora_forward_is_the_dequantized_base_plus_adapters(how):
+    """The quantized base's tree has the model's abstract layout (codes + scales) and 1/4
+    (int8) or ~1/7 (nf4, with its scales) of the projections' f32 bytes; the forward with
+    it equals the merged model of the dequantized base, and is close to the f32 base's."""
+    from gjax.models import quant
+
+    cfg = qlora_cfg(how)
+    base = quantized_base(cfg)
+    abstract = lora.split(tr.abstract_params(cfg))[0]
+    assert jax.tree.structure(base) == jax.tree.structure(abstract)
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(abstract)):
+        assert (a.shape, a.dtype) == (b.shape, b.dtype)
+    layers = [(g, n) for g, n in quant.PROJECTIONS]
+    f32 = sum(BASE["layers"][g][n]["kernel"].size * 4 for g, n in layers)
+    stored = quant.stored_bytes(
+        [{k: base["layers"][g][n][k] for k in ("kernel", "kernel_scale")} for g, n in layers]
+    )
+    scales = sum(base["layers"][g][n]["kernel_scale"].size * 4 for g, n in layers)
+    assert stored == f32 * (8 if how == "int8" else 4) // 32 + scales  # 1 or 1/2 byte a code
+    full = lora.merge(base, trained_adapters(cfg))
+    _, logits = run(full, cfg, TOKENS, return_logits=True)
+    merged = lora.merged(full, cfg)
+    assert "kernel_scale" not in merged["layers"]["mlp"]["up"]
+    _, merged_logits = run(merged, BASE_CFG, TOKENS, return_logits=True)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(merged_logits), atol=2e-5)
+    _, f32_logits = run(lora.merge(BASE, trained_adapters(cfg)), CFG, TOKENS, return_logits=True)
+    gap = float(jnp.abs(logits - f32_logits).max())
+    # int8 keeps the model (O(1) logits here); nf4 on 32-wide inputs (one block a column) is
+    # coarse: lossy, not bounded here.
+    assert 0 < gap < 0.5 if how == "int8" else 0 < gap < np.inf, gap
+
+
+def test_samplers_decode_the_qlora_policy():
+    cfg = qlora_cfg("int8")
+    full = lora.merge(quantized_base(cfg), trained_adapters(cfg))
+    tokens, mask = left_pad([[5, 9, 2, 33, 7], [41, 3]], 5)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, pad_token_id=63)
+    tokens, mask, key = jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(0)
+    out = generate(full, cfg, tokens, mask, key, num_samples=2, sampling=sp)
+    cont = ContinuousDecoder(cfg, slots=3, tokens_per_dispatch=2).generate(
+        full, tokens, mask, key, num_samples=2, sampling=sp
+    )
+    np.testing.assert_array_equal(np.asarray(cont.tokens_BxN), np.asarray(out.tokens_BxN))
+    rep = lambda x: jnp.repeat(jnp.asarray(x), 2, axis=0)
+    logits = teacher_forced_logits(full, cfg, rep(tokens), rep(mask), out.tokens_BxN, out.mask_BxN)
+    np.testing.assert_array_equal(np.asarray(jnp.argmax(logits, -1)), np.asarray(out.tokens_BxN))

@@ -5,8 +5,10 @@ In this process (`gjax.train.train`), on the suite's 8 CPU devices; slow (each r
 the sampler, the log-prob passes and the update), so marked `slow`; CI still runs them.
 """
 
+import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
@@ -14,8 +16,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from gjax import learner as learner_lib
+from gjax import model_record, sharding
 from gjax.checkpoint import CheckpointError
 from gjax.errors import ConfigError
+from gjax.models import lora
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
 
 pytestmark = [
@@ -101,6 +105,26 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     }
     assert all(set(p) == {"lora_a", "lora_b"} for g in adapters.values() for p in g.values())
 
+    # The export (gjax.export) reads this run's own checkpoint: its base digest matches the
+    # base it loads again, and the PEFT tensors are the saved adapters, transposed.
+    from gjax import export
+
+    export.export(str(wd), str(tmp_path / "adapter"), format="peft")
+    peft_b = load_file(tmp_path / "adapter" / "adapter_model.safetensors")[
+        "base_model.model.model.layers.1.mlp.up_proj.lora_B.weight"
+    ]
+    np.testing.assert_array_equal(peft_b, np.asarray(adapters["mlp"]["up"]["lora_b"][1]).T)
+
+    # gjax.eval on the LoRA run: the base from its model.path plus the saved adapters.
+    from gjax import eval as ev
+
+    F = SimpleNamespace(checkpoint=str(wd), step=None, model=None, dtype=None)
+    mesh_for = lambda run: sharding.make_mesh({}, devices=jax.devices()[:1])
+    policy = ev._load_policy(F, mesh_for)
+    assert (policy.step, policy.cfg.lora_rank) == (2, 4)
+    for a, b in zip(jax.tree.leaves(lora.split(policy.params)[1]), jax.tree.leaves(want["params"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
     # Another rank on resume, or none: refused by name, before anything loads.
     for rank in (8, 0):
         with pytest.raises(ConfigError, match=f"model.lora.rank: 4 -> {rank}"):
@@ -112,6 +136,8 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     save_file(weights, base_dir / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="model.base_digest"):
         train(lora_config(base_dir, steps=3), str(wd))
+    with pytest.raises(model_record.RecordError, match="is not the one the LoRA adapters"):
+        export.export(str(wd), str(tmp_path / "merged"))
     assert [r["step"] for r in rows(wd)] == [1, 2]  # nothing written by the refused runs
     capsys.readouterr()
 
@@ -135,10 +161,115 @@ def test_bad_lora_settings_are_one_paragraph_before_anything_loads(field, value,
     assert not (tmp_path / "bad").exists()  # nothing written
 
 
-def test_lora_refuses_the_grpc_server_backend(tmp_path):
+@pytest.mark.parametrize("transfer", ["directory", "grpc"])
+def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path, transfer):
+    """rollout.backend=jetstream_grpc with LoRA: a real `gjax.serve` on 127.0.0.1 (its own
+    load of the base, the run's model.lora) is pushed only the adapters each step (through
+    the push directory or streamed), and serves each version before the step's rollouts (the
+    trainer waits for it)."""
+    import subprocess
+    import sys
+
+    import orbax.checkpoint as ocp
+
+    from gjax.rollout import handoff, weight_push
+    from gjax.train import train
+    from tests.test_jetstream_grpc import _ENV, _free_port, _stop
+
+    wd, port = tmp_path / "run", _free_port()
+    c = lora_config(EMBEDDED)
+    c.rollout.backend = "jetstream_grpc"
+    c.rollout.server_address = f"127.0.0.1:{port}"
+    c.rollout.weight_transfer = transfer
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "gjax.serve",
+            "--config=configs/grpo.py:tiny",
+            f"--config.model.path={EMBEDDED}",
+            "--config.model.lora.rank=4",
+            "--config.model.lora.alpha=8.0",
+            f"--config.rollout.server_address=127.0.0.1:{port}",
+            f"--workdir={wd}",
+        ],
+        env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "gjax.serve: ready" in line or len(lines) > 400:
+                break
+        assert "gjax.serve: ready" in lines[-1], "".join(lines[-30:])
+        assert train(c, str(wd)) is None
+    finally:
+        _stop(proc)
+        lines.extend(proc.stdout)
+    got = rows(wd)
+    assert [r["rollout/policy_version"] for r in got] == [1, 2]
+    # The trained adapters (f32, as the server holds them): what each push carries.
+    trained = saved_state(wd / "checkpoints" / "2")["params"]
+    adapter_bytes = sum(np.asarray(x).nbytes for x in jax.tree.leaves(trained))
+    push = wd / "push"
+    if transfer == "directory":
+        assert weight_push.latest_version(push) == weight_push.served_version(push) == 2
+        version = weight_push.version_dir(push, 2)
+        record = json.loads((version / handoff.ADAPTER_META).read_text())
+        assert {k: record[k] for k in ("rank", "alpha")} == {"rank": 4, "alpha": 8.0}
+        with ocp.StandardCheckpointer() as reader:
+            saved = reader.restore(os.path.abspath(version))
+        leaves = jax.tree_util.tree_leaves_with_path(saved)
+        assert len(leaves) == 14 and all(p[-1].key in ("lora_a", "lora_b") for p, _ in leaves)
+        assert sum(np.asarray(x).nbytes for _, x in leaves) == adapter_bytes
+    else:
+        assert weight_push.latest_version(push) is None  # streamed: no fallback was needed
+    assert all(r["rollout/push_bytes"] == adapter_bytes for r in got), got
+    base_bytes = os.path.getsize(os.path.join(EMBEDDED, "model.safetensors"))
+    assert adapter_bytes < base_bytes / 4, (adapter_bytes, base_bytes)
+    log = "".join(lines)
+    assert "serving policy version 2" in log and "refused" not in log, log[-3000:]
+
+
+def test_qlora_run_reports_the_sampler_learner_mismatch_and_corrects_it(tmp_path):
+    """An int8 base: the learner recomputes old log-probs (its low-rank forward over the
+    dequantized codes), the sampler's go along as behaviour log-probs, and the mismatch
+    metrics and the TIS correction act on their difference."""
     from gjax.train import train
 
     c = lora_config(EMBEDDED)
-    c.rollout.backend = "jetstream_grpc"
-    with pytest.raises(ConfigError, match="do not take LoRA adapters yet"):
-        train(c, str(tmp_path / "grpc"))
+    c.model.lora.quantize = "int8"
+    c.rollout.recompute_old_logps = True
+    c.objective.behaviour_correction = "tis"
+    assert train(c, str(tmp_path / "qlora")) is None
+    got = rows(tmp_path / "qlora")
+    assert [r["step"] for r in got] == [1, 2]
+    for r in got:
+        assert 0.0 <= r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"] < 0.1
+        assert "correction/capped_frac" in r
+        assert np.isfinite(r["loss/total"])
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        (dict(rank=0, quantize="int8"), "without LoRA nothing would train"),
+        (dict(quantize="fp8"), "model.lora.quantize: must be one of"),
+        (dict(quantize="nf4", no_qwix=True), "needs the qwix package"),
+    ],
+)
+def test_bad_qlora_settings_are_one_paragraph(settings, message, tmp_path, monkeypatch):
+    from gjax.models import quant
+    from gjax.train import train
+
+    if settings.pop("no_qwix", False):
+        monkeypatch.setattr(quant, "available", lambda: False)
+    c = lora_config(EMBEDDED)
+    for k, v in settings.items():
+        c.model.lora[k] = v
+    with pytest.raises(ConfigError, match=message):
+        train(c, str(tmp_path / "bad"))
+    assert not (tmp_path / "bad").exists()

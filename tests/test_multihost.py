@@ -1,10 +1,13 @@
 """Multi-host: two `jax.distributed` processes on 127.0.0.1 (gloo CPU collectives, 4 CPU
-devices each) train exactly as one process with 8 devices, and resume.
+devices each) train as one process with 8 devices (to what `_assert_same_run` says that
+guarantees: equal samples, rewards and counts, floats up to the order of the cross-device sums,
+each parameter within Adam's step bound), and resume.
 
 The end-to-end test starts the real program (`python -m gjax.train --coordinator_address ...`)
 twice per run, as a user does on two hosts. Slow (three short runs), marked `slow`.
 """
 
+import functools
 import json
 import os
 import signal
@@ -36,7 +39,9 @@ ARGS = [
     "--config.log.progress=False",
     "--config.log.tensorboard=False",
 ]
-VOLATILE = ("time/", "throughput/", "rewards/")  # timings (the reward counters are checked below)
+# Timings (the reward counters are checked below), and the continuous decoder's slot
+# occupancy: each process schedules its own rows on its own slots.
+VOLATILE = ("time/", "throughput/", "rewards/", "rollout/slot_occupancy")
 
 
 def _groups(rewards_PxG):
@@ -172,6 +177,55 @@ def test_split_work_gives_every_process_all_values_from_its_own_share(n):
     assert multihost.split_work(n, lambda lo, hi: np.arange(lo, hi)).tolist() == list(range(n))
 
 
+def test_failed_gloo_collectives_are_recognized_and_the_timeout_set_once(monkeypatch):
+    """jax raises a failed gloo collective as a ValueError (not a JaxRuntimeError): it is a
+    failed collective, which `train.collective_faults` reports as a paragraph. The collective
+    time-out goes into XLA_FLAGS, unless the user set it there."""
+    gloo = ValueError(
+        "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/unbound_buffer.cc:"
+        "132] Timed out waiting 30000ms for recv operation to complete"
+    )
+    assert multihost.collective_failed(gloo)
+    try:
+        try:
+            raise gloo
+        except ValueError as e:
+            raise RuntimeError("while saving") from e
+    except RuntimeError as wrapped:
+        assert multihost.collective_failed(wrapped)
+    assert not multihost.collective_failed(ValueError("config.rollout.num_samples must be > 0"))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    multihost.set_collective_timeout(600)
+    assert os.environ["XLA_FLAGS"] == (
+        "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=600"
+    )
+    multihost.set_collective_timeout(5)  # already given (by the user): kept
+    assert os.environ["XLA_FLAGS"].endswith("--xla_cpu_collective_timeout_seconds=600")
+
+
+def test_the_stop_signal_is_agreed_and_a_process_without_one_says_whose(capsys):
+    """A signal (a preemption's SIGTERM) may reach one process of several: every process
+    stops with the signal of the first that got one, and one that got none names that
+    process instead of claiming a SIGTERM of its own."""
+    two = lambda mine, other: lambda x: np.stack([np.asarray(mine), np.asarray(other)])  # noqa: E731
+    assert multihost.stop_signal(None, gather=two(0, 0)) == (None, None)
+    assert multihost.stop_signal(None, gather=two(0, 15)) == (15, 1)
+    assert multihost.stop_signal(2, gather=two(2, 15)) == (2, 0)
+    assert multihost.stop_signal(None) == (None, None)  # one process: the identity
+    assert multihost.stop_signal(15) == (15, 0)
+    from gjax import train
+
+    class Ckpt:
+        directory = "/runs/x/checkpoints"
+
+    train._stopped(signal.SIGTERM, Ckpt, 3, 1, by=1)
+    err = capsys.readouterr().err
+    assert err.startswith("process 1 received SIGTERM (process 0 received none): stopped")
+    assert "at step 3, checkpoint at step 3 saved in /runs/x/checkpoints; exit status 143" in err
+    train._stopped(signal.SIGTERM, Ckpt, 3, 3)
+    assert capsys.readouterr().err.startswith("SIGTERM: stopped at step 3, nothing new to save")
+
+
 def test_incomplete_distributed_flags_are_a_user_error(monkeypatch):
     for var in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
         monkeypatch.delenv(var, raising=False)
@@ -234,21 +288,19 @@ def _two_processes(script: str, *, devices: int, logs, timeout: float) -> list[s
     return outs
 
 
-def _train(workdir, steps, *, processes, extra=()):
-    return _wait(_launch(workdir, steps, processes=processes, extra=extra))
+def _train(workdir, steps, *, processes, extra=(), decoder="static"):
+    return _wait(_launch(workdir, steps, processes=processes, extra=extra, decoder=decoder))
 
 
-def _launch(workdir, steps, *, processes, extra=()) -> list[subprocess.Popen]:
+def _launch(workdir, steps, *, processes, extra=(), decoder="static") -> list[subprocess.Popen]:
+    """gjax.train on one process of 8 devices or two of 4. The comparisons default to the
+    static sampler, the reference; the continuous decoder (gjax's default) draws other
+    samples (per-row keys), and its two-process rollouts equal one process's bit for bit too
+    (test_two_processes_decode_continuously_as_one); test_two_processes_train_as_one_and_resume
+    trains on it."""
     cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.train.steps={steps}")
-    # The train-as-one comparisons run on the static sampler, the reference (the default,
-    # continuous, is checked on two processes by test_two_processes_decode_continuously_as_one).
-    # Continuous draws other samples (per-row keys): its two-process rollouts equal one
-    # process's bit for bit, but at seed 0 its draws leave an embedding entry whose gradient
-    # is rounding noise yet just above _assert_same_run's signal level (sqrt(v_hat) 1.35e-6),
-    # so the reduction-order noise (gloo vs in-process) moved it 2.2e-2 lr after 2 updates
-    # (at seed 1: 1.4e-3 lr). The static draws keep every such entry below that level.
-    cmd.append("--config.rollout.decoder=static")
+    cmd.append(f"--config.rollout.decoder={decoder}")
     if processes == 1:
         procs = [
             subprocess.Popen(
@@ -315,18 +367,46 @@ def _state(workdir, step):
     return state["params"], adam["nu"]
 
 
-def _assert_same_run(ref_rows, got_rows, ref_state, got_state, updates):
-    """Same samples, rewards and metrics; parameters to the reordering tolerance.
+def adam_step_bound(updates: int, b1: float = 0.9, b2: float = 0.999) -> float:
+    """The most Adam can move one element in `updates` updates, in units of lr, whatever the
+    gradients: the sum over steps t of max |m_hat_t / sqrt(v_hat_t)| (Cauchy-Schwarz on
+    m_t = (1-b1) sum_i b1^(t-i) g_i against v_t = (1-b2) sum_i b2^(t-i) g_i^2): 1 for the
+    first update, 1.0014 for the second, 1.0036 for the third, 1.0068 for the fourth."""
+    return sum(
+        (1 - b1)
+        / (1 - b1**t)
+        * np.sqrt((1 - b2**t) / (1 - b2))
+        * np.sqrt(sum((b1 * b1 / b2) ** k for k in range(t)))
+        for t in range(1, updates + 1)
+    )
 
-    Both runs execute the same 8-way sharded programs; only the cross-device reductions
-    differ (XLA's in-process all-reduce vs gloo), so sums change in their last bits (f32,
-    ~1e-7 relative: rtol 1e-5 on the metrics). Discrete outcomes (samples, rewards, lengths,
-    counts) are equal. Adam moves an element by lr * m / (sqrt(v) + eps): where the gradient
-    is well above eps (sqrt(v_hat) > 100 eps) a last-bits change moves it by a tiny fraction
-    of lr (measured 2.5e-4 lr after one update; bound 1e-2 lr per update). Where the gradient
-    is itself at the rounding-noise level (e.g. the tied embedding rows of tokens the policy
-    never emits: |g| ~ 1e-9, below eps = 1e-8) the step lr * g / (|g| + eps) follows that
-    noise, so those elements are only held to Adam's step bound (a few lr per update).
+
+def _assert_same_run(ref_rows, got_rows, ref_state, got_state, updates):
+    """What two processes guarantee against one: the same run up to the order of the sums.
+
+    Both runs execute the same 8-way sharded programs on the same rows with the same keys;
+    only the order of the cross-device sums differs (XLA's in-process all-reduce vs gloo).
+    So discrete outcomes (samples, rewards, lengths, counts) are equal, and every float that
+    goes through such a sum differs by a few float32 ulps of its summands (not of its
+    result): the metrics agree to rtol 1e-5. The parameters are not identical, and no bound
+    in terms of rounding holds for every element: Adam divides each gradient element by its
+    own running scale, so an element whose gradient is at the rounding level of its own sum
+    at some step (contributions that cancel, e.g. the tied-embedding rows of tokens the
+    policy rarely emits, pushed up and down by samples of either sign of advantage) takes a
+    step there that follows the rounding. Checked:
+
+    - guaranteed, every element: |difference| <= 2 lr `adam_step_bound(updates)` (each run's
+      own move is at most lr times that bound, whatever its gradients; lr is constant here);
+    - measured, not guaranteed: nearly every element (99 % asked) agrees to 1e-3 lr per
+      update; a real difference between the runs (a row, a key, a normalizer) shows in the
+      metrics above first.
+
+    Measured at seed 0 (elements differing by more than 1e-3 lr per update; largest
+    difference): a_grae.py:tiny, lr 3e-5, 2 updates: static 0.014 % (6.8e-2 lr), continuous
+    0.023 % (0.135 lr); grpo.py:tiny, lr 1e-4, 4 updates, continuous: 0.022 % (0.45 lr), all
+    of the outliers' largest in the embedding (143 entries above 1e-2 lr), where the previous
+    criterion (an absolute gradient level, sqrt(v_hat) > 100 eps, taken as signal) failed
+    on 6 entries at 4 updates.
     """
     assert [r["step"] for r in got_rows] == [r["step"] for r in ref_rows]
     for ref, got in zip(ref_rows, got_rows):
@@ -339,29 +419,27 @@ def _assert_same_run(ref_rows, got_rows, ref_state, got_state, updates):
                 np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
         for k in ("rewards/accuracy/mean", "rewards/valid_fraction", "rewards/batch_errors"):
             assert got[k] == pytest.approx(ref[k], rel=1e-6), k
-    (ref_params, ref_nu), (got_params, _) = ref_state, got_state
-    eps, b2 = 1e-8, 0.999
-    covered = np.zeros(2)
-    for (path, a), b, nu in zip(
-        jax.tree_util.tree_leaves_with_path(ref_params),
-        jax.tree.leaves(got_params),
-        jax.tree.leaves(ref_nu),
+    (ref_params, _), (got_params, _) = ref_state, got_state
+    every = 2 * LR * adam_step_bound(updates) * (1 + 1e-3)  # (1e-3: float32 arithmetic)
+    close = np.zeros(2)
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(ref_params), jax.tree.leaves(got_params)
     ):
-        signal = np.sqrt(nu / (1 - b2**updates)) > 100 * eps
         diff = np.abs(b - a)
-        name = jax.tree_util.keystr(path)
-        assert diff[signal].max(initial=0) <= 1e-2 * LR * updates, name
-        assert diff.max() <= 4 * LR * updates, name
-        covered += [signal.sum(), signal.size]
-    assert covered[0] > 0.9 * covered[1]  # the tight bound holds for nearly every parameter
+        assert diff.max() <= every, (jax.tree_util.keystr(path), diff.max() / LR)
+        close += [(diff <= 1e-3 * LR * updates).sum(), diff.size]
+    assert close[0] >= 0.99 * close[1], close
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
 def test_two_processes_train_as_one_and_resume(tmp_path):
+    """On the default (continuous) decoder: two processes of 4 devices train as one of 8, to
+    what `_assert_same_run` says is guaranteed, and resume from the step-2 checkpoint."""
     ref, two = tmp_path / "one_process", tmp_path / "two_processes"
-    _train(ref, 3, processes=1)  # 8 devices in one process; checkpoints at 2 and 3
-    outs = _train(two, 2, processes=2)  # 2 x 4 devices
+    run = functools.partial(_train, decoder="continuous")
+    run(ref, 3, processes=1)  # 8 devices in one process; checkpoints at 2 and 3
+    outs = run(two, 2, processes=2)  # 2 x 4 devices
     ref_rows = _rows(ref)
     # Process 0 alone writes logs, metrics and the summary; both take part in the save.
     assert "held-out accuracy" in outs[0] and "held-out accuracy" not in outs[1]
@@ -371,7 +449,7 @@ def test_two_processes_train_as_one_and_resume(tmp_path):
         json.loads((ref / "summary.json").read_text())["heldout_accuracy_before"]
     )
     # Resume the two-process run from its step-2 checkpoint: step 3 matches the one-process run.
-    outs = _train(two, 3, processes=2)
+    outs = run(two, 3, processes=2)
     assert "resumed from step 2" in outs[0]
     _assert_same_run(ref_rows, _rows(two), _state(ref, 3), _state(two, 3), updates=3)
     assert json.loads((two / "summary.json").read_text()) == json.loads(
@@ -596,6 +674,71 @@ def _start(cmd, env):
 
 def _flat(text):
     return " ".join(text.split())
+
+
+_LATE = """
+import functools, sys, time
+import numpy as np
+from gjax import cli, multihost, train
+pid, port, wd, late, timeout = int(sys.argv[1]), sys.argv[2], sys.argv[3], *map(int, sys.argv[4:])
+
+
+def main(argv):
+    watch = multihost.initialize(  # as gjax.train's main, with a shorter dead-peer watch
+        f"127.0.0.1:{port}", 2, pid, collective_timeout_s=timeout, peer_dead_s=4.0,
+        on_peer_failure=functools.partial(train._peer_failed, wd),
+    )
+    with train.collective_faults(watch, wd, timeout):
+        print("first", multihost.allgather(np.int32(pid)).tolist(), flush=True)
+        if pid == 1:
+            time.sleep(late)  # as a peer still compiling the next program
+        t = time.monotonic()
+        got = multihost.allgather(np.int32(pid + 10)).tolist()
+        print("second", got, f"after {time.monotonic() - t:.0f} s", flush=True)
+
+
+sys.argv = sys.argv[:1]
+cli.run(main)
+"""
+
+
+@pytest.mark.slow
+def test_a_late_peer_is_waited_for_or_the_run_ends_in_one_paragraph(tmp_path):
+    """Process 1 reaches a collective 5 s after process 0 (as when it compiles longer, under
+    load). With --collective_timeout_s=12 the early one waits and both go on; with 2 s the
+    collective times out with no peer dead, and each process exits 2 with one paragraph
+    naming the last intact checkpoint (before: gloo's error as a traceback, exit 1). Both
+    pairs run at once (36 s on a loaded 2-core machine)."""
+    runs = {}
+    for name, timeout in (("waits", 12), ("times_out", 2)):
+        wd = tmp_path / name
+        (wd / "checkpoints" / "4").mkdir(parents=True)  # a committed step, as listed
+        port = str(_free_port())
+        runs[name] = [
+            _start([sys.executable, "-c", _LATE, str(i), port, str(wd), "5", str(timeout)], _env(1))
+            for i in range(2)
+        ]
+    try:
+        for proc, _ in runs["waits"] + runs["times_out"]:
+            proc.wait(timeout=90)
+    finally:
+        for proc, _ in runs["waits"] + runs["times_out"]:
+            proc.kill()
+    for proc, out in runs["waits"]:
+        text = out.text()
+        assert proc.returncode == 0, text[-3000:]
+        assert "second [10, 11]" in text, text[-3000:]
+    assert "after 5 s" in runs["waits"][0][1].text()  # process 0 waited for its late peer
+    for pid, (proc, out) in enumerate(runs["times_out"]):
+        text = out.text()
+        assert proc.returncode == 2, text[-3000:]
+        assert "Traceback" not in text and "second" not in text, text[-3000:]
+        flat = _flat(text)
+        assert f"gjax: a cross-process operation failed on process {pid} while every" in flat
+        assert "--collective_timeout_s=2" in flat, text[-3000:]
+        wd = tmp_path / "times_out" / "checkpoints"
+        assert f"The last intact checkpoint is step 4 in {wd}" in flat, text[-3000:]
+        assert flat.count("gjax: ") == 1  # one paragraph
 
 
 @pytest.mark.slow

@@ -347,20 +347,36 @@ def test_auto_bins_round_up_to_a_quarter_of_the_rows():
     assert plan["pack_bin_B"].max() < 4
 
 
-def test_auto_bins_ladder_wastes_at_most_a_sixteenth():
-    # The default: exact below 32, then m x 2^e with m in [16, 32), a multiple of K, <= rows.
-    used = (0, 1, 7, 15, 16, 17, 31, 33, 44, 45, 57, 61, 65, 127, 128)
+def test_auto_bins_ladder_bounds_the_shapes_a_run_compiles():
+    """The default ladder: exact below 8, then m x 2^e with m in {4..7}, a multiple of K,
+    <= rows: fewer than 1/5 of the bins empty, and a need that stays within a factor of two
+    meets at most 5 values. C (the head's positions per bin) on {2, 3} x 2^e, <= W. The
+    README command's needs (67-116 bins of 128 rows, every C 28-32) meet 4 x 1 shapes; the
+    ladder before (16 values per doubling, C a multiple of W / 8) met 13 x 2 and compiled
+    21 updates."""
+    used = (0, 1, 7, 8, 9, 15, 16, 17, 31, 33, 45, 65, 80, 81, 97, 113, 128)
     got = [packing.auto_bins(u, 128, 1) for u in used]
-    assert got == [1, 1, 7, 15, 16, 17, 31, 34, 44, 46, 58, 62, 68, 128, 128]
+    assert got == [1, 1, 7, 8, 10, 16, 16, 20, 32, 40, 48, 80, 80, 96, 112, 128, 128]
     assert [packing.auto_bins(u, 128, 4) for u in (1, 7, 17, 45)] == [4, 8, 20, 48]
     assert packing.auto_bins(100, 96, 1) == 96
-    for u in range(1, 1025):  # at most 1/16 of the bins empty; 16 values per doubling
+    for u in range(1, 2049):  # fewer than 1/5 of the bins empty
         j = packing.auto_bins(u, 4096, 1)
-        assert u <= j <= u * 17 / 16
-    assert len({packing.auto_bins(u, 4096, 1) for u in range(65, 129)}) == 16  # 68, 72 .. 128
-    # The coarser ladder (8 values per doubling: at most 1/8 empty), as `steps` gives it.
+        assert u <= j and (j - u) * 5 < j
+    for lo in range(1, 1025):  # a need within [lo, 2 lo]: at most 5 bin counts
+        assert len({packing.auto_bins(u, 4096, 1) for u in range(lo, 2 * lo + 1)}) <= 5
+    assert {packing.auto_bins(u, 128, 1) for u in range(67, 117)} == {80, 96, 112, 128}
+    # C: at most 3 values within a factor of two, fewer than 1/3 of the positions unread.
+    for lo in range(1, 513):
+        reads = {min(packing.ladder(r, packing.READ_STEPS), 4096) for r in range(lo, 2 * lo + 1)}
+        assert len(reads) <= 3
+    for r in range(1, 4097):
+        c = packing.ladder(r, packing.READ_STEPS)
+        assert r <= c and (c - r) * 3 < c
+    assert {packing.ladder(r, packing.READ_STEPS) for r in range(28, 33)} == {32}
+    # The finer ladders, as `steps` gives them (16: the default before 2026-12-01).
     coarse = [packing.auto_bins(u, 128, 1, steps=8) for u in (17, 33, 45, 65)]
     assert coarse == [18, 36, 48, 72]
+    assert len({packing.auto_bins(u, 128, 1, steps=16) for u in range(67, 117)}) == 13
     spans = np.array([[0, 5], [0, 5], [0, 5], [0, 5], [0, 12], [0, 3], [0, 3], [0, 3]])
     plan = packing.plan(spans, packing.Packing(bins=0, length=12), s=12, minibatches=1)
     assert plan["pack_bins"] == 4  # 4 used: exact
@@ -450,7 +466,7 @@ def test_auto_bins_split_evenly_over_the_devices_and_compile_without_permutes():
         )
         batch = learner.batch(groups, state.params, state.params)
         used = int(batch["pack_metrics"][0])
-        assert packing.auto_bins(used, 32, 1) % 4  # the old plan: uneven
+        assert packing.auto_bins(used, 32, 1, steps=16) % 4  # the old plan: uneven
         assert batch["pack_bins_J"].shape[0] % 4 == 0 and "pack_reads_C" in batch
         programs = {
             "update": learner.update.lower(state, batch, jax.random.key(0)),
@@ -462,22 +478,22 @@ def test_auto_bins_split_evenly_over_the_devices_and_compile_without_permutes():
 
 def test_plan_counts_the_positions_the_loss_reads_per_bin():
     """S = 12, T = 5: positions 6.. predict completion targets. Rows 0 and 2 share bin 0
-    (5 + 5 read positions), row 1 (all prompt) is alone in bin 1: C = 10, a multiple of
-    W / 8 = 2; the markers carry J and C as shapes."""
+    (5 + 5 read positions), row 1 (all prompt) is alone in bin 1: 10 read, C = 12 on the
+    ladder of 2 values per doubling (8, 12, 16); the markers carry J and C as shapes."""
     spans = np.array([[2, 9], [0, 4], [5, 6], [0, 0]], np.int32)
     np.testing.assert_array_equal(packing.read_counts(spans, s=12, t=5), [5, 0, 5, 0])
     plan = packing.plan(spans, packing.Packing(bins=2, length=16), s=12, minibatches=1, t=5)
     np.testing.assert_array_equal(plan["pack_bin_B"][:3], [0, 1, 0])
-    assert plan["pack_reads"] == 10
+    assert plan["pack_reads"] == 12
     marks = packing.markers(plan)
-    assert marks["pack_bins_J"].shape == (2,) and marks["pack_reads_C"].shape == (10,)
+    assert marks["pack_bins_J"].shape == (2,) and marks["pack_reads_C"].shape == (12,)
     assert "pack_bins" not in plan and "pack_reads" not in plan
     spans[1] = [0, 11]  # row 1 reads 5 too: the fullest bin still reads 10
     assert (
         packing.plan(spans, packing.Packing(bins=2, length=16), s=12, minibatches=1, t=5)[
             "pack_reads"
         ]
-        == 10
+        == 12
     )
 
 

@@ -221,7 +221,7 @@ def test_repush_right_after_a_streamed_push_sends_the_new_version():
 
     replica = types.SimpleNamespace(index=0, address="127.0.0.1:1", served_version=lambda t: 3)
     pool = types.SimpleNamespace(
-        replicas=[replica], probe_s=0.01, on_behind=None, await_version=lambda v, t: [v]
+        replicas=[replica], probe_s=0.01, on_behind=None, await_version=lambda v, t, abort=None: [v]
     )
     weights = replicas.ReplicaWeights(
         pool, types.SimpleNamespace(version=3), stream=True, ack_timeout_s=1.0

@@ -182,7 +182,8 @@ def test_server_down_falls_back_to_the_directory(policy, tmp_path):  # noqa: F81
 
 
 def test_benchmark_smoke():
-    """benchmarks/weight_push.py at a toy size: JSON lines, consistent bytes and summary."""
+    """benchmarks/weight_push.py at a toy size: JSON lines, consistent bytes and summary; the
+    adapter push of the 1.5B shape."""
     import os
     import subprocess
     import sys
@@ -198,13 +199,25 @@ def test_benchmark_smoke():
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert [r.get("path") for r in rows] == ["memcpy", "directory", "grpc", "grpc_bf16", None]
+    paths = ["memcpy", "directory", "grpc", "grpc_bf16", "adapters", None]
+    assert [r.get("path") for r in rows] == paths
     by = {r["path"]: r for r in rows[1:-1]}
     assert by["directory"]["bytes"] == by["grpc"]["bytes"] == 2 * by["grpc_bf16"]["bytes"]
     assert by["grpc"]["bytes"] == pytest.approx(0.01e9, abs=4)
     ratio = rows[-1]["directory_over_grpc"]["0.01"]
     assert ratio == pytest.approx(by["directory"]["s_per_gb"] / by["grpc"]["s_per_gb"], rel=0.01)
     assert set(rows[-1]["predicted_push_s_bf16_server"]) == {"1.5B", "8B"}
+    # The LoRA push (rank 16, all 7 targets, f32) on the 1.5B shape: per layer r x (in + out)
+    # for q, k, v, o (D=1536, K*Dh=256), gate, up and down (F=8960); 28 layers.
+    adapters = by["adapters"]
+    d, kv, f = 1536, 256, 8960
+    per_layer = 16 * (2 * (d + d) + 2 * (d + kv) + 3 * (d + f))
+    assert adapters["bytes"] == 28 * per_layer * 4 == 73_859_072
+    assert adapters["full_bytes"] == 6_174_857_216  # Qwen2.5-1.5B's 1.544e9 params, f32
+    assert adapters["bytes_fraction"] == pytest.approx(0.01196, abs=1e-5)
+    assert 0 < adapters["grpc_s"] < adapters["full_grpc_s_predicted"]
+    assert 0 < adapters["directory_s"] < adapters["full_directory_s_predicted"]
+    assert rows[-1]["adapter_over_full_bytes"] == adapters["bytes_fraction"]
 
 
 @pytest.mark.slow

@@ -208,9 +208,13 @@ def _check_local(source: str, where: str) -> None:
 def run_data_config(config) -> dict[str, Any]:
     """`config.data` as a run reads it: the demonstration column only where something uses it
     (DaGRPO anchors, `anchors.per_group > 0`, or an LLM judge's references); otherwise a
-    source without that column is fine."""
-    d = config.data.to_dict()
-    if not config.anchors.per_group and config.reward.judge.name == "none":
+    source without that column is fine. `config`: the run's ConfigDict, or the dict its
+    `config.json` holds (`gjax.eval` on a checkpoint reads the data as training did)."""
+    run = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    d = dict(run["data"])
+    judge = (run.get("reward") or {}).get("judge", "none")
+    judge = judge.get("name", "none") if isinstance(judge, Mapping) else judge
+    if not (run.get("anchors") or {}).get("per_group", 0) and judge == "none":
         d["demonstration_field"] = ""
     return d
 

@@ -29,6 +29,8 @@ REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "xla_blocked", "cudnn", "pallas_gpu", "splash")
 # The projections LoRA can adapt (gjax.models.lora), by the names the param tree gives them.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# How a frozen base's projection kernels may be stored (QLoRA; gjax.models.quant).
+BASE_QUANT = ("none", "int8", "int4", "nf4")
 
 # Hugging Face (PEFT) module names, accepted for the same targets.
 _LORA_HF_NAMES = {
@@ -106,6 +108,9 @@ class ModelConfig:
     lora_alpha: float = 0.0
     lora_targets: tuple[str, ...] = ()
     lora_dtype: str = "float32"
+    # The frozen base's projection kernels stored quantized (QLoRA; gjax.models.quant):
+    # "kernel" holds the integer codes and "kernel_scale" their scales. "none": as loaded.
+    base_quant: str = "none"
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # keep the config hashable
@@ -149,6 +154,8 @@ class ModelConfig:
             raise ValueError(f"unknown LoRA target(s) {unknown}; valid: {LORA_TARGETS}")
         if self.lora_rank and not self.lora_targets:
             raise ValueError("ModelConfig.lora_rank > 0 needs at least one of lora_targets")
+        if self.base_quant not in BASE_QUANT:
+            raise ValueError(f"unknown base_quant {self.base_quant!r}; valid: {BASE_QUANT}")
 
     @property
     def jnp_dtype(self):

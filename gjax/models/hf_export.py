@@ -23,6 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from gjax.models import lora
 from gjax.models.config import ModelConfig
 from gjax.models.hf_format import (
     _ST_CODES,
@@ -215,6 +216,113 @@ def save_pretrained(
         shutil.rmtree(local, ignore_errors=True)
 
 
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_tensor_names(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], int, str]]:
+    """`(PEFT name, gjax target path, layer, "lora_a" | "lora_b")` of each adapter tensor, in
+    the order PEFT's `get_peft_model_state_dict` lists them (layer, then target)."""
+    out = []
+    for layer in range(cfg.num_layers):
+        for target in cfg.lora_targets:
+            prefix = f"base_model.model.model.layers.{layer}.{lora.HF_MODULES[target]}"
+            path = ("layers", *lora.TARGET_PATHS[target])
+            out.append((f"{prefix}.lora_A.weight", path, layer, "lora_a"))
+            out.append((f"{prefix}.lora_B.weight", path, layer, "lora_b"))
+    return out
+
+
+def peft_adapter_config(cfg: ModelConfig, base_model_name_or_path: str | None) -> dict[str, Any]:
+    """The `adapter_config.json` of `cfg`'s adapters: PEFT's LoRA computes
+    y = x W + (lora_alpha / r) B(A(x)), gjax's x W + (alpha / rank) (x A) B."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": cfg.lora_rank,
+        "lora_alpha": cfg.lora_alpha,
+        "target_modules": [lora.HF_MODULES[t] for t in cfg.lora_targets],
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+
+
+def save_peft_adapter(
+    adapters: Params,
+    cfg: ModelConfig,
+    path: str | os.PathLike,
+    *,
+    base_model_name_or_path: str | None,
+    tokenizer=None,
+    dtype=None,
+    chat_template: str | None = None,
+) -> None:
+    """Writes `adapters` (gjax's `lora_a` [L, in, r], `lora_b` [L, r, out] leaves, e.g.
+    `gjax.models.lora.split(params)[1]`) as a PEFT LoRA adapter directory, local or gs://:
+    `adapter_config.json` and `adapter_model.safetensors` (PEFT's names, A as [r, in] and B
+    as [out, r]: torch `nn.Linear` weights), loadable by
+    `peft.PeftModel.from_pretrained(base, path)` on the base of `cfg.without_lora()`; with
+    the tokenizer (and `chat_template`) as in `save_pretrained`.
+    """
+    path = os.fspath(path)
+    if not cfg.lora_rank:
+        raise ValueError("save_peft_adapter needs a LoRA config (cfg.lora_rank > 0)")
+    names = peft_tensor_names(cfg)
+
+    def leaf(tree_path, kind):
+        node = adapters
+        for key in tree_path:
+            node = node[key]
+        return node[kind]
+
+    out_dtype = {
+        n: np.dtype(dtype) if dtype else np.dtype(leaf(p, k).dtype) for n, p, _, k in names
+    }
+    for name, dt in out_dtype.items():
+        if dt not in _ST_CODES:
+            raise ValueError(f"{name}: cannot write dtype {dt} to safetensors")
+    specs = []
+    for name, tree_path, _, kind in names:
+        _, d_in, d_out = leaf(tree_path, kind).shape
+        specs.append((name, (d_out, d_in), out_dtype[name]))  # [r, in] or [out, r]
+
+    def fetch(i):
+        name, tree_path, layer, kind = names[i]
+        x = leaf(tree_path, kind)
+        x = _take_layer(x, layer) if isinstance(x, jax.Array) else x[layer]
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            x = multihost_utils.process_allgather(x, tiled=True)
+        if jax.process_index() != 0:
+            return None
+        return np.ascontiguousarray(np.asarray(x).T, dtype=out_dtype[name])
+
+    writer = jax.process_index() == 0
+    remote = _is_url(path)
+    local = tempfile.mkdtemp(prefix="gjax_peft_") if remote else path
+    if writer:
+        os.makedirs(local, exist_ok=True)
+        _write_safetensors(os.path.join(local, PEFT_WEIGHTS), specs, fetch)
+    else:
+        for i in range(len(specs)):
+            fetch(i)  # take part in the gathers
+        return
+    _write_json(os.path.join(local, PEFT_CONFIG), peft_adapter_config(cfg, base_model_name_or_path))
+    if tokenizer is not None:
+        _save_tokenizer(tokenizer, local)
+    if chat_template is not None:
+        _write_chat_template(local, chat_template)
+    if remote:
+        _upload_dir(local, path)
+        shutil.rmtree(local, ignore_errors=True)
+
+
 def save_model_files(
     cfg: ModelConfig,
     path: str | os.PathLike,
@@ -336,6 +444,9 @@ def _upload_dir(local: str, url: str) -> None:
 
 __all__ = [
     "parse_size",
+    "peft_adapter_config",
+    "peft_tensor_names",
+    "save_peft_adapter",
     "save_model_files",
     "save_pretrained",
     "source_generation_config",

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from gjax import integrity, sharding
-from gjax.models import transformer
+from gjax.models import quant, transformer
 from gjax.models.config import LORA_TARGETS, ModelConfig, parse_lora_targets
 
 Params = dict[str, Any]
@@ -127,16 +127,21 @@ def configure(cfg: ModelConfig, lora_config) -> ModelConfig:
         lora_alpha=float(lora_config.alpha),
         lora_targets=parse_lora_targets(lora_config.targets),
         lora_dtype=lora_config.dtype,
+        base_quant=lora_config.get("quantize", "none"),
     )
 
 
 def attach(cfg: ModelConfig, params: Params, lora_config, mesh, rng):
     """A run's trained params: `(cfg, frozen, trained)`. With `config.model.lora.rank` > 0
-    the loaded `params` become the frozen base and `trained` fresh adapters placed on `mesh`
-    by the logical-axis rules; else `(cfg, None, params)` (full fine-tuning)."""
+    the loaded `params` become the frozen base (quantized if `model.lora.quantize` says so:
+    QLoRA, `gjax.models.quant`) and `trained` fresh adapters placed on `mesh` by the
+    logical-axis rules; else `(cfg, None, params)` (full fine-tuning)."""
     cfg = configure(cfg, lora_config)
     if not enabled(cfg):
         return cfg, None, params
+    if cfg.base_quant != "none":
+        abstract_base = split(transformer.abstract_params(cfg))[0]
+        params = quant.quantize_base(params, cfg, sharding.param_shardings(abstract_base, mesh))
     shardings = sharding.param_shardings(abstract_adapters(cfg), mesh)
     return cfg, params, init_adapters(cfg, rng, shardings)
 
@@ -148,13 +153,15 @@ def as_record(lora_config) -> dict:
         "alpha": float(lora_config.alpha),
         "targets": list(parse_lora_targets(lora_config.targets)),
         "dtype": lora_config.dtype,
+        "quantize": lora_config.get("quantize", "none"),
     }
 
 
 def base_digest(base: Params | None) -> str | None:
-    """A content hash of the frozen base as loaded: sha256 over its arrays' paths, shapes,
-    dtypes and `gjax.integrity` digests (computed on the devices, the same however the base
-    is sharded). A checkpoint's adapters fit only the base they trained on."""
+    """A content hash of the base as loaded (before any quantization): sha256 over its
+    arrays' paths, shapes, dtypes and `gjax.integrity` digests (computed on the devices, the
+    same however the base is sharded). A checkpoint's adapters fit only the base they
+    trained on."""
     if base is None:
         return None
     digests, _ = integrity.inspect(base)
@@ -167,14 +174,17 @@ def base_digest(base: Params | None) -> str | None:
 
 
 def merged(params: Params, cfg: ModelConfig) -> Params:
-    """The base tree with every adapted kernel replaced by W + (alpha / r) A B (W's dtype):
-    a plain model of `cfg.without_lora()` (what a merged export writes)."""
+    """The base tree with every adapted kernel replaced by W + (alpha / r) A B (W's dtype;
+    a quantized base's kernels dequantized): a plain model of `cfg.without_lora()` with
+    `base_quant="none"` (what a merged export writes)."""
     base, _ = split(params)
     out = jax.tree.map(lambda x: x, base)  # new dicts, same arrays
-    for name in cfg.lora_targets:
-        group, proj = TARGET_PATHS[name]
+    for group, proj in quant.PROJECTIONS:
         p = params["layers"][group][proj]
-        out["layers"][group][proj]["kernel"] = transformer.merged_kernel(p, cfg)
+        if "lora_a" in p or "kernel_scale" in p:
+            q = out["layers"][group][proj]
+            q["kernel"] = transformer.merged_kernel(p, cfg)
+            q.pop("kernel_scale", None)
     return out
 
 

@@ -28,6 +28,12 @@ Conventions shared by all estimators
 * Statistics named "batch" or "global" (GPG alpha, A-GRAE omega_s, batch std) are plain ``jnp``
   reductions over the whole [P, G] array; under ``jit`` with sharded global arrays they are
   global across devices (GSPMD inserts the collectives), which the mesh tests check.
+* Rewards of any finite float32 size: means and variances are taken of the rewards divided by
+  their largest magnitude (``_scaled_moments``), so the normalised estimators give the same
+  advantages for ``r`` and ``1e30 * r`` (squares of rewards above ~1.8e19 would overflow to
+  inf and zero every advantage; sums near float32's max would give NaN). The unnormalised ones
+  (``dr_grpo``, ``gpg`` with ``norm='none'``, ``rloo``) return centred rewards, finite for any
+  finite rewards; their loss then has the rewards' scale.
 * An all-invalid batch gives all-zero advantages, ``keep = False`` everywhere and finite metrics
   (guarded denominators).
 * Standard deviation: POPULATION std (``ddof=0``, divide by the group size n) by default. This
@@ -109,17 +115,46 @@ def _check_inputs(name, rewards_PxG, valid_PxG, scores_PxG=None, is_anchor_PxG=N
     return r, valid, nonfinite
 
 
+def _masked_scale(x, mask, axis=None, keepdims=False):
+    """max |x| over the masked entries (1 where there are none or all are 0): dividing by it
+    puts every masked value in [-1, 1], so sums, squares and variances of the scaled values
+    cannot overflow float32 for any finite input (rewards of 1e20 square to 1e40 = inf)."""
+    s = jnp.max(jnp.where(mask, jnp.abs(x), 0.0), axis=axis, keepdims=keepdims)
+    return jnp.where(s > 0, s, 1.0)
+
+
+def _over(x, s):
+    """``x / s`` for a positive ``s`` of any finite size. XLA may compute it as
+    ``x * (1 / s)``, and ``1 / s`` is subnormal (flushed to 0 on CPU and TPU) for
+    ``s > 2**126``: both are shrunk by 2**-64 first (exact, powers of two)."""
+    f = jnp.where(s > 2.0**64, 2.0**-64, 1.0)
+    return (x * f) / (s * f)
+
+
 def _masked_mean(x, mask, axis=None, keepdims=False):
     n = jnp.sum(mask, axis=axis, keepdims=keepdims)
-    s = jnp.sum(jnp.where(mask, x, 0.0), axis=axis, keepdims=keepdims)
-    return s / jnp.maximum(n, 1)
+    s = _masked_scale(x, mask, axis=axis, keepdims=True)
+    total = jnp.sum(jnp.where(mask, _over(x, s), 0.0), axis=axis, keepdims=keepdims)
+    return _masked_scale(x, mask, axis=axis, keepdims=keepdims) * (total / jnp.maximum(n, 1))
+
+
+def _scaled_moments(x, mask, ddof, axis=None):
+    """``(s, mean, std)`` of ``x / s`` over the mask, ``s = _masked_scale`` (shapes kept along
+    `axis`): the moments of any finite values without overflow; ``s * std`` is x's std."""
+    s = _masked_scale(x, mask, axis=axis, keepdims=True)
+    y = _over(x, s)
+    n = jnp.sum(mask, axis=axis, keepdims=True)
+    mean = jnp.sum(jnp.where(mask, y, 0.0), axis=axis, keepdims=True) / jnp.maximum(n, 1)
+    ss = jnp.sum(jnp.where(mask, (y - mean) ** 2, 0.0), axis=axis, keepdims=True)
+    return s, mean, jnp.sqrt(ss / jnp.maximum(n - ddof, 1))
 
 
 def _masked_std(x, mask, ddof, axis=None, keepdims=False):
-    mean = _masked_mean(x, mask, axis=axis, keepdims=True)
-    n = jnp.sum(mask, axis=axis, keepdims=keepdims)
-    ss = jnp.sum(jnp.where(mask, (x - mean) ** 2, 0.0), axis=axis, keepdims=keepdims)
-    return jnp.sqrt(ss / jnp.maximum(n - ddof, 1))
+    s, _, std = _scaled_moments(x, mask, ddof, axis=axis)
+    out = s * std
+    if keepdims:
+        return out
+    return jnp.squeeze(out, axis) if axis is not None else out.reshape(())
 
 
 def _zero_var_groups(r, valid):
@@ -161,17 +196,27 @@ def _metrics(adv, keep, valid, r, zero_var, nonfinite, **extra):
 
 
 def _centered(r, valid, scale, eps, ddof):
-    """Shared GRPO core: (r - group mean) / F with F per ``scale``; zero-variance groups -> 0."""
-    mean = _masked_mean(r, valid, axis=1, keepdims=True)
+    """Shared GRPO core: (r - group mean) / F with F per ``scale``; zero-variance groups -> 0.
+
+    Computed on the rewards divided by their largest magnitude (the group's, or the batch's
+    for ``scale='batch'``): ``(r - mean) / (std + eps) = (y - mean_y) / (std_y + eps / s)``
+    with ``y = r / s``, the same number for rewards of any finite size (no ``(r - mean)**2``
+    overflowing to inf and zeroing every advantage); ``'none'`` returns ``s * (y - mean_y)``.
+    """
     zero_var = _zero_var_groups(r, valid)
-    centered = r - mean
-    if scale == "group":
-        denom = _masked_std(r, valid, ddof, axis=1, keepdims=True) + eps
-    elif scale == "batch":
-        denom = _masked_std(r, valid, ddof) + eps
-    else:  # "none"
-        denom = jnp.ones((), jnp.float32)
-    adv = jnp.where(valid & ~zero_var, centered / jnp.where(denom > 0, denom, 1.0), 0.0)
+    axis = None if scale == "batch" else 1
+    s, mean_y, std_y = _scaled_moments(r, valid, ddof, axis=axis)
+    if scale == "batch":  # the group mean is still subtracted, on the batch's scale
+        group = jnp.sum(valid, axis=1, keepdims=True)
+        mean_y = jnp.sum(jnp.where(valid, _over(r, s), 0.0), axis=1, keepdims=True)
+        mean_y = mean_y / jnp.maximum(group, 1)
+    centered_y = jnp.where(valid, _over(r, s) - mean_y, 0.0)
+    if scale == "none":
+        adv = centered_y * s
+    else:
+        denom = std_y + _over(jnp.float32(eps), s)
+        adv = centered_y / jnp.where(denom > 0, denom, 1.0)
+    adv = jnp.where(valid & ~zero_var, adv, 0.0)
     return adv, zero_var
 
 
@@ -515,7 +560,8 @@ def pass_at_k(
 
     k = 1 is GRPO with the population std and eps = 0. Groups with no correct sample, or with
     fewer than k incorrect ones (every subgroup passes), get 0. A group with n < k valid
-    samples uses k = n. Chosen over verl's GRPO_PASSK (best sample gets r_max - r_second,
+    samples uses k = n. ``k >= G`` is refused: the one subgroup is the whole group and every
+    advantage is 0 by construction. Chosen over verl's GRPO_PASSK (best sample gets r_max - r_second,
     the rest 0), which for binary rewards is 0 whenever two samples are correct and only
     targets k = G. A sample is correct iff its reward >= 0.5; ``metrics['rewards_not_binary']``
     counts valid rewards outside {0, 1}; ``metrics['pass_at_k']`` is the mean R over groups;
@@ -525,8 +571,12 @@ def pass_at_k(
     if not (isinstance(k, int) and k >= 1):
         raise ValueError(f"{name}: k must be an int >= 1, got {k!r}")
     r, valid, nonfinite = _check_inputs(name, rewards_PxG, valid_PxG, scores_PxG, is_anchor_PxG)
-    if k > r.shape[1]:
-        raise ValueError(f"{name}: k = {k} exceeds the group size G = {r.shape[1]}")
+    if k >= r.shape[1]:
+        raise ValueError(
+            f"{name}: k = {k} must be below the group size G = {r.shape[1]}: with k >= G the "
+            "only subgroup is the whole group, whose pass@k has no spread to normalise, so "
+            "every advantage would be 0 (nothing trains); use k <= G - 1 (or raise G)"
+        )
     correct = valid & (r >= 0.5)
     n = jnp.sum(valid, axis=1).astype(jnp.float32)
     n_neg = n - jnp.sum(correct, axis=1).astype(jnp.float32)
@@ -599,7 +649,7 @@ def batch_norm(
     mean = _masked_mean(x, valid)
     std = _masked_std(x, valid, ddof)
     denom = std + eps
-    adv = jnp.where(valid & (std > 0), (x - mean) / jnp.where(denom > 0, denom, 1.0), 0.0)
+    adv = jnp.where(valid & (std > 0), _over(x - mean, jnp.where(denom > 0, denom, 1.0)), 0.0)
     return AdvantageOutput(adv, valid, _metrics(adv, valid, valid, r, zero_var, nonfinite))
 
 

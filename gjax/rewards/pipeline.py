@@ -79,6 +79,7 @@ from gjax.rewards.judge import (
 )
 from gjax.rewards.judge import check_config as check_judge_config
 from gjax.rewards.rule_judge import RuleJudge
+from gjax.rewards.verifier import Verifier, VerifierConfig
 
 log = logging.getLogger(__name__)
 
@@ -651,10 +652,34 @@ def reward_specs(functions: str) -> list[RewardSpec]:
     return specs
 
 
+def verifier_extractors(extractors: str) -> tuple[str, ...]:
+    """`config.reward.extractors` ("boxed,answer_tag") as the verifier's extractor names, each
+    checked (a `ConfigError` naming the field and the valid names)."""
+    names = tuple(n.strip() for n in extractors.split(",") if n.strip())
+    try:
+        VerifierConfig(extractors=names)
+    except ValueError as e:
+        raise ConfigError(
+            f"config.reward.extractors={extractors!r}: {e}; write a comma list of names, the "
+            "answer format the prompt template asks for first (e.g. 'answer_line' for DAPO's "
+            "'Answer: ...', 'boxed,answer_tag' for \\boxed{} and <answer> tags)"
+        ) from None
+    return names
+
+
+def build_verifier(config) -> Verifier:
+    """The run's verifier from `config.reward`: its deadline, workers and answer extractors."""
+    r = config.reward
+    return Verifier(
+        timeout_s=r.timeout_s, num_workers=r.workers, extractors=verifier_extractors(r.extractors)
+    )
+
+
 def check_config(config) -> None:
-    """`config.reward` can work: reward function names and weights, the judge's fields. A hook
-    of `gjax.config.validate`, run before anything is written."""
+    """`config.reward` can work: reward function names and weights, the answer extractors, the
+    judge's fields. A hook of `gjax.config.validate`, run before anything is written."""
     reward_specs(config.reward.functions)
+    verifier_extractors(config.reward.extractors)
     check_judge_config(config.reward.judge)
 
 

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
+from gjax.models import lora
 from gjax.models.config import ModelConfig
 from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
 
@@ -72,6 +73,7 @@ class LocalSampler:
     def __init__(self, cfg: ModelConfig, decoder=None):
         self.cfg = cfg
         self.decoder = decoder
+        self._local_base = None  # (key, this process's copy of a LoRA policy's frozen base)
 
     def generate(
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
@@ -109,7 +111,7 @@ class LocalSampler:
         layout = multihost.RowLayout(tokens_PxS.sharding)
         mesh = tokens_PxS.sharding.mesh
         local_mesh = sharding.process_mesh(mesh)
-        local_params = sharding.process_local_copy(mesh, local_mesh)(params)
+        local_params = self._process_local(params, mesh, local_mesh)
         with jax.set_mesh(local_mesh), sharding.use_rules():
             out = self.decoder.generate(
                 local_params,
@@ -121,6 +123,20 @@ class LocalSampler:
                 sampling=dataclasses.replace(sampling, row_block=(layout.block, layout.count)),
             )
         return SampleOutput(*(multihost.put_rows(np.asarray(x), layout) for x in out[:4]))
+
+    def _process_local(self, params, mesh, local_mesh):
+        """`sharding.process_local_copy` of `params`; a LoRA policy's frozen base is copied
+        once (while its arrays are the same), its adapters on every call. Every process makes
+        the same copies in the same order (the base's identity changes on all of them alike)."""
+        copy = sharding.process_local_copy(mesh, local_mesh)
+        base, adapters = lora.split(params)
+        if not adapters:
+            return copy(params)
+        key = (mesh, tuple(id(x) for x in jax.tree.leaves(base)))
+        if self._local_base is None or self._local_base[0] != key:
+            self._local_base = None  # the old copy goes before the new one is made
+            self._local_base = (key, copy(base))
+        return lora.merge(self._local_base[1], copy(adapters))
 
     def push(self, params) -> None:
         del params  # `generate` samples with the params it is given

@@ -1,7 +1,8 @@
 """JetStream's gRPC service (`Orchestrator.Decode`) over one gjax `Engine`, for `gjax.serve`.
 
-JetStream's own `Driver` (its prefill, generate and detokenize threads) and `LLMOrchestrator`
-servicer, with two additions a shared server needs:
+JetStream's `Driver` (its prefill and detokenize threads; the generate thread is gjax's, without
+JetStream's burst-end race: `gjax.rollout.jetstream_compat.Driver`) and `LLMOrchestrator`
+servicer, with these additions a shared server needs:
 * every request is checked before it reaches the Driver (`check_request`); a bad one is
   answered INVALID_ARGUMENT with what was wrong, and never touches a decode slot;
 * a request whose decode slot produced non-finite logits (the engine's `ERROR_TOKEN`) ends
@@ -25,7 +26,7 @@ import threading
 import grpc
 
 from gjax.rollout.engine import PREFILL_BUCKETS, RESTART_TOKEN, Engine
-from gjax.rollout.jetstream_compat import jetstream
+from gjax.rollout.jetstream_compat import Driver, jetstream
 from gjax.rollout.weight_stream import SERVER_OPTIONS, WeightReceiver
 
 pb = jetstream.jetstream_pb2
@@ -127,11 +128,12 @@ async def _abort(context, code, details: str):
 
 class Server:
     """JetStream's Driver and the `Servicer` on host:port. Raises RuntimeError if the port
-    cannot be bound; `stop()` shuts it down."""
+    cannot be bound; `stop()` shuts it down. `handoff`: what a weight push holds
+    (`gjax.rollout.handoff`; LoRA: adapters over the base)."""
 
-    def __init__(self, engine: Engine, host: str, port: int):
+    def __init__(self, engine: Engine, host: str, port: int, handoff=None):
         self.engine = engine
-        self.driver = jetstream.orchestrator.Driver(
+        self.driver = Driver(
             prefill_engines=[engine],
             generate_engines=[engine],
             prefill_params=[engine.holder],
@@ -145,7 +147,7 @@ class Server:
         self._thread = threading.Thread(target=self._loop.run_forever, name="gjax-serve")
         self._thread.start()
         self.servicer = Servicer(self.driver, engine)
-        self.weights = WeightReceiver(engine.holder)
+        self.weights = WeightReceiver(engine.holder, handoff)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
         async def start():

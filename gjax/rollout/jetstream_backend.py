@@ -43,9 +43,11 @@ import numpy as np
 
 from gjax import multihost, schema
 from gjax.errors import UserError
+from gjax.models import lora
 from gjax.rollout.backend import LocalSampler, rollout_sampling
 from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
-from gjax.rollout.jetstream_compat import jetstream
+from gjax.rollout.handoff import Handoff, adapter_record
+from gjax.rollout.jetstream_compat import Driver, jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
 from gjax.rollout.weight_push import WeightPusher
 
@@ -296,9 +298,10 @@ def _token_ids(responses, max_tokens: int) -> list[int]:
 
 
 class JetStreamBackend(_JetStreamClient):
-    """In-process serving: the gjax `Engine` behind JetStream's own `Driver`/orchestrator.
+    """In-process serving: the gjax `Engine` behind JetStream's `Driver`/orchestrator.
 
-    `Driver` runs its prefill, generate and detokenize threads in this process; requests go
+    `Driver` (`gjax.rollout.jetstream_compat.Driver`: JetStream's, with gjax's generate thread)
+    runs its prefill, generate and detokenize threads in this process; requests go
     through `LLMOrchestrator.Decode` (the gRPC servicer's method, called directly) on an
     asyncio loop thread. The engine's ResultTokens also carry each token's log-prob and the
     params version; they are joined to requests by serial (prefill order, which is the order
@@ -343,8 +346,7 @@ class JetStreamBackend(_JetStreamClient):
             tokens_per_dispatch=tokens_per_dispatch,
             weight_change=weight_change,
         )
-        orch = jetstream.orchestrator
-        self.driver = orch.Driver(
+        self.driver = Driver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
             prefill_params=[self.holder],
@@ -356,7 +358,7 @@ class JetStreamBackend(_JetStreamClient):
         # (the hook concurrent.futures uses for the same reason).
         threading._register_atexit(self.close)
         self._closed = False
-        self._orchestrator = orch.LLMOrchestrator(driver=self.driver)
+        self._orchestrator = jetstream.orchestrator.LLMOrchestrator(driver=self.driver)
         self._loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(
             target=self._loop.run_forever, name="jetstream-client", daemon=True
@@ -526,6 +528,14 @@ class JetStreamGrpcBackend(_JetStreamClient):
         self.pool.close()
 
 
+def _handoff(model_cfg, params) -> Handoff:
+    """What this run pushes to its replicas: with LoRA the adapters only, named by their
+    record (rank, alpha, targets and the base's digest, computed here once)."""
+    if not lora.enabled(model_cfg):
+        return Handoff()
+    return Handoff(adapter_record(model_cfg, lora.split(params)[0]))
+
+
 def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer=None):
     """The backend `config.rollout.backend` names (jetstream | jetstream_grpc)."""
     r = config.rollout
@@ -549,11 +559,13 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
     addresses = schema.server_addresses(r)
     pool = ReplicaPool(addresses)
     push_dir = r.push_dir or os.path.join(workdir or ".", "push")
+    handoff = _handoff(model_cfg, params)
     weights = ReplicaWeights(
         pool,
-        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s),
+        WeightPusher(push_dir, ack_timeout_s=r.request_timeout_s, handoff=handoff),
         stream=r.weight_transfer == "grpc",
         ack_timeout_s=r.request_timeout_s,
+        handoff=handoff,
     )
     return JetStreamGrpcBackend(
         addresses,

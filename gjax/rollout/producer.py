@@ -37,7 +37,8 @@ Weight push (`AsyncProducer`): `to_rollout` makes the rollout copy of pushed par
 collocated, since the next update donates the train state's buffers). A backend that serves
 its own weights (JetStream's versioned holder) receives them through `backend.push` before it
 samples with them, so every completion of the step comes from that version; the producer
-records its own version number on them, once per version. (`SyncProducer` hands the
+records its own version number on them, once per version. A LoRA run (`frozen`) places the
+base on the rollout devices once and copies only the adapters per push (`adapters_only`). (`SyncProducer` hands the
 learner's params to `generate`, which pushes new ones to such a backend itself.)
 
 Several processes (`jax.distributed`): every process must issue the
@@ -84,6 +85,7 @@ from jax.sharding import PartitionSpec as PS
 from gjax import multihost, sharding
 from gjax.errors import UserError
 from gjax.experience import Groups
+from gjax.models import lora
 from gjax.rollout.backend import RolloutBackend
 from gjax.rollout.collect import Rollout, StepBatch, collect_step
 
@@ -321,11 +323,13 @@ def make_producer(
     train_mesh,
     rollout_mesh,
     backend: RolloutBackend,
+    frozen=None,
 ) -> Producer:
     """The run's producer, started: synchronous for k = 0 on the train mesh, else an
     `AsyncProducer` on the rollout mesh (several processes: on each process's own devices of
     the train mesh). Step j's batch is `collect_step` with key `fold_in(base_key, j)` on this
-    process's share of the prompts in every case."""
+    process's share of the prompts in every case. `frozen`: a LoRA run's base (in `params`,
+    never donated): placed on the rollout devices once, so a push moves only the adapters."""
     k = config.rollout.max_staleness
     gather = None  # several processes, asynchronous: the producer thread's host exchanges
     if k == 0 and rollout_mesh is train_mesh:
@@ -336,7 +340,7 @@ def make_producer(
         if rollout_mesh is train_mesh:
             rollout_mesh = local_mesh
         else:  # this process's rollout devices (sharding.make_meshes): one more local copy
-            to_rollout = _then_put(to_rollout, sharding.param_shardings(params, rollout_mesh))
+            to_rollout = _then_put(to_rollout, rollout_mesh)
         gather = multihost.KeyValueGather()
         rollout = rollout.process_local(multihost.LocalRows(rollout.transfer.layout, gather))
         # The key, made replicated over the train mesh, copied from this process's shard.
@@ -347,10 +351,9 @@ def make_producer(
         def to_rollout(p):
             return jax.tree.map(jnp.copy, p)  # the next update donates the learner's buffers
     else:
-        shardings = sharding.param_shardings(params, rollout_mesh)
 
         def to_rollout(p):
-            return jax.device_put(p, shardings)
+            return jax.device_put(p, sharding.param_shardings(p, rollout_mesh))
 
         # The same key bits, replicated on the rollout devices (keys feed the sampler there).
         base_key = jax.device_put(base_key, jax.sharding.NamedSharding(rollout_mesh, PS()))
@@ -367,6 +370,9 @@ def make_producer(
             allgather=rollout.transfer.allgather,
         )
 
+    if to_rollout is not None and frozen is not None:
+        collocated = rollout_mesh is train_mesh and jax.process_count() == 1
+        to_rollout = adapters_only(to_rollout, frozen, collocated=collocated)
     if to_rollout is None:
         return SyncProducer(collect, params, start, dict(data_iter.state()))
     producer = AsyncProducer(
@@ -385,6 +391,20 @@ def make_producer(
     return producer.begin(params, dict(data_iter.state()))
 
 
-def _then_put(copy: Callable[[Any], Any], shardings) -> Callable[[Any], Any]:
-    """`copy`, then `jax.device_put` to `shardings` (devices of this process only)."""
-    return lambda params: jax.device_put(copy(params), shardings)
+def _then_put(copy: Callable[[Any], Any], mesh) -> Callable[[Any], Any]:
+    """`copy`, then `jax.device_put` onto `mesh` by the logical-axis rules (devices of this
+    process only)."""
+
+    def put(params):
+        local = copy(params)
+        return jax.device_put(local, sharding.param_shardings(local, mesh))
+
+    return put
+
+
+def adapters_only(copy: Callable[[Any], Any], frozen, *, collocated: bool) -> Callable:
+    """A LoRA run's `to_rollout`: `copy` applied to the adapters alone, over the frozen base
+    placed once (`collocated`: the base itself, which no update donates; else `copy(frozen)`
+    now), so a push moves the adapters (about 1 % of the bytes at rank 16), never the base."""
+    base = frozen if collocated else copy(frozen)
+    return lambda params: lora.merge(base, copy(lora.split(params)[1]))

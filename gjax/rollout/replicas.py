@@ -12,7 +12,8 @@ handed to `on_behind` (the pusher's re-push) and stays out until it serves the v
 
 `ReplicaWeights` pushes a new policy version to every replica: through the versioned
 directory (every process takes part in orbax's save; process 0 writes LATEST), or streamed
-over gRPC by process 0 (params gathered to its host), and then every process waits for each
+over gRPC by process 0 (params gathered to its host; a LoRA run's adapters only, its
+`handoff`), and then every process waits for each
 replica to report the version, so a step's rollouts start only on replicas that serve it.
 """
 
@@ -28,6 +29,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from gjax import multihost
+from gjax.rollout.handoff import Handoff
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.weight_stream import SERVICE, GrpcWeightPusher
 
@@ -131,15 +133,18 @@ class ReplicaPool:
             finally:
                 self.release(replica)
 
-    def await_version(self, version: int, timeout_s: float) -> list[int]:
+    def await_version(self, version: int, timeout_s: float, abort=None) -> list[int]:
         """Sets `required = version` and waits (at most `timeout_s`) until every replica in
         service reports it; one that does not, or is unreachable, is taken out (the probe
-        re-admits it once it serves the version). Returns the versions reported (-1: none)."""
+        re-admits it once it serves the version). Returns the versions reported (-1: none).
+        `abort()` is called while waiting; what it raises ends the wait (a refused push)."""
         self.required = version
         deadline = time.monotonic() + timeout_s
         seen = [-1] * len(self.replicas)
         pending = [r for r in self.replicas if r.live]
         while pending:
+            if abort is not None:
+                abort()
             for r in list(pending):
                 v = r.served_version(min(self.probe_s, max(0.01, deadline - time.monotonic())))
                 seen[r.index] = -1 if v is None else v
@@ -230,8 +235,11 @@ class ReplicaWeights:
     `ack_timeout_s`, for each replica to serve the version (`ReplicaPool.await_version`).
     """
 
-    def __init__(self, pool: ReplicaPool, directory, *, stream: bool, ack_timeout_s: float):
+    def __init__(
+        self, pool: ReplicaPool, directory, *, stream: bool, ack_timeout_s: float, handoff=None
+    ):
         self.pool, self.directory, self.stream = pool, directory, stream
+        self.handoff = handoff or Handoff()  # LoRA: the adapters only (the directory's too)
         self.ack_timeout_s = ack_timeout_s
         self.version = directory.version
         self.last_bytes = 0
@@ -242,7 +250,10 @@ class ReplicaWeights:
             one = jax.process_count() == 1  # orbax saves are collectives: no fallback then
             self._streams = [
                 GrpcWeightPusher(
-                    r.address, fallback=directory if one else None, timeout_s=ack_timeout_s
+                    r.address,
+                    fallback=directory if one else None,
+                    timeout_s=ack_timeout_s,
+                    handoff=self.handoff,
                 )
                 for r in pool.replicas
             ]
@@ -250,6 +261,7 @@ class ReplicaWeights:
 
     def push(self, params) -> int:
         """Every process calls it, in the same order (a collective)."""
+        params = self.handoff.payload(params)  # LoRA: only the adapters travel
         version = self.version + 1
         if self.stream:
             # Newer than any replica serves (streamed versions are not in the directory).
@@ -268,7 +280,10 @@ class ReplicaWeights:
             self.directory.push(params, version, wait=False)
             self.last_bytes = self.directory.last_bytes
         self.version = version
-        seen = self.pool.await_version(version, self.ack_timeout_s)
+        # Directory: a replica that refuses the version (another base) says why in the
+        # directory; its paragraph ends the wait.
+        abort = None if self.stream else lambda: self.directory.raise_if_refused(version)
+        seen = self.pool.await_version(version, self.ack_timeout_s, abort)
         if jax.process_count() > 1:  # every process has seen the same replicas catch up
             multihost_utils.sync_global_devices(f"gjax-weights-{version}")
         served = version if max(seen) >= version else max(max(seen), 0)

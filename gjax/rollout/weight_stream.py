@@ -2,7 +2,8 @@
 
 A small service on the server's port, with raw-bytes messages (no compiled protos):
 
-    /gjax.Weights/Spec  unary:  b"" -> JSON {"version": v, "leaves": [[path, dtype, shape], ...]}
+    /gjax.Weights/Spec  unary:  b"" -> JSON {"version": v, "leaves": [[path, dtype, shape], ...],
+                                             "adapters": record or null}
     /gjax.Weights/Version  unary:  b"" -> JSON {"version": v}
     /gjax.Weights/Push  client-streaming: messages -> JSON {"version": v}
 
@@ -20,6 +21,10 @@ path: `GrpcWeightPusher` writes there when the stream fails, and a restarted ser
 the directory's LATEST (which gRPC pushes do not update): the rollout client asks the served
 version before each batch and pushes again if it is behind, so only requests retried within the
 batch that met the restart are served by the older weights.
+
+A LoRA server (`gjax.rollout.handoff`) lists only its adapter leaves in Spec, with its adapter
+record; the trainer streams only those leaves, and refuses by name (before sending) a server
+whose record is not its own (full weights, another rank or targets, another base).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gjax.errors import UserError
+from gjax.rollout.handoff import Handoff
 
 log = logging.getLogger("gjax")
 
@@ -115,11 +121,13 @@ class _Incoming:
 
 
 class WeightReceiver:
-    """Server side: the `gjax.Weights` service over a `ParamsHolder` (on a grpc.aio server)."""
+    """Server side: the `gjax.Weights` service over a `ParamsHolder` (on a grpc.aio server);
+    `handoff` (the server's `Handoff`): what a push holds (LoRA: the adapters over its base)."""
 
-    def __init__(self, holder):
+    def __init__(self, holder, handoff=None):
         self.holder = holder
-        self.spec = spec_of(holder.params)
+        self.handoff = handoff or Handoff()
+        self.spec = spec_of(self.handoff.like(holder.params))
 
     def handler(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
@@ -133,7 +141,8 @@ class WeightReceiver:
 
     async def _spec(self, request: bytes, context) -> bytes:
         del request, context
-        return json.dumps({"version": self.holder.version, "leaves": self.spec}).encode()
+        reply = {"version": self.holder.version, "leaves": self.spec}
+        return json.dumps({**reply, "adapters": self.handoff.record}).encode()
 
     async def _version(self, request: bytes, context) -> bytes:
         del request, context
@@ -156,7 +165,10 @@ class WeightReceiver:
             if version <= self.holder.version:
                 raise ValueError(f"version {version} is not newer than {self.holder.version}")
             loop = asyncio.get_running_loop()
-            params = await loop.run_in_executor(None, incoming.assemble, self.holder.params)
+            like = self.handoff.like(self.holder.params)
+            params = self.handoff.params_from(
+                await loop.run_in_executor(None, incoming.assemble, like)
+            )
         except (ValueError, KeyError, TypeError, struct.error) as e:
             log.warning("weight stream rejected, still serving %d: %s", self.holder.version, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"weight push rejected: {e}")
@@ -173,8 +185,8 @@ class WeightServer:
     """A `WeightReceiver` alone on host:port (its own loop thread), for benchmarks and tools
     that have no engine; `gjax.serve` adds the receiver to its JetStream server instead."""
 
-    def __init__(self, holder, address: str):
-        self.receiver = WeightReceiver(holder)
+    def __init__(self, holder, address: str, handoff=None):
+        self.receiver = WeightReceiver(holder, handoff)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
@@ -200,6 +212,7 @@ class GrpcWeightPusher:
     Streams each leaf, cast to the server's dtype, in `chunk_bytes` chunks. If the server
     does not answer within `connect_s` or the stream fails (server down, restarted,
     rejected), the version goes through `fallback` (a `WeightPusher` on the push directory).
+    `handoff` (the trainer's `Handoff`): what a push streams (LoRA: the adapters only).
     """
 
     def __init__(
@@ -210,8 +223,10 @@ class GrpcWeightPusher:
         timeout_s: float = 600.0,
         connect_s: float = 2.0,
         chunk_bytes=None,
+        handoff=None,
     ):
         self.address = address
+        self.handoff = handoff or Handoff()
         self.connect_s = connect_s
         self.fallback = fallback
         self.timeout_s = timeout_s
@@ -235,6 +250,10 @@ class GrpcWeightPusher:
         if self._spec is None:
             reply = self._spec_call(b"", timeout=self.connect_s, wait_for_ready=True)
             reply = json.loads(reply)
+            # The server's record, checked against this trainer's: refused by name.
+            Handoff(reply.get("adapters")).check(
+                self.handoff.record, f"the weight push to the gjax.serve server at {self.address}"
+            )
             self._spec = {p: (d, tuple(s)) for p, d, s in reply["leaves"]}
             self.version = max(self.version, int(reply["version"]))
         return self._spec
@@ -242,7 +261,7 @@ class GrpcWeightPusher:
     def check(self, params) -> None:
         """Raises WeightSpecMismatch unless `params` has the served leaves and shapes."""
         spec = self.spec()
-        mine = {p: tuple(x.shape) for p, x in _leaves(params)}
+        mine = {p: tuple(x.shape) for p, x in _leaves(self.handoff.payload(params))}
         if mine.keys() != spec.keys() or any(mine[p] != spec[p][1] for p in spec):
             diff = sorted(set(mine.items()) ^ {(p, s) for p, (_, s) in spec.items()})
             raise WeightSpecMismatch(
@@ -254,7 +273,7 @@ class GrpcWeightPusher:
     def messages(self, params, version: int):
         """The Push stream of `params` as `version` (a generator: one leaf on the host at once).
         Call `check(params)` first."""
-        spec, leaves = self.spec(), _leaves(params)
+        spec, leaves = self.spec(), _leaves(self.handoff.payload(params))
         yield message({"version": version})
         total = 0
         for path, x in leaves:
