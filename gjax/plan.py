@@ -1,7 +1,7 @@
 """Memory planner: what a run needs per device, and whether it fits a slice's chips.
 
     python -m gjax.plan --config=configs/grpo.py --slice=v5e-8 [--shape=qwen3-8b] \
-        [--modes=full,lora,qlora] [--lora_rank=16] [--qlora_bits=8] [--margin=0.1] \
+        [--modes=full,lora,qlora] [--lora_rank=16] [--qlora=int8] [--margin=0.1] \
         [--json=plan.json] [--config.mesh.data=1 --config.mesh.fsdp=-1 ...]
 
 No weight is read and nothing is allocated: the learner's update (the config's rollout batch
@@ -23,12 +23,10 @@ mesh): peak = params + optimizer + max(update, rollout). It fits when the peak s
 (1 - --margin) of the chip's HBM.
 
 Rows (`--modes`): full (every parameter trained), lora (rank `model.lora.rank`, or
---lora_rank when the config trains every parameter), qlora (lora with the frozen base
-quantized as `--qlora_bits` says: int8 with an f32 scale per output column, or int4 in
-groups of 64 with a bf16 scale each). Until gjax quantizes the base itself
-(`model.lora.quantize`), the qlora row's base bytes are counted in that format and its
-temporaries are the lora row's, and the row says so; once the field exists the row is
-compiled like the others.
+--lora_rank when the config trains every parameter; the base in `model.param_dtype`),
+qlora (the same adapters on a base stored as `--qlora` says, `model.lora.quantize`: int8,
+int4 or nf4 codes + f32 scales, `gjax.models.quant`; 4-bit codes count half a byte, as a
+TPU packs them). Each row is compiled.
 
 Caveats, also printed: these are XLA:CPU's buffer assignments, which fuse and schedule
 differently from a TPU's or a GPU's; attention compiles as `model.attention` resolves on a
@@ -148,9 +146,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     },
 }
 MODES = ("full", "lora", "qlora")
-# QLoRA's base formats: bytes per weight and the scale's bytes per `group` weights
-# (int8: one f32 scale per output column of a [in, out] kernel; int4: a bf16 per 64).
-QLORA_FORMATS = {8: (1.0, 4, None), 4: (0.5, 2, 64)}
+QLORA = ("int8", "int4", "nf4")  # model.lora.quantize values of the qlora row
 
 
 def get_slice(name: str) -> tuple[str, Chip, int]:
@@ -182,7 +178,9 @@ def tree_bytes(tree) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
         shape = x.shape if x.sharding is None else x.sharding.shard_shape(x.shape)
-        total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+        bits = jnp.iinfo(x.dtype).bits if jnp.issubdtype(x.dtype, jnp.integer) else None
+        # 4-bit codes (QLoRA) count half a byte each: a TPU stores them packed
+        total += math.ceil(int(np.prod(shape)) * (bits / 8 if bits else x.dtype.itemsize))
     return total
 
 
@@ -190,24 +188,6 @@ def with_shardings(tree, shardings):
     return jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
     )
-
-
-def quantized_bytes(abstract_base, bits: int) -> int:
-    """Per-device bytes of the base with its layer kernels in QLoRA's `bits` format (norms,
-    biases, embedding and head stay as they are)."""
-    per, scale_bytes, group = QLORA_FORMATS[bits]
-    total = 0
-    for path, x in jax.tree_util.tree_leaves_with_path(abstract_base):
-        names = [str(getattr(k, "key", k)) for k in path]
-        shape = x.sharding.shard_shape(x.shape)
-        n = int(np.prod(shape))
-        if names[0] == "layers" and names[-1] == "kernel":
-            # [L, in, out]: per-column scales (int8) or one per `group` inputs (int4)
-            scales = shape[0] * shape[2] if group is None else n // group
-            total += math.ceil(n * per) + scales * scale_bytes
-        else:
-            total += n * np.dtype(x.dtype).itemsize
-    return total
 
 
 # ---------------------------------------------------------------------------- the programs
@@ -393,7 +373,7 @@ def plan_rollout(config, model_cfg, mesh) -> dict[str, int]:
 class Row:
     mode: str
     figures: dict[str, int]
-    analytic: tuple[str, ...] = ()  # the figures counted, not compiled
+    what: str = ""  # e.g. "base int8 + rank-16 adapters"
 
     @property
     def persistent(self) -> int:
@@ -414,9 +394,11 @@ class Row:
         return self.persistent + max(self.update, self.rollout)
 
 
-def mode_config(config, mode: str, lora_rank: int):
-    """`config` for a row: full trains every parameter, lora / qlora rank-r adapters."""
+def mode_config(config, mode: str, lora_rank: int, qlora: str):
+    """`config` for a row: full trains every parameter, lora / qlora rank-r adapters (the
+    config's rank, else `lora_rank`), qlora's base stored as `qlora` says."""
     c = config.copy_and_resolve_references()
+    c.model.lora.quantize = qlora if mode == "qlora" else "none"
     if mode == "full":
         c.model.lora.rank = 0
     elif not c.model.lora.rank:
@@ -451,12 +433,6 @@ def measure(config, hf, mesh, *, lora_on: bool) -> dict[str, int]:
     }
 
 
-def qlora_compiled(config) -> bool:
-    """Whether gjax quantizes LoRA's base itself (`model.lora.quantize`): then the qlora row
-    is compiled like the others instead of counted."""
-    return "quantize" in config.model.lora
-
-
 def make_plan(
     config,
     hf: dict[str, Any],
@@ -464,47 +440,36 @@ def make_plan(
     *,
     modes=MODES,
     lora_rank: int = 16,
-    qlora_bits: int = 8,
+    qlora: str = "int8",
 ) -> tuple[list[Row], dict[str, int]]:
     """The rows of `modes` for `config` on a mesh over `devices` (see the module docstring),
     and the mesh's shape."""
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         raise UserError(f"--modes={','.join(modes)}: unknown {unknown}; valid: {', '.join(MODES)}.")
-    if qlora_bits not in QLORA_FORMATS:
-        raise UserError(f"--qlora_bits={qlora_bits}: valid: {sorted(QLORA_FORMATS)}.")
+    if qlora not in QLORA:
+        raise UserError(f"--qlora={qlora!r}: valid: {', '.join(QLORA)}.")
     shape = config_lib.resolve_mesh_shape(config.mesh, len(devices))
     mesh = sharding.make_mesh(shape, devices)
     rows: list[Row] = []
-    measured: dict[str, dict[str, int]] = {}
     with jax.set_mesh(mesh), sharding.use_rules():
         for mode in modes:
-            c = mode_config(config, mode, lora_rank)
-            counted = mode == "qlora" and not qlora_compiled(c)
-            if mode == "qlora" and not counted:
-                c.model.lora.quantize = f"int{qlora_bits}"
+            c = mode_config(config, mode, lora_rank, qlora)
+            if mode == "qlora":
+                config_lib.check_lora(c)  # the quantization package is there
             cfg = model_config(c, hf)
             try:
                 sharding.validate_model_sharding(cfg, mesh)
             except ValueError as e:
-                raise ConfigError(
-                    f"{e}\n(set --config.mesh.* to a mesh the model divides)"
-                ) from None
-            # a counted qlora row is the lora row with its base bytes replaced
-            program = "lora" if counted else mode
-            if program not in measured:
-                measured[program] = measure(c, hf, mesh, lora_on=mode != "full")
-            figures = dict(measured[program])
-            analytic: tuple[str, ...] = ()
-            if counted:
-                whole = transformer.abstract_params(cfg.without_lora())
-                base = with_shardings(whole, sharding.param_shardings(whole, mesh))
-                figures["base"] = quantized_bytes(base, qlora_bits)
-                analytic = (
-                    f"base counted as int{qlora_bits} (QLoRA is not in gjax yet)",
-                    "temporaries are the lora row's (base in param_dtype)",
-                )
-            rows.append(Row(mode, figures, analytic))
+                msg = f"{e}\n(set --config.mesh.* to a mesh the model divides)"
+                raise ConfigError(msg) from None
+            m = c.model
+            if mode == "full":
+                what = f"every parameter trained, {m.param_dtype}"
+            else:
+                base = m.lora.quantize if mode == "qlora" else m.param_dtype
+                what = f"base {base} + rank-{m.lora.rank} adapters ({m.lora.dtype})"
+            rows.append(Row(mode, measure(c, hf, mesh, lora_on=mode != "full"), what))
     return rows, shape
 
 
@@ -544,8 +509,7 @@ def table(rows: list[Row], chip: Chip, margin: float) -> str:
 def notes(rows: list[Row], config, chip: Chip) -> list[str]:
     out = []
     for row in rows:
-        how = f"compiled, except: {'; '.join(row.analytic)}" if row.analytic else "compiled"
-        out.append(f"  {row.mode}: {how}")
+        out.append(f"  {row.mode}: {row.what}")
     out.append(
         "  peak = base + trained + optim + max(batch + upd.tmp, dec.w + decoder state + "
         "roll.tmp); KV is part of the decoder state (continuous decoder: unsharded, whole on "
@@ -592,7 +556,7 @@ def report(rows: list[Row], *, slice_name, chip_name, chip, n, mesh, shape_name,
         "rows": [
             {
                 "mode": row.mode,
-                "analytic": list(row.analytic),
+                "what": row.what,
                 **{f"{k}_bytes": v for k, v in row.figures.items()},
                 "peak_bytes": row.peak,
                 "fits": row.peak <= limit,
@@ -654,7 +618,7 @@ def main(argv) -> None:
         devices,
         modes=tuple(F.modes),
         lora_rank=F.lora_rank,
-        qlora_bits=F.qlora_bits,
+        qlora=F.qlora,
     )
     shape_name = F.shape or config.model.path
     print(
@@ -687,7 +651,7 @@ def _define_flags() -> None:
     )
     flags.DEFINE_list("modes", list(MODES), "rows: full, lora, qlora")
     flags.DEFINE_integer("lora_rank", 16, "the lora/qlora rows' rank when model.lora.rank is 0")
-    flags.DEFINE_integer("qlora_bits", 8, "the qlora row's base format: 8 (int8) or 4 (int4)")
+    flags.DEFINE_enum("qlora", "int8", QLORA, "the qlora row's base: model.lora.quantize")
     flags.DEFINE_float("margin", 0.1, "share of each chip's HBM kept free (runtime, fragmentation)")
     flags.DEFINE_string("json", None, "also write the plan as JSON to this path")
 

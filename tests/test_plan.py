@@ -11,7 +11,7 @@ import pytest
 
 from configs import grpo
 from gjax import plan
-from gjax.models import lora, transformer
+from gjax.models import lora, quant, transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,6 +37,7 @@ def tiny_plan():
     return config, hf, {row.mode: row for row in rows}, mesh
 
 
+@pytest.mark.slow  # the module's plan: about 35 s of compiles, cold
 def test_rows_count_what_each_mode_holds(tiny_plan):
     config, hf, rows, mesh = tiny_plan
     assert mesh == {"data": 2, "fsdp": 1, "tensor": 1}
@@ -57,7 +58,6 @@ def test_rows_count_what_each_mode_holds(tiny_plan):
     for row in rows.values():
         assert row.figures["update_temp"] > 0 and row.figures["rollout_temp"] > 0
         assert row.figures["kv"] > 0
-    assert qlora.analytic and not lora_row.analytic
     kernels = sum(
         int(np.prod(x.shape))
         for path, x in jax.tree_util.tree_leaves_with_path(
@@ -65,7 +65,12 @@ def test_rows_count_what_each_mode_holds(tiny_plan):
         )
         if str(path[0].key) == "layers" and str(path[-1].key) == "kernel"
     )
+    q_cfg = cfg.replace(base_quant="int8")
+    q_base = lora.split(transformer.abstract_params(q_cfg))[0]
+    assert qlora.figures["base"] == quant.stored_bytes(q_base)  # int8 codes + f32 scales
     assert qlora.figures["base"] < lora_row.figures["base"] - 2.5 * kernels
+    assert qlora.figures["trained"] == lora_row.figures["trained"]
+    assert "base int8 + rank-2 adapters" in qlora.what
     assert qlora.peak < lora_row.peak
 
 
@@ -85,6 +90,7 @@ def test_continuous_decoder_kv_is_the_slot_state_whole_on_each_device():
     assert row.figures["decode_weights"] > 0 and row.figures["rollout_temp"] > 0
 
 
+@pytest.mark.slow  # the module's plan: about 35 s of compiles, cold
 def test_fits_or_not_against_the_chip(tiny_plan):
     _, _, rows, _ = tiny_plan
     rows = list(rows.values())
@@ -109,6 +115,7 @@ def test_update_temp_follows_the_microbatch(tiny_plan):
     assert quarter.figures["batch"] == rows["lora"].figures["batch"]
 
 
+@pytest.mark.slow  # the module's plan: about 35 s of compiles, cold
 def test_static_sampler_kv_shards_by_batch(tiny_plan):
     config, hf, rows, _ = tiny_plan
     cfg = plan.model_config(config, hf)
