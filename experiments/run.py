@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import contextlib
 import os
 import signal
 import subprocess
@@ -26,7 +25,7 @@ import time
 
 from experiments import studies
 from experiments.worker import read_done, workdir_of
-from gjax import config_record
+from gjax import compile_cache, config_record
 from gjax.errors import ConfigError, run_cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -111,18 +110,7 @@ def repair_cache(env) -> list[str]:
     cache_dir = env.get("JAX_COMPILATION_CACHE_DIR")
     if not cache_dir or int(env.get("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")) <= 0:
         return []
-    import filelock  # jax's own lock for a size-limited cache (jax/_src/lru_cache.py)
-
-    removed = []
-    lock = filelock.FileLock(os.path.join(cache_dir, ".lockfile"), timeout=60)
-    with contextlib.suppress(FileNotFoundError), lock:
-        names = set(os.listdir(cache_dir))
-        for name in sorted(names):
-            key = name.removesuffix("-cache")
-            if key != name and f"{key}-atime" not in names:
-                os.remove(os.path.join(cache_dir, name))
-                removed.append(name)
-    return removed
+    return compile_cache.repair(cache_dir)
 
 
 def run_study(args) -> int:

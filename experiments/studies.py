@@ -195,6 +195,25 @@ _STUDIES = (
             ),
         ),
     ),
+    # Issue 32 item 7, step 1: each LoRA rank's learning rate (LoRA wants a higher one than
+    # full fine-tuning: "LoRA Without Regret", Schulman et al. 2025, about 10x at alpha 32 and
+    # 1/r scaling). GRPO on :headroom (full fine-tuning's lr there: 1e-5), one seed; the rate
+    # with the best final held-out pass@1 per rank goes into the `lora` study.
+    Study(
+        "lora_lr_sweep",
+        "none: picks each LoRA rank's learning rate for the `lora` study (5x, 15x, 50x the "
+        "full fine-tuning rate)",
+        tuple(
+            Variant(
+                f"lora_r{rank}_lr{lr:g}",
+                "grpo",
+                f"GRPO with rank-{rank} LoRA (alpha 32, all 7 projections) at lr {lr:g}",
+                overrides={"model.lora.rank": rank, "optim.lr": lr},
+            )
+            for rank in (1, 8, 32)
+            for lr in (5e-5, 1.5e-4, 5e-4)
+        ),
+    ),
     # CI's smoke study (tests/test_experiments.py): two cheap variants.
     Study(
         "smoke",

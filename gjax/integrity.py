@@ -30,6 +30,9 @@ def _bits_u32(x: jax.Array) -> jax.Array:
         x = jax.random.key_data(x)
     if x.dtype == jnp.bool_:
         return x.astype(jnp.uint32)
+    if jnp.issubdtype(x.dtype, jnp.integer) and jnp.iinfo(x.dtype).bits < 8:
+        # 4-bit codes (a QLoRA base) have no bitcast: their value, as a bit pattern.
+        return (x.astype(jnp.int32) & (2 ** jnp.iinfo(x.dtype).bits - 1)).astype(jnp.uint32)
     bits = lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize])
     return bits.astype(jnp.uint32)
 

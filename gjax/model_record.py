@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 
+import jax
 import ml_collections
 
 from gjax import paths, sharding
@@ -88,7 +89,12 @@ def restore_lora(ckpt, cfg: ModelConfig, run_model: dict, step, mesh):
     lora_cfg = lora.configure(
         cfg, ml_collections.ConfigDict({**record, "targets": ",".join(record["targets"])})
     )
-    step, adapters = ckpt.restore_params(lora.abstract_adapters(lora_cfg), step=step)
+    abstract = lora.abstract_adapters(lora_cfg)  # placed on `mesh`, as the base will be
+    shardings = sharding.param_shardings(abstract, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings
+    )
+    step, adapters = ckpt.restore_params(abstract, step=step)
     base_path = resolve_model_path(run_model["path"])
     base = _load_base(base_path, run_model, step, ckpt.directory, mesh)
     digest = lora.base_digest(base)

@@ -92,13 +92,25 @@ def batch_for(params, P=4, G=4, seed=0):
     return x
 
 
-def run_update(params, batch, obj_cfg, *, minibatches=1, microbatches=1, iterations=1, tx=None):
+def run_update(
+    params,
+    batch,
+    obj_cfg,
+    *,
+    minibatches=1,
+    microbatches=1,
+    iterations=1,
+    tx=None,
+    cfg=CFG,
+    frozen=None,
+):
+    """One jitted update of `params` (LoRA: the adapters, with the base as `frozen`)."""
     tx = tx or optax.sgd(1.0)  # params - grads: compares gradients, not Adam's sign-like step
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
     fn = jax.jit(
         functools.partial(
             update,
-            cfg=CFG,
+            cfg=cfg,
             obj_cfg=obj_cfg,
             tx=tx,
             minibatches=minibatches,
@@ -106,7 +118,7 @@ def run_update(params, batch, obj_cfg, *, minibatches=1, microbatches=1, iterati
             num_iterations=iterations,
         )
     )
-    return fn(state, batch, jax.random.key(0))
+    return fn(state, batch, jax.random.key(0), frozen)
 
 
 @pytest.mark.parametrize("preset", ["grpo", "dapo", "dr_grpo"])  # the three aggregations

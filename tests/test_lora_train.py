@@ -119,7 +119,7 @@ def test_lora_run_reference_checkpoint_resume_and_refusals(tmp_path, monkeypatch
     from gjax import eval as ev
 
     F = SimpleNamespace(checkpoint=str(wd), step=None, model=None, dtype=None)
-    mesh_for = lambda run: sharding.make_mesh({}, devices=jax.devices()[:1])
+    mesh_for = lambda run: sharding.make_mesh({"data": -1})  # all 8 devices, as a user's
     policy = ev._load_policy(F, mesh_for)
     assert (policy.step, policy.cfg.lora_rank) == (2, 4)
     for a, b in zip(jax.tree.leaves(lora.split(policy.params)[1]), jax.tree.leaves(want["params"])):

@@ -3,13 +3,14 @@
 A targeted projection (`ModelConfig.lora_targets`, names in `LORA_TARGETS`: q, k, v, o, gate,
 up, down) computes
 
-    y = x W + (alpha / r) (x A) B,     A [in, r] (he_uniform), B [r, out] (zeros)
+    y = x W + (alpha / r) (x A) B,     A [in, r] (U(+-1/sqrt(in)), PEFT's), B [r, out] (zeros)
 
 so the adapted model starts as the base exactly. The adapters live in the param tree beside
 the kernel they adapt (`layers/attn/q/{kernel, lora_a, lora_b}`, stacked on the `layers` axis
 like every layer param; logical axes: A as W's rows, B as W's columns, `gjax.sharding`).
-The training forward (`transformer.Linear`) and the sampler's prefill run the low-rank form;
-a decode step merges them into its kernels once per call (`transformer.merged_kernel`).
+The training forward (`transformer.Linear`), the sampler's prefill and its decode steps
+(`transformer.decode_layers`) all run the low-rank form; a merged export folds the adapters
+into their kernels (`merged`, `transformer.merged_kernel`).
 
 A run with LoRA keeps two trees: the frozen `base` (the loaded checkpoint, never donated,
 stored once) and the trained `adapters` (what the optimizer, its state and checkpoints

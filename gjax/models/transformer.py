@@ -106,8 +106,8 @@ def lora_delta(x_NxI, a_IxR, b_RxO, scale: float, dtype):
 
 def merged_kernel(p, cfg: ModelConfig):
     """A projection's effective kernel W + (alpha / r) A B (W alone without adapters; W
-    dequantized from a quantized base), in the params' float dtype: what a decode step (and
-    an export) uses instead of the two extra matmuls."""
+    dequantized from a quantized base), in the params' float dtype: what a merged export
+    writes."""
     dtype = cfg.jnp_param_dtype if "kernel_scale" in p else p["kernel"].dtype
     if "lora_a" not in p:
         return quant.kernel(p, cfg, dtype)
@@ -179,7 +179,9 @@ class Linear(nn.Module):
         x_NxI = x.reshape(-1, x.shape[-1]).astype(dtype)
         y_NxF = jnp.dot(x_NxI, kernel)
         if self.name in cfg.lora_targets:  # LoRA: adapters beside the frozen kernel
-            init_a = nn.initializers.he_uniform()  # B = 0: the adapted model starts as the base
+            # PEFT's A: kaiming_uniform(a=sqrt(5)), i.e. U(+-1/sqrt(in)); B = 0: the adapted
+            # model starts as the base.
+            init_a = nn.initializers.variance_scaling(1 / 3, "fan_in", "uniform")
             a = self.param(
                 "lora_a",
                 nn.with_logical_partitioning(init_a, (self.axes[0], None)),
@@ -457,15 +459,18 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
     layer's weights in place (a scan over stacked weights copies each layer's slice every
     step); fusing q|k|v and gate|up into one kernel each gives two wide matmuls instead of
     five narrow ones per layer (the decode batch is small, so matmul count matters on CPU).
-    LoRA adapters are merged into their kernels here (W + (alpha / r) A B, once per call:
-    a decode step then costs what the base model's does).
+    LoRA adapters stay low-rank (`lora`: name -> (A, B) in the compute dtype), added to
+    their slice of the fused product in the step as the learner adds them: merged into a
+    bf16 kernel, an update much smaller than W would round away (an adapter moving W by
+    ~0.1 % kept ~0 of its effect), so the sampler would not sample the policy it trains.
+    A quantized base is dequantized here, once per call.
     """
     dtype = cfg.jnp_dtype
     out = []
     for lp in split_layers(params["layers"]):
         attn, mlp = lp["attn"], lp["mlp"]
-        w = {n: merged_kernel(attn[n], cfg) for n in "qkvo"}
-        w.update({n: merged_kernel(mlp[n], cfg) for n in ("gate", "up", "down")})
+        w = {n: quant.kernel(attn[n], cfg, dtype) for n in "qkvo"}
+        w.update({n: quant.kernel(mlp[n], cfg, dtype) for n in ("gate", "up", "down")})
         layer = {
             "input_norm": lp["input_norm"]["scale"],
             "post_attn_norm": lp["post_attn_norm"]["scale"],
@@ -481,8 +486,28 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
         if cfg.qk_norm:
             layer["q_norm"] = attn["q_norm"]["scale"]
             layer["k_norm"] = attn["k_norm"]["scale"]
+        adapters = {
+            n: (p["lora_a"].astype(dtype), p["lora_b"].astype(dtype))
+            for n, p in [*attn.items(), *mlp.items()]
+            if isinstance(p, dict) and "lora_a" in p
+        }
+        if adapters:
+            layer["lora"] = adapters
         out.append(layer)
     return out
+
+
+def _add_lora(lp: Params, y_BxF, x_BxI, names_widths, cfg: ModelConfig):
+    """y with each adapted projection's low-rank term added to its slice of the fused
+    product (`names_widths`: the fused projections in order, with their output widths)."""
+    start = 0
+    for name, width in names_widths:
+        if name in lp.get("lora", {}):
+            a, b = lp["lora"][name]
+            delta = lora_delta(x_BxI, a, b, cfg.lora_scale, y_BxF.dtype)
+            y_BxF = y_BxF.at[:, start : start + width].add(delta)
+        start += width
+    return y_BxF
 
 
 def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
@@ -491,7 +516,8 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
     (Qwen3), RoPE on q and k."""
     b_, dh = x_BxD.shape[0], cfg.head_dim
     hq, hkv = cfg.num_heads * dh, cfg.num_kv_heads * dh
-    qkv = jnp.dot(rms_norm(x_BxD, lp["input_norm"], cfg.rms_norm_eps), lp["qkv"])
+    h_BxD = rms_norm(x_BxD, lp["input_norm"], cfg.rms_norm_eps)
+    qkv = _add_lora(lp, jnp.dot(h_BxD, lp["qkv"]), h_BxD, (("q", hq), ("k", hkv), ("v", hkv)), cfg)
     if "qkv_bias" in lp:
         qkv = qkv + lp["qkv_bias"]
     q = qkv[:, :hq].reshape(b_, cfg.num_heads, dh)
@@ -506,11 +532,13 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
 def decode_layer_out(lp: Params, x_BxD, attn_BxHDh, cfg: ModelConfig):
     """The rest of a decode layer after attention: output projection (+ bias) into the
     residual, post-attention norm, SwiGLU MLP into the residual."""
-    o = jnp.dot(attn_BxHDh, lp["o"])
+    o = _add_lora(lp, jnp.dot(attn_BxHDh, lp["o"]), attn_BxHDh, (("o", lp["o"].shape[1]),), cfg)
     x_BxD = x_BxD + (o + lp["o_bias"] if "o_bias" in lp else o)
-    gate_up = jnp.dot(rms_norm(x_BxD, lp["post_attn_norm"], cfg.rms_norm_eps), lp["gate_up"])
-    f_ = gate_up.shape[-1] // 2
-    return x_BxD + jnp.dot(jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:], lp["down"])
+    h_BxD = rms_norm(x_BxD, lp["post_attn_norm"], cfg.rms_norm_eps)
+    f_ = lp["gate_up"].shape[-1] // 2
+    gate_up = _add_lora(lp, jnp.dot(h_BxD, lp["gate_up"]), h_BxD, (("gate", f_), ("up", f_)), cfg)
+    act = jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:]
+    return x_BxD + _add_lora(lp, jnp.dot(act, lp["down"]), act, (("down", x_BxD.shape[1]),), cfg)
 
 
 def decode_step(

@@ -1,15 +1,14 @@
 """What a weight push carries to a `gjax.serve` replica: the whole policy, or the adapters only.
 
 Full fine-tuning pushes the whole params tree. A LoRA run (`model.lora.rank > 0`) pushes only
-the adapters (`lora_a`, `lora_b` leaves: rank 16 on all 7 targets of the 1.5B shape is about
-1 % of the bytes, `benchmarks/weight_push.py`); the server holds the base it loaded from its
-own checkpoint and serves `lora.merge(base, adapters)`. Its decode step merges the adapters into
-its fused kernels once per version (`transformer.decode_layers`, kept by the engine per
-version), so a decode token costs what the base model's does (the low-rank form in the step
-costs more per token: `benchmarks/lora_decode.py`).
+the adapters (`lora_a`, `lora_b` leaves: rank 16 on all 7 targets of the 1.5B shape is 1.2 %
+of the bytes, `benchmarks/weight_push.py`); the server holds the base it loaded from its own
+checkpoint and serves `lora.merge(base, adapters)`. Its decode step adds the adapters'
+low-rank terms as the trainer's does (`transformer.decode_layers`: merged into bf16 kernels a
+small update would round away; `benchmarks/lora_decode.py` times the two forms).
 
 A `Handoff` is each side's description: `record` None (full weights) or
-{"rank", "alpha", "targets", "base_digest"} (`adapter_record`). The trainer's `payload(params)`
+{"rank", "alpha", "targets", "quantize", "base_digest"} (`adapter_record`). The trainer's `payload(params)`
 is what a push sends; the server's `like()` is the tree a push is restored onto and
 `params_from(payload)` what it then serves. An adapter push names its record (the directory
 version's `ADAPTER_META` file, the gRPC Spec's "adapters"), and a server whose record differs
@@ -40,6 +39,7 @@ def adapter_record(cfg: ModelConfig, base) -> dict | None:
         "rank": int(cfg.lora_rank),
         "alpha": float(cfg.lora_alpha),
         "targets": list(cfg.lora_targets),
+        "quantize": cfg.base_quant,
         "base_digest": lora.base_digest(base),
     }
 
@@ -83,7 +83,13 @@ class Handoff:
         if record == self.record:
             return
         mine, theirs = self.record or {}, record or {}
-        if (
+        if self.adapters and record is not None and mine.get("quantize") != theirs.get("quantize"):
+            why = (
+                f"the trainer's base is stored as quantize={theirs.get('quantize')!r}, this "
+                f"server's as {mine.get('quantize')!r}: start gjax.serve with the trainer's "
+                "model.lora.quantize"
+            )
+        elif (
             self.adapters
             and record is not None
             and mine.get("base_digest") != theirs.get("base_digest")
