@@ -146,7 +146,14 @@ def test_no_import_cycle():
 
 def test_library_does_not_import_the_cli():
     graph = import_graph()
-    entry_points = {"gjax.train", "gjax.eval", "gjax.serve", "gjax.export", "gjax.plot"}
+    entry_points = {
+        "gjax.train",
+        "gjax.eval",
+        "gjax.serve",
+        "gjax.export",
+        "gjax.plot",
+        "gjax.plan",
+    }
     importers = sorted(m for m, deps in graph.items() if "gjax.cli" in deps)
     assert set(importers) <= entry_points, (
         f"library modules import gjax.cli: {sorted(set(importers) - entry_points)}; "
