@@ -1,8 +1,8 @@
 """Per-token decode cost with LoRA adapters: merged into the kernels vs low-rank in the step.
 
 A server holding a LoRA policy (`gjax.rollout.handoff`) can apply the adapters two ways:
-* merged: W' = W + (alpha / r) A B once per pushed version (`transformer.decode_layers`, kept
-  by the engine per version), then every decode step is the base model's step;
+* merged: W' = W + (alpha / r) A B once per pushed version (`lora.merged`, then the base's
+  decode layout), then every decode step is the base model's step;
 * low-rank: the base kernels as they are and, in every step, y += (alpha / r) (x A) B for each
   adapted projection (two skinny matmuls per target per layer).
 
@@ -25,10 +25,10 @@ Measured 2026-12-01 on the shared 2-core CPU (load 17-21: other jobs; f32, 32 sl
 layout 1.59 s a version (the base's, built once for the low-rank form: 1.00 s), break-even
 after 17 steps of a version; 4 layers, 20 repeats: 626 vs 563 ms (0.90x: within this box's
 noise). By count the low-rank terms add r (in + out) / (in x out) = 1.4 % of the layer FLOPs
-and weight bytes per token, in 14 more, skinny matmuls. gjax serves the merged form
-(`transformer.decode_layers`): a decode token costs the base model's, and the per-version
-merge is paid once per version for max_new_tokens (hundreds to thousands) steps, far past
-the break-even.
+and weight bytes per token, in 14 more, skinny matmuls. gjax's decode step runs the low-rank
+form (`transformer.decode_layers` keeps the adapters apart): merged into a bf16 kernel, an
+update much smaller than W rounds away (tests/test_lora.py), so the sampler would not sample
+the policy the learner trains; the low-rank form computes what the learner does.
 """
 
 from __future__ import annotations
@@ -137,7 +137,11 @@ def main():
     adapters = random_tree(lora.abstract_adapters(cfg), 1)
     params = lora.merge(base, adapters)
     layers_of = jax.jit(transformer.decode_layers, static_argnames=("cfg",))
-    merged = layers_of(params, cfg=cfg)
+    # The merged form: the adapters folded into the kernels, a plain model's decode layout.
+    merge_layout = jax.jit(
+        lambda p: transformer.decode_layers(lora.merged(p, cfg), cfg.without_lora())
+    )
+    merged = merge_layout(params)
     plain = layers_of(base, cfg=cfg.without_lora())
     low = per_layer_adapters(adapters, cfg)
     x = jax.random.normal(jax.random.key(2), (args.slots, cfg.hidden_size), cfg.jnp_dtype)
@@ -159,7 +163,7 @@ def main():
     rel_diff = float(jnp.abs(got - want).max() / jnp.abs(want).max())
     merged_ms = best_ms(step_merged, merged, x, repeats=args.repeats)
     low_ms = best_ms(step_low_rank, plain, low, x, repeats=args.repeats)
-    build_lora_ms = best_ms(lambda p: layers_of(p, cfg=cfg), params, repeats=3)
+    build_lora_ms = best_ms(merge_layout, params, repeats=3)
     build_base_ms = best_ms(lambda p: layers_of(p, cfg=cfg.without_lora()), base, repeats=3)
     # Per version: the merged form rebuilds the layout; the low-rank form keeps the base's.
     merge_ms = build_lora_ms

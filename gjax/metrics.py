@@ -111,6 +111,7 @@ class MetricsWriter:
         self._timeout_s, self._last_intact = storage_timeout_s, last_intact
         self._lines: list[str] = []  # gs://: the file's content, uploaded whole
         self._uploaded_at = time.monotonic()
+        self._wandb = None  # set below; the truncation's flush (gs://) comes first
         self._truncate_after(start_step, history)
         self._file = None if self._remote else open(self.path, "a")  # noqa: SIM115 - for the run
         self._wandb = wandb  # a gjax.wandb_log.WandbSink (log.wandb_project) or None

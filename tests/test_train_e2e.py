@@ -125,6 +125,8 @@ def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
     c.train.steps = 2
     if algo == "cw_grpo":  # its 4 microbatches must each hold a multiple of the 8 devices' rows
         c.rollout.prompts_per_step = 8
+    if algo == "pass_at_k":  # k below the group of 4 (k = G is refused: every advantage 0)
+        c.objective.advantage_kwargs.k = 2
     assert train(c, str(wd)) is None  # finished, not stopped by a signal
     out = [ln for ln in capsys.readouterr().out.splitlines() if ln]  # results: plain stdout
     assert out[0].startswith("held-out before: accuracy ")
@@ -331,8 +333,9 @@ def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
         timeout=600,
     )
     assert proc.returncode != 0
-    assert "written by a different configuration" in proc.stderr
-    assert "algo: checkpoint has 'grpo', config has 'dapo'" in proc.stderr
+    err = " ".join(proc.stderr.split())  # one paragraph, wrapped: refused before loading
+    assert "holds checkpoints of a run trained with another config" in err, err
+    assert "algo: 'grpo' -> 'dapo'" in err, err
     blocker = tmp_path / "file"
     blocker.write_text("")
     proc = subprocess.run(
