@@ -82,12 +82,10 @@ def make_optimizer(
     return tx, schedule
 
 
-def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, TrainState]:
-    """The initial train state and its shardings, built on the mesh (never on one device).
-
-    Optimizer moments follow their parameters' shardings (`optax.tree_utils.tree_map_params`);
-    scalars (step, counts) are replicated.
-    """
+def state_shardings(params, tx: optax.GradientTransformation, mesh) -> TrainState:
+    """The train state's shardings for `params` (arrays or sharded `ShapeDtypeStruct`s):
+    optimizer moments follow their parameters' (`optax.tree_utils.tree_map_params`);
+    scalars (step, counts) are replicated."""
     replicated = NamedSharding(mesh, PartitionSpec())
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     opt_shardings = optax.tree_utils.tree_map_params(
@@ -97,9 +95,15 @@ def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainSta
         param_shardings,
         transform_non_params=lambda _: replicated,
     )
-    opt_state = jax.jit(tx.init, out_shardings=opt_shardings)(params)
-    step = jax.device_put(jnp.zeros((), jnp.int32), replicated)
-    shardings = TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+    return TrainState(step=replicated, params=param_shardings, opt_state=opt_shardings)
+
+
+def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainState, TrainState]:
+    """The initial train state and its shardings (`state_shardings`), built on the mesh
+    (never on one device)."""
+    shardings = state_shardings(params, tx, mesh)
+    opt_state = jax.jit(tx.init, out_shardings=shardings.opt_state)(params)
+    step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
     return TrainState(step=step, params=params, opt_state=opt_state), shardings
 
 

@@ -51,7 +51,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from absl import flags
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
@@ -61,7 +60,7 @@ from gjax import config as config_lib
 from gjax.embedded import resolve_model_path
 from gjax.errors import ConfigError, UserError
 from gjax.experience import Groups, to_model_inputs
-from gjax.learner import TrainState, make_learner, make_optimizer
+from gjax.learner import TrainState, make_learner, make_optimizer, state_shardings
 from gjax.models import attention, hf_format, lora, transformer
 from gjax.models.config import ModelConfig
 from gjax.rollout import decoder as dec
@@ -267,26 +266,18 @@ def plan_update(config, model_cfg, mesh, *, lora_on: bool) -> dict[str, int]:
         base, trained = None, whole
     base = None if base is None else with_shardings(base, sharding.param_shardings(base, mesh))
     trained = with_shardings(trained, sharding.param_shardings(trained, mesh))
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_abstract = jax.eval_shape(tx.init, trained)
-    opt_shardings = optax.tree_utils.tree_map_params(
-        tx,
-        lambda _, s: s,
-        opt_abstract,
-        jax.tree.map(lambda x: x.sharding, trained),
-        transform_non_params=lambda _: replicated,
-    )
-    opt = with_shardings(opt_abstract, opt_shardings)
+    shardings = state_shardings(trained, tx, mesh)
+    replicated = shardings.step
+    opt = with_shardings(jax.eval_shape(tx.init, trained), shardings.opt_state)
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated)
     state = TrainState(step=step, params=trained, opt_state=opt)
-    state_shardings = jax.tree.map(lambda x: x.sharding, state)
     dp = sharding.mesh_axis_size(mesh, sharding.current_rules()["batch"])
     learner = make_learner(
         mesh=mesh,
         model_cfg=model_cfg,
         obj_cfg=obj_cfg,
         tx=tx,
-        state_shardings=state_shardings,
+        state_shardings=shardings,
         train_cfg=t,
         schedule=schedule,
     )
