@@ -5,9 +5,10 @@
 
 Samples G completions for the first training prompts of a study's config (its rollout
 temperature, G and max_new_tokens; the base params, or a run's last checkpoint with
---workdir) and prints JSON: the mean token log-prob and length of correct and of wrong
-samples, and the token-level covariance of log-prob and the GRPO advantage within groups with
-both outcomes, split by the advantage's sign. By Cui et al. (2025, eq. (3); CW-GRPO Sec. 2) a
+--workdir: its params, or with LoRA the base plus its adapters) and prints JSON: the mean
+token log-prob and length of correct and of wrong samples, and the token-level covariance
+of log-prob and the GRPO advantage within groups with both outcomes, split by the
+advantage's sign. By Cui et al. (2025, eq. (3); CW-GRPO Sec. 2) a
 policy-gradient step changes entropy by about -lr x Cov(log pi, A): tokens that are unlikely
 and rewarded (negative covariance) raise it. Used by results/a_grae_variants/README.md.
 """
@@ -21,7 +22,7 @@ import jax
 import numpy as np
 
 from experiments import studies
-from experiments.passk import restore_run_params
+from experiments.passk import restore_policy
 from gjax import config_record, sharding
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
@@ -98,7 +99,7 @@ def main(argv=None) -> None:
         )
         if args.workdir:
             _check_same_setup(config, args.workdir)
-            _, params = restore_run_params(params, args.workdir)
+            _, model_cfg, params = restore_policy(config, args.workdir, model_cfg, params, mesh)
         data = data_builders.build_prompt_data(data_builders.run_data_config(config), tok)
         n = min(args.prompts, len(data))
         n -= n % jax.device_count()
