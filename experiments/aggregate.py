@@ -519,7 +519,7 @@ def acted_share(study, name: str, runs: list[dict]) -> list[tuple[str, float, st
 
 def fmt_acted(shares: list[tuple[str, float, str]]) -> str:
     return "; ".join(
-        f"{what}: {pct:.2g} % of {unit}" + (" (not exercised)" if pct < NOT_EXERCISED_PCT else "")
+        f"{what}: {pct:.3g} % of {unit}" + (" (not exercised)" if pct < NOT_EXERCISED_PCT else "")
         for what, pct, unit in shares
     )
 

@@ -130,7 +130,9 @@ def test_a_share_under_5_percent_is_not_exercised():
     # DAPO's clip in all_algorithms: clipped_pct is in % already
     dapo = [{"seed": 0, "clipped_pct": 0.0122}]
     got = aggregate.acted_share(studies.get("all_algorithms"), "dapo", dapo)
-    assert aggregate.fmt_acted(got) == "the clip (eps_high 0.28): 0.012 % of tokens (not exercised)"
+    assert (
+        aggregate.fmt_acted(got) == "the clip (eps_high 0.28): 0.0122 % of tokens (not exercised)"
+    )
 
 
 def test_an_intervention_measured_by_an_unrecorded_key_is_refused():
