@@ -9,6 +9,16 @@ writes RESULTS/STUDY/: results.md (the table), runs.json (every run's final figu
 curves.png (held-out pass@1, entropy, response length, grad norm and the training reward over
 steps), passk.png (pass@k against k, final and base policy) and pass1_vs_tokens.png (held-out
 pass@1 against the sampled completion tokens: see `sampled_tokens`).
+
+    python -m experiments.aggregate STUDY --from_results experiments/results/STUDY
+
+re-renders results.md from the committed runs.json alone (the run directories are not
+committed): every table but the equal-cost one, which is kept from the old results.md.
+
+The paired table's statistics: per cell the paired t test's p, Holm-adjusted over the study's
+paired cells (a verdict is drawn from all of them); TOST equivalence against
+`EQUIVALENCE_MARGINS`; and per variant the share of samples / tokens its declared
+intervention acted on (`studies.Variant.acts`), "not exercised" under 5 %.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ import numpy as np
 
 from experiments import studies
 from experiments.passk import PASSK_FILE, heldout_prompts
-from gjax.errors import UserError, run_cli
+from gjax.errors import ConfigError, UserError, run_cli
 from gjax.evaluation.metrics import pass_at_k
 from gjax.metrics import read_jsonl
 from gjax.plot import ema
@@ -91,6 +101,68 @@ def mean_ci(values, confidence: float = 0.95) -> tuple[float, float, int]:
         return float(x[0]), math.nan, 1
     se = x.std(ddof=1) / math.sqrt(n)
     return float(x.mean()), float(t_quantile(n - 1, confidence) * se), n
+
+
+def t_sf(t: float, df: int) -> float:
+    """P(T > t) for Student's t with integer df (one-sided; from `t_cdf_two_sided`)."""
+    if math.isinf(t):
+        return 0.0 if t > 0 else 1.0
+    upper = (1.0 - t_cdf_two_sided(abs(t), df)) / 2
+    return upper if t >= 0 else 1.0 - upper
+
+
+def paired_t(diffs) -> dict[str, float]:
+    """The paired t test of per-seed differences against 0: {"mean", "half" (95 % t
+    half-width), "n", "se", "p" (two-sided)}; se, half and p are nan for n < 2. Zero spread:
+    p = 1 for a zero mean, 0 otherwise (t is 0 / infinite)."""
+    x = np.asarray([v for v in diffs if v is not None and np.isfinite(v)], float)
+    n = len(x)
+    out = {"mean": float(x.mean()) if n else math.nan, "n": n}
+    out.update(se=math.nan, half=math.nan, p=math.nan)
+    if n < 2:
+        return out
+    se = float(x.std(ddof=1) / math.sqrt(n))
+    out.update(se=se, half=t_quantile(n - 1) * se)
+    if se == 0:
+        out["p"] = 1.0 if out["mean"] == 0 else 0.0
+    else:
+        out["p"] = 1.0 - t_cdf_two_sided(abs(out["mean"]) / se, n - 1)
+    return out
+
+
+def holm(p_values) -> np.ndarray:
+    """Holm-Bonferroni step-down adjusted p-values (Holm 1979), in the input's order: the
+    i-th smallest of m p-values becomes max over j <= i of min(1, (m - j + 1) p_(j)); reject
+    where the adjusted p < alpha controls the family-wise error at alpha. nan entries (cells
+    with no test) stay nan and do not count in m."""
+    p = np.asarray(p_values, float)
+    out = np.full(p.shape, math.nan)
+    idx = np.flatnonzero(~np.isnan(p))
+    order = idx[np.argsort(p[idx], kind="stable")]
+    m = len(order)
+    out[order] = np.minimum(1.0, np.maximum.accumulate((m - np.arange(m)) * p[order]))
+    return out
+
+
+def tost(mean: float, se: float, n: int, margin: float) -> dict[str, float]:
+    """Two one-sided t tests (Schuirmann 1987) that a paired mean difference lies within
+    (-margin, +margin): p = max(P(T > (mean + margin) / se), P(T < (mean - margin) / se))
+    with n - 1 df; equivalence at 5 % iff the 90 % t interval {"lo", "hi"} lies inside the
+    margin. nan for n < 2."""
+    if n < 2 or math.isnan(se):
+        return {"p": math.nan, "lo": math.nan, "hi": math.nan}
+    df, half = n - 1, t_quantile(n - 1, 0.90) * se
+    if se == 0:
+        p = 0.0 if abs(mean) < margin else 1.0
+    else:
+        p = max(t_sf((mean + margin) / se, df), t_sf((margin - mean) / se, df))
+    return {"p": p, "lo": mean - half, "hi": mean + half}
+
+
+def fmt_p(p: float) -> str:
+    if math.isnan(p):
+        return "–"
+    return "< 0.0001" if p < 1e-4 else f"{p:.4f}"
 
 
 def fmt_ci(mean: float, half: float, fmt: str = ".3f") -> str:
@@ -389,32 +461,139 @@ def write_readme_block(path: str, study_name: str, block: str) -> None:
 
 PAIRED_COLS = (("greedy_after", "greedy acc"), ("pass@1", "pass@1"), ("pass@4", "pass@4"),
                ("pass@64", "pass@64"), ("entropy", "entropy"))  # fmt: skip
+# TOST margins per paired column: what "matches" / "equal" may hide. 0.02 absolute for the
+# accuracies: 5 % of GRPO's final pass@1 (0.37-0.39), under the smallest paired effect a
+# README reports as a finding (A-GRAE positive-dominant's pass@1 -0.028), and above the
+# seed-to-seed sd of a paired difference in the committed studies (median over a study's arms:
+# pass@1 and pass@4 0.002-0.007, 3-10x below the margin; greedy 0.008-0.016); a paired pass@64
+# difference spreads 0.011-0.028 per seed (64 samples on 256 problems), so five seeds show
+# pass@64 equivalence only for a mean difference near 0. Entropy: 0.01 nats/token, 10 % of
+# GRPO's final 0.095-0.105 (paired sd 0.002-0.010).
+EQUIVALENCE_MARGINS = {"greedy_after": 0.02, "pass@1": 0.02, "pass@4": 0.02, "pass@64": 0.02,
+                       "entropy": 0.01}  # fmt: skip
+ALPHA = 0.05
+NOT_EXERCISED_PCT = 5.0  # an intervention that acted on fewer samples / tokens: not exercised
 
 
-def paired_table(figures: dict[str, list[dict]]) -> str:
-    """Each variant minus the first (the study's baseline), seed by seed: a seed fixes the data
-    order and the sampling keys, so runs of one seed share their first rollouts and differ only
-    by the variant. Mean difference ± 95 % t half-width over the seeds both have (a cell whose
-    interval excludes 0 gets a *); '' when there is nothing to pair."""
+def paired_cells(figures: dict[str, list[dict]]) -> list[dict]:
+    """Every (variant, column) cell of the paired table, each variant minus the first (the
+    study's reference) seed by seed: `paired_t`'s figures, "holm" (Holm-adjusted over the
+    study's cells that have a test: the family a verdict is drawn from), "tost" (against the
+    column's `EQUIVALENCE_MARGINS`), "variant", "key", "title"."""
     names = list(figures)
     if len(names) < 2:
-        return ""
+        return []
     ref = {f["seed"]: f for f in figures[names[0]]}
     cols = [(k, t) for k, t in PAIRED_COLS if any(k in f for f in ref.values())]
-    head = ["variant", "seeds", *(t for _, t in cols)]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    cells = []
     for name in names[1:]:
-        cells, seeds = [], {f["seed"] for f in figures[name] if f["seed"] in ref}
-        for key, _ in cols:
+        for key, title in cols:
             d = [
                 f[key] - ref[f["seed"]][key]
                 for f in figures[name]
                 if f.get(key) is not None and ref.get(f["seed"], {}).get(key) is not None
             ]
-            m, h, n = mean_ci(d)
-            cell = "–" if n == 0 else f"{m:+.3f}" if n == 1 else f"{m:+.3f} ± {h:.3f}"
-            cells.append(cell + ("*" if n > 1 and abs(m) > h else ""))
-        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(cells) + " |")
+            c = paired_t(d)
+            c.update(variant=name, key=key, title=title)
+            c["tost"] = tost(c["mean"], c["se"], c["n"], EQUIVALENCE_MARGINS[key])
+            cells.append(c)
+    for c, adj in zip(cells, holm([c["p"] for c in cells])):
+        c["holm"] = float(adj)
+    return cells
+
+
+def acted_share(study, name: str, runs: list[dict]) -> list[tuple[str, float, str]]:
+    """(what, mean share in % over seeds, unit) of each intervention the variant declares
+    (`studies.Variant.acts`) that its runs recorded."""
+    try:
+        acts = study.variant(name).acts
+    except ConfigError:  # a variant the registry no longer has (a committed study's)
+        return []
+    out = []
+    for what, key in acts:
+        unit, scale = studies.SHARES[key]
+        vals = [f[key] * scale for f in runs if f.get(key) is not None]
+        if vals:
+            out.append((what, float(np.mean(vals)), unit))
+    return out
+
+
+def fmt_acted(shares: list[tuple[str, float, str]]) -> str:
+    return "; ".join(
+        f"{what}: {pct:.3g} % of {unit}" + (" (not exercised)" if pct < NOT_EXERCISED_PCT else "")
+        for what, pct, unit in shares
+    )
+
+
+def paired_table(figures: dict[str, list[dict]], study=None) -> str:
+    """Each variant minus the first (the study's baseline), seed by seed: a seed fixes the data
+    order and the sampling keys, so runs of one seed share their first rollouts and differ only
+    by the variant. Mean difference ± 95 % t half-width over the seeds both have; * where the
+    Holm-adjusted p < 0.05 over the study's cells, (*) where only the raw p is, = where TOST
+    shows equivalence within the column's margin; with `study`, a last column "acted on":
+    the share of samples / tokens each declared intervention touched. '' when nothing pairs."""
+    cells = paired_cells(figures)
+    if not cells:
+        return ""
+    cols = list(dict.fromkeys((c["key"], c["title"]) for c in cells))
+    acted = {n: acted_share(study, n, figures[n]) for n in figures} if study else {}
+    with_acted = any(acted.values())
+    head = ["variant", "seeds", *(t for _, t in cols), *(["acted on"] if with_acted else [])]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    ref = {f["seed"] for f in figures[next(iter(figures))]}
+    for name in list(figures)[1:]:
+        seeds = {f["seed"] for f in figures[name] if f["seed"] in ref}
+        row = [c for c in cells if c["variant"] == name]
+        out = [fmt_paired(c) + paired_mark(c) for c in row]
+        if with_acted:
+            out.append(fmt_acted(acted[name]) or "–")
+        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(out) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def fmt_paired(c: dict) -> str:
+    if c["n"] == 0:
+        return "–"
+    return f"{c['mean']:+.3f}" if c["n"] == 1 else f"{c['mean']:+.3f} ± {c['half']:.3f}"
+
+
+def paired_mark(c: dict) -> str:
+    mark = "*" if c["holm"] < ALPHA else "(*)" if c["p"] < ALPHA else ""
+    return mark + ("=" if c["tost"]["p"] < ALPHA else "")
+
+
+def paired_reading(c: dict) -> str:
+    """One cell's verdict: a difference that survives Holm, one that only the raw p shows, an
+    equivalence within the margin (TOST), or neither."""
+    if c["n"] < 2:
+        return "no test (one seed)"
+    margin = EQUIVALENCE_MARGINS[c["key"]]
+    within = c["tost"]["p"] < ALPHA
+    if c["holm"] < ALPHA:
+        return f"differs, by less than ± {margin:g}" if within else "differs"
+    if c["p"] < ALPHA:
+        note = "raw p only, not after Holm"
+        return f"equivalent within ± {margin:g} ({note})" if within else f"inconclusive ({note})"
+    return f"equivalent within ± {margin:g}" if within else "inconclusive"
+
+
+def paired_tests_table(figures: dict[str, list[dict]]) -> str:
+    """Every cell of the paired table in full: the difference and its 95 % interval, the raw
+    and the Holm-adjusted two-sided p, the 90 % interval and the TOST p against the margin,
+    and the reading (`paired_reading`)."""
+    cells = paired_cells(figures)
+    if not cells:
+        return ""
+    head = ["variant", "metric", "seeds", "difference ± 95 %", "p", "Holm p",
+            "90 % interval", "margin", "TOST p", "reading"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for c in cells:
+        t = c["tost"]
+        ci = "–" if math.isnan(t["lo"]) else f"[{t['lo']:+.3f}, {t['hi']:+.3f}]"
+        row = [c["variant"], c["title"], str(c["n"]), fmt_paired(c), fmt_p(c["p"]),
+               fmt_p(c["holm"]), ci, f"± {EQUIVALENCE_MARGINS[c['key']]:g}", fmt_p(t["p"]),
+               paired_reading(c)]  # fmt: skip
+        lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -554,6 +733,9 @@ def _save(fig, plt, path: str) -> str:
 # --------------------------------------------------------------------------- main
 
 
+EQUAL_COST_HEAD = "\nAt equal cost: "  # the equal-cost section's start in results.md
+
+
 def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | None = None) -> str:
     """Writes RESULTS/STUDY/{results.md, runs.json, *.png}; returns that directory. `readme`:
     a markdown file whose `results:STUDY` block gets the table's `HEADLINE_COLS`."""
@@ -576,7 +758,62 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "runs.json"), "w") as f:
         json.dump(figs, f, indent=1)
-    docs = "\n".join(f"- `{v.name}`: {v.doc}" for v in study.variants if v.name in runs)
+    equal = equal_tokens_table(runs, figs)
+    with open(os.path.join(out_dir, "results.md"), "w") as f:
+        f.write(results_md(study, figs, equal_section=_equal_section(equal) if equal else ""))
+    figures(runs, out_dir)
+    if readme is not None:
+        write_readme_block(readme, study.name, table(study, figs, only=HEADLINE_COLS))
+    return out_dir
+
+
+def rerender(study_name: str, results_dir: str, *, readme: str | None = None) -> str:
+    """Rewrites RESULTS_DIR/results.md from RESULTS_DIR/runs.json alone (the run directories
+    not needed; runs.json and the figures stay as they are): every table but the equal-cost
+    one, which needs each run's evaluations over steps (not in runs.json) and is carried over
+    from the results.md there, if it has one. Returns RESULTS_DIR."""
+    study = studies.get(study_name)
+    path = os.path.join(results_dir, "runs.json")
+    figs = _json(path)
+    if not isinstance(figs, dict) or not figs:
+        raise UserError(
+            f"cannot re-render from {path}: no such file, or not the runs.json "
+            "`python -m experiments.aggregate` writes (variant -> list of run figures); give "
+            "--from_results a study's results directory, e.g. experiments/results/gpg"
+        )
+    unknown = [name for name in figs if name not in {v.name for v in study.variants}]
+    if unknown:
+        raise UserError(
+            f"{path} has variants {', '.join(unknown)} that study {study.name!r} does not; "
+            f"its variants: {', '.join(v.name for v in study.variants)}: name the study that "
+            "wrote it"
+        )
+    md_path = os.path.join(results_dir, "results.md")
+    try:
+        with open(md_path) as f:
+            old = f.read()
+    except OSError:
+        old = ""
+    equal = old[old.index(EQUAL_COST_HEAD) :] if EQUAL_COST_HEAD in old else ""
+    with open(md_path, "w") as f:
+        f.write(results_md(study, figs, equal_section=equal))
+    if readme is not None:
+        write_readme_block(readme, study.name, table(study, figs, only=HEADLINE_COLS))
+    return results_dir
+
+
+def _equal_section(equal: str) -> str:
+    return (
+        EQUAL_COST_HEAD + "held-out pass@1 (the training-time evaluations, "
+        "`eval.num_samples` per problem) at the sampled-token budget every run "
+        "reached, linear between evaluations.\n\n" + equal
+    )
+
+
+def results_md(study, figs: dict[str, list[dict]], *, equal_section: str = "") -> str:
+    """results.md from the runs' figures (runs.json's content); `equal_section`: the
+    equal-cost section, appended as given (it needs the runs' curves)."""
+    docs = "\n".join(f"- `{v.name}`: {v.doc}" for v in study.variants if v.name in figs)
     md = (
         f"# {study.name}\n\nClaim: {study.claim}.\n\n{docs}\n\n"
         "Mean ± 95 % confidence half-width over seeds (Student t). pass@k: n samples per "
@@ -589,20 +826,46 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
         "`response/sampled_tokens` summed (runs before it: rounds x P x G x mean length).\n\n"
         + table(study, figs)
     )
-    paired = paired_table(figs)
+    paired = paired_table(figs, study)
     if paired:
+        cells = paired_cells(figs)
+        raw = sum(c["p"] < ALPHA for c in cells)
+        kept = sum(c["holm"] < ALPHA for c in cells)
+        margins = ", ".join(
+            f"{title} ± {EQUIVALENCE_MARGINS[key]:g}"
+            for key, title in dict.fromkeys((c["key"], c["title"]) for c in cells)
+        )
         md += (
             f"\nPaired by seed against `{next(iter(figs))}` (one seed: the same data order and "
             "first rollouts in every arm): the mean difference ± 95 % t half-width over the "
-            "seeds both have; * where the interval excludes 0 (no correction for the number "
-            "of comparisons).\n\n" + paired
+            "seeds both have. * where the difference survives Holm's correction over the "
+            f"study's {len(cells)} paired cells (Holm-adjusted p < {ALPHA:g}: the chance of "
+            "any false difference among them stays under 5 %), (*) where only the raw p is "
+            f"under {ALPHA:g} (the interval excludes 0); = where two one-sided t tests (TOST, "
+            f"5 %) show the difference within the margin ({margins}). {raw} of "
+            f"{len(cells)} cells have a raw p < {ALPHA:g}, {kept} survive Holm."
+        )
+        if any(acted_share(study, n, figs[n]) for n in figs):
+            md += (
+                " Acted on: the share of samples or tokens the variant's own intervention "
+                "touched (mean over seeds; a clip: `clipped %`, mean over steps; the masks: "
+                f"`adv/masked_fraction`, last {TAIL:.0%} of steps); under "
+                f"{NOT_EXERCISED_PCT:g} % it is not exercised, and a null result about it "
+                "says nothing either way."
+            )
+        md += "\n\n" + paired
+        md += (
+            "\nEvery paired cell: the raw two-sided p of the paired t test, the Holm-adjusted "
+            "p, the 90 % t interval of the difference and the TOST p against the margin "
+            "(equivalence at 5 % iff the 90 % interval lies inside it).\n\n"
+            + paired_tests_table(figs)
         )
     cov = cov_table(figs)
     if cov:
         md += (
             "\nCovariance of log-prob and advantage per token (CW-GRPO Table 1's form, "
-            "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of steps -> over the last "
-            "10 % (± over seeds).\n\n" + cov
+            "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of "
+            "steps -> over the last 10 % (± over seeds).\n\n" + cov
         )
     by_ops = difficulty_table(figs)
     if by_ops:
@@ -612,19 +875,7 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
             "how many held-out problems have it; the base policy's from its own samples), "
             "mean ± 95 % t half-width over seeds.\n\n" + by_ops
         )
-    equal = equal_tokens_table(runs, figs)
-    if equal:
-        md += (
-            "\nAt equal cost: held-out pass@1 (the training-time evaluations, "
-            "`eval.num_samples` per problem) at the sampled-token budget every run "
-            "reached, linear between evaluations.\n\n" + equal
-        )
-    with open(os.path.join(out_dir, "results.md"), "w") as f:
-        f.write(md)
-    figures(runs, out_dir)
-    if readme is not None:
-        write_readme_block(readme, study.name, table(study, figs, only=HEADLINE_COLS))
-    return out_dir
+    return md + equal_section
 
 
 def main(argv=None) -> None:
@@ -639,8 +890,17 @@ def main(argv=None) -> None:
         help="also fill this markdown file's <!-- results:STUDY:begin/end --> block with the "
         "table's headline columns (the README's Results section)",
     )
+    p.add_argument(
+        "--from_results",
+        metavar="DIR",
+        help="re-render DIR/results.md from DIR/runs.json alone (no run directories; the "
+        "figures and runs.json stay; the equal-cost table is kept from the old results.md)",
+    )
     args = p.parse_args(argv)
-    run_cli(lambda: print(aggregate(args.study, args.runs, args.out, readme=args.readme)))
+    if args.from_results is not None:
+        run_cli(lambda: print(rerender(args.study, args.from_results, readme=args.readme)))
+    else:
+        run_cli(lambda: print(aggregate(args.study, args.runs, args.out, readme=args.readme)))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,13 @@ from gjax.errors import ConfigError
 PASSK_SAMPLES = 64
 SMOKE_PASSK_SAMPLES = 4
 
+# How much a variant's intervention acted, as `experiments.aggregate` records it per run in
+# runs.json: the key -> (what it counts, the factor to a percentage).
+SHARES = {
+    "clipped_pct": ("tokens", 1.0),  # the clip's share of loss tokens, already in %
+    "adv/masked_fraction": ("samples", 100.0),  # DaGRPO's masked / valid samples
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
@@ -33,6 +40,18 @@ class Variant:
     objective: str | None = None  # an objective preset replacing config.objective
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     arg: str = "headroom"
+    # What the variant adds that may act on few samples or tokens, each with the runs.json key
+    # (of `SHARES`) measuring the share it acted on: ("the masks", "adv/masked_fraction").
+    # Under 5 % the aggregation calls it "not exercised".
+    acts: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        for what, key in self.acts:
+            if key not in SHARES:
+                raise ConfigError(
+                    f"variant {self.name!r}: {what!r} is measured by {key!r}, which runs.json "
+                    f"does not record; the measures: {', '.join(SHARES)}"
+                )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +82,8 @@ def _agrae(name: str, sample_level: str, group_level: str, doc: str) -> Variant:
     )
 
 
+_MASKS = (("the masks", "adv/masked_fraction"),)  # DaGRPO's indistinct-pair masks
+
 _STUDIES = (
     Study(
         "all_algorithms",
@@ -71,13 +92,34 @@ _STUDIES = (
         (
             Variant("grpo", "grpo", "GRPO (DeepSeekMath), k3 KL 0.04"),
             Variant("dr_grpo", "dr_grpo", "Dr.GRPO: no std, token sum / constant"),
-            Variant("dapo", "dapo", "DAPO: clip-higher, token mean, dynamic sampling, overlong"),
-            Variant("gspo", "grpo", "GSPO: sequence-level ratio and clip", objective="gspo"),
+            Variant(
+                "dapo",
+                "dapo",
+                "DAPO: clip-higher, token mean, dynamic sampling, overlong",
+                acts=(("the clip (eps_high 0.28)", "clipped_pct"),),
+            ),
+            Variant(
+                "gspo",
+                "grpo",
+                "GSPO: sequence-level ratio and clip",
+                objective="gspo",
+                acts=(("the sequence clip", "clipped_pct"),),
+            ),
             Variant("gpg", "gpg", "GPG: -logp * A, alpha = B/(B-M), beta_th 0.6"),
             Variant("a_grae", "a_grae", "A-GRAE: DDAS eq. (12) + ASS eq. (13)"),
             Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance token weights"),
-            Variant("dagrpo", "dagrpo", "DaGRPO: delta 3, one anchor per group, rule judge"),
-            Variant("cispo", "cispo", "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)"),
+            Variant(
+                "dagrpo",
+                "dagrpo",
+                "DaGRPO: delta 3, one anchor per group, rule judge",
+                acts=_MASKS,
+            ),
+            Variant(
+                "cispo",
+                "cispo",
+                "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)",
+                acts=(("the IS-weight clip", "clipped_pct"),),
+            ),
             Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
         ),
         # Off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout batch):
@@ -138,6 +180,7 @@ _STUDIES = (
                     "dagrpo",
                     f"delta = {d} (eqs. (8)-(9)), one anchor per group of 8",
                     overrides={"objective.advantage_kwargs.delta": float(d)},
+                    acts=_MASKS,
                 )
                 for d in (1, 3, 5)
             ),
@@ -146,6 +189,7 @@ _STUDIES = (
                 "dagrpo",
                 "delta = 3 without off-policy anchors",
                 overrides={"anchors.per_group": 0},
+                acts=_MASKS,
             ),
             *(
                 Variant(
@@ -153,6 +197,7 @@ _STUDIES = (
                     "dagrpo",
                     f"delta = 3, {a} anchors per group of 8 (anchor ratio {a}/8)",
                     overrides={"anchors.per_group": a},
+                    acts=_MASKS,
                 )
                 for a in (2, 4)
             ),
