@@ -22,7 +22,11 @@ one host sync per dispatch). `gjax.rollout.engine` (JetStream) runs on the same 
 The host side of one `generate` call is `_Schedule`, whose methods are the loop's named steps:
 `admit` (rows into free slots, regions for new prompts), `prefill` (whole, or one chunk),
 `insert`, `dispatch`, `collect` (a dispatch's tokens onto their rows), `retire` (free the
-slots of rows that ended, a group's region after its last row), `outputs`.
+slots of rows that ended, a group's region after its last row), `outputs`. Multi-turn rows
+(`generate_episodes`, gjax.rollout.turns) add two: `end_turns` (a turn that ended goes to its
+environment; the slot waits, KV kept) and `reenter` (`_reenter`: the observation's tokens
+appended to the waiting slot's own cache as a prefill chunk, then it decodes its next turn).
+The trajectory (policy and environment tokens after the prompt) fits the N cache columns.
 
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
@@ -55,6 +59,7 @@ from gjax.models.transformer import (
     rope_cos_sin,
 )
 from gjax.rollout.sampler import SampleOutput, SamplingParams, _sample
+from gjax.rollout.turns import EnvTurns, OneTurn, Trajectories
 
 
 class SlotState(NamedTuple):
@@ -256,6 +261,72 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
 
 
+def _reenter(params, cfg, layers, state: SlotState, slot_M, tokens_MxC, count_M, limit_M):
+    """A turn's re-entry: the first `count_M` of `tokens_MxC` (the environment's tokens) are
+    appended to the rows in slots `slot_M` (index S: padding, dropped) as one prefill chunk
+    into their own caches, at indices n_S .. n_S + count - 1 (positions prompt_len + n): each
+    column attends the region's prompt, the row's cache (its history: KV kept, not
+    re-prefilled) and the chunk's earlier columns under one softmax. A row with count > 0
+    takes the logits after its last column, n_S += count, the length limit `limit_M`, and is
+    live again; its next drawn token is token n_S of the row (key fold_in(row key, n_S))."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    m_, c_ = tokens_MxC.shape
+    s_, n_ = state.n_S.shape[0], state.cache_k[0].shape[2]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    scale = 1.0 / math.sqrt(dh)
+    slot_c = jnp.minimum(slot_M, s_ - 1)  # padding entries read slot S-1, write nothing
+    region_M = state.region_S[slot_c]
+    n0_M = state.n_S[slot_c]
+    cols_MxC = n0_M[:, None] + jnp.arange(c_)[None, :]  # own-cache indices
+    real_MxC = jnp.arange(c_)[None, :] < count_M[:, None]
+    write_MxC = jnp.where(real_MxC & (slot_M[:, None] < s_), cols_MxC, n_)  # n_: dropped
+    pos_MxC = state.prompt_len_R[region_M][:, None] + cols_MxC
+    pre_valid = state.prompt_mask_RxSp[region_M].astype(bool)[:, None, None, None, :]
+    own_valid = (jnp.arange(n_)[None, None, :] <= cols_MxC[..., None])[:, None, None]
+    rows_M1 = slot_M[:, None]
+    x = jnp.take(params["embed"]["embedding"], tokens_MxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_MxC.reshape(-1), cfg)
+    cache_k, cache_v = list(state.cache_k), list(state.cache_v)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [M*C, H|K, Dh]
+        put = lambda cur, new: cur.at[rows_M1, :, write_MxC].set(
+            new.reshape(m_, c_, kv_, dh).astype(dtype), mode="drop"
+        )
+        cache_k[i], cache_v[i] = put(cache_k[i], k), put(cache_v[i], v)
+        own_k = jnp.take(cache_k[i], slot_c, axis=0)  # [M, K, N, Dh], the chunk written
+        own_v = jnp.take(cache_v[i], slot_c, axis=0)
+        pk = jnp.take(state.prompt_k[i], region_M, axis=0)  # [M, K, Sp, Dh]
+        pv = jnp.take(state.prompt_v[i], region_M, axis=0)
+        q_MxKxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        s_pre = jnp.einsum("mkrcd,mkpd->mkrcp", q_MxKxRxCxDh, pk, preferred_element_type=f32)
+        s_pre = jnp.where(pre_valid, s_pre * scale, _MASK_VALUE)
+        s_own = jnp.einsum("mkrcd,mknd->mkrcn", q_MxKxRxCxDh, own_k, preferred_element_type=f32)
+        s_own = jnp.where(own_valid, s_own * scale, _MASK_VALUE)
+        mx = jnp.maximum(s_pre.max(-1), s_own.max(-1))[..., None]
+        e_pre, e_own = jnp.exp(s_pre - mx), jnp.exp(s_own - mx)
+        denom = e_pre.sum(-1) + e_own.sum(-1)
+        out = jnp.einsum("mkrcp,mkpd->mkrcd", e_pre.astype(dtype), pv)
+        out = out + jnp.einsum("mkrcn,mknd->mkrcd", e_own.astype(dtype), own_v)
+        out = out / denom[..., None].astype(dtype)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh)
+        x = decode_layer_out(lp, x, out, cfg)
+    hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
+    last_M = jnp.clip(count_M - 1, 0, c_ - 1)
+    hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
+    logits_MxV = logits_from_hidden(params, cfg, hidden_MxD).astype(jnp.float32)
+    slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
+    put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
+    return state._replace(
+        cache_k=cache_k,
+        cache_v=cache_v,
+        n_S=put(state.n_S, n0_M + count_M),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, logits_MxV),
+        done_S=put(state.done_S, jnp.zeros(slot_M.shape, bool)),
+    )
+
+
 def _dispatch(
     params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int, error_token=None
 ):
@@ -316,6 +387,7 @@ _chunk_jit = jax.jit(_prefill_chunk, static_argnames=("cfg",), donate_argnames=(
 _dispatch_jit = jax.jit(
     _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
 )
+_reenter_jit = jax.jit(_reenter, static_argnames=("cfg",), donate_argnames=("state",))
 _layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
 
 
@@ -333,6 +405,8 @@ class ContinuousDecoder:
       prefill_chunk: 0 prefills a prompt whole before its rows decode; C > 0 prefills C
         columns of up to A prompts per loop turn, between dispatches, so a long prompt does
         not stall the decoding slots (prompts left-padded to a multiple of C).
+      observation_chunk: columns of one re-entry call (`generate_episodes`: an environment's
+        tokens appended to waiting rows' slots; a longer observation takes several calls).
     """
 
     def __init__(
@@ -345,9 +419,12 @@ class ContinuousDecoder:
         prefill_batch: int | None = None,
         share_prompt: bool = True,
         prefill_chunk: int = 0,
+        observation_chunk: int = 32,
     ):
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        if observation_chunk <= 0:
+            raise ValueError(f"observation_chunk must be > 0, got {observation_chunk}")
         if slots <= 0 or tokens_per_dispatch <= 0:
             raise ValueError(
                 f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
@@ -358,6 +435,7 @@ class ContinuousDecoder:
         self.prompt_regions, self.prefill_batch = prompt_regions, prefill_batch
         self.share_prompt = share_prompt
         self.prefill_chunk = prefill_chunk
+        self.observation_chunk = observation_chunk
         self.stats: dict[str, float] = {}
 
     def regions_for(self, num_samples: int) -> int:
@@ -383,19 +461,69 @@ class ContinuousDecoder:
         """`gjax.rollout.sampler.generate`'s contract. `max_tokens_B`: per-row length limits
         (<= max_new_tokens; benchmarks); `order`: the rows' admission order (default 0..B-1).
 
-        One loop turn: admit rows into free slots, prefill (whole prompts, or one chunk),
-        insert the admitted rows, decode a dispatch, collect its tokens and retire the rows
-        that ended (their slots, and a group's region after its last row); then the outputs
-        are assembled."""
-        t_start = time.perf_counter()
-        run = _Schedule(
-            self,
+        One turn per row (`_run` has the loop's steps)."""
+        run = self._run(
             params,
             prompt_tokens_PxS,
             prompt_mask_PxS,
             rng,
             num_samples,
             sampling,
+            OneTurn(),
+            max_tokens_B=max_tokens_B,
+            order=order,
+        )
+        return run.outputs()
+
+    def generate_episodes(
+        self,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        *,
+        num_samples: int,
+        sampling: SamplingParams,
+        turns: EnvTurns,
+    ) -> Trajectories:
+        """Multi-turn rows: each row is an episode of `turns`' environment
+        (`gjax.rollout.turns`). A row's turn ends at a stop id or its turn's limit; its
+        episode steps on the environment's runner while the other slots decode; if the
+        episode goes on, the observation's ids re-enter the row's slot (KV kept) and it
+        decodes its next turn. The first turn of each row is drawn exactly as `generate`
+        draws it (same keys: token n of row b with fold_in(fold_in(rng, b), n))."""
+        run = self._run(
+            params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling, turns
+        )
+        out = run.outputs()
+        return Trajectories(
+            tokens_BxN=np.asarray(out.tokens_BxN),
+            mask_BxN=np.asarray(out.mask_BxN),
+            policy_mask_BxN=run.out_policy.astype(np.int32),
+            logps_BxN=np.asarray(out.logps_BxN),
+            lengths_B=np.asarray(out.lengths_B),
+            turns_B=turns.turns_B.copy(),
+            rewards=[list(r) for r in turns.rewards],
+            reward_B=turns.reward_B(),
+            limit_B=list(turns.limit_B),
+            observations=[list(o) for o in turns.observations],
+        )
+
+    def _run(self, params, tokens_PxS, mask_PxS, rng, g_, sp, turns, max_tokens_B=None, order=None):
+        """One loop turn: admit rows into free slots, prefill (whole prompts, or one chunk),
+        insert the admitted rows, re-enter the rows whose environment answered, decode a
+        dispatch, collect its tokens, end the turns that ended, and retire the rows that are
+        finished (their slots, and a group's region after its last row)."""
+        t_start = time.perf_counter()
+        run = _Schedule(
+            self,
+            params,
+            tokens_PxS,
+            mask_PxS,
+            rng,
+            g_,
+            sp,
+            turns,
             max_tokens_B=max_tokens_B,
             order=order,
         )
@@ -405,13 +533,13 @@ class ContinuousDecoder:
             t0 = time.perf_counter()
             admits += run.prefill(new_prompts)
             run.insert(admits)
-            if run.idle():  # chunked: only prefills in flight yet
+            run.reenter()
+            if not run.decoding():  # chunked: only prefills in flight yet
                 continue
             step = run.dispatch(t0)
-            run.retire(run.collect(step))
-        out = run.outputs()
+            run.retire(run.end_turns(run.collect(step)))
         self.stats = run.final_stats(time.perf_counter() - t_start)
-        return out
+        return run
 
 
 class _Dispatched(NamedTuple):
@@ -438,11 +566,13 @@ class _Schedule:
         rng,
         g_,
         sp,
+        turns,
         *,
         max_tokens_B,
         order,
     ):
         self.dec, self.params, self.rng, self.g_, self.sp = dec, params, rng, g_, sp
+        self.turns = turns
         self.cfg, self.s_ = dec.cfg, dec.slots
         tokens_PxS = np.asarray(prompt_tokens_PxS, np.int32)
         mask_PxS = np.asarray(prompt_mask_PxS, np.int32)
@@ -463,7 +593,8 @@ class _Schedule:
         limits = np.full((b_,), n_, np.int32) if max_tokens_B is None else np.asarray(max_tokens_B)
         if limits.shape != (b_,) or limits.min() < 1 or limits.max() > n_:
             raise ValueError(f"max_tokens_B must be {b_} ints in [1, {n_}]")
-        self.limits = limits
+        turns.bind(mask_PxS, g_, sp)
+        self.limits = turns.first_limits(limits)
         self.r_ = dec.regions_for(g_)
         self.row0 = sp.row_block[0] * b_  # these rows' index in the whole batch: their keys
         self.draw_sp = dataclasses.replace(sp, row_block=(0, 1))  # one key per row, not block
@@ -476,6 +607,9 @@ class _Schedule:
         self.out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
         self.out_logp = np.zeros((b_, n_), np.float32)
         self.out_len = np.zeros((b_,), np.int32)
+        self.out_policy = np.zeros((b_, n_), bool)  # sampled by the policy (not inserted)
+        self.turn_start = np.zeros((b_,), np.int32)
+        self.waiting: set = set()  # slots whose row's environment step is in flight
         queue = list(range(b_) if order is None else order)
         if sorted(queue) != list(range(b_)):
             raise ValueError(f"order must be a permutation of range({b_})")
@@ -523,6 +657,10 @@ class _Schedule:
     def idle(self) -> bool:
         """No slot holds a row."""
         return all(r < 0 for r in self.slot_row)
+
+    def decoding(self) -> bool:
+        """Some slot holds a row that decodes (not waiting for its environment)."""
+        return any(r >= 0 and s not in self.waiting for s, r in enumerate(self.slot_row))
 
     def check_progress(self, admits) -> None:
         if self.idle() and not self.pending and not admits:
@@ -610,16 +748,82 @@ class _Schedule:
         ended = []
         for s in range(self.s_):
             b = self.slot_row[s]
-            if b < 0:
+            if b < 0 or s in self.waiting:  # free, or done and waiting for its environment
                 continue
             k = int(step.live_SxD[s].sum())
             n = self.out_len[b]
             self.out_tok[b, n : n + k] = step.tok_SxD[s, :k]
             self.out_logp[b, n : n + k] = step.logp_SxD[s, :k]
+            self.out_policy[b, n : n + k] = True
             self.out_len[b] += k
             if step.done_S[s]:
                 ended.append(s)
         return ended
+
+    def end_turns(self, slots) -> list[int]:
+        """Hands each ended turn to `turns`; returns the slots whose row is finished (the
+        others wait for their environment's answer)."""
+        finished = []
+        for s in slots:
+            b = self.slot_row[s]
+            ids = self.out_tok[b, self.turn_start[b] : self.out_len[b]]
+            if self.turns.end_turn(b, ids):
+                finished.append(s)
+            else:
+                self.waiting.add(s)
+        return finished
+
+    def reenter(self) -> None:
+        """Rows whose environment answered: a finished episode's row retires; the others
+        get the observation's ids appended to their slot (`_reenter`, C columns per call, all
+        such rows at once) and decode their next turn. Waits for an answer only when no slot
+        decodes and no prompt is being prefilled."""
+        block = bool(self.waiting) and not self.decoding() and not self.pending
+        t0 = time.perf_counter()
+        answers = self.turns.answers(self.out_len, block=block)
+        if block:
+            self.stats["env_wait_s"] += time.perf_counter() - t0
+        if not answers:
+            return
+        slot_of = {b: s for s, b in enumerate(self.slot_row) if b >= 0}
+        done, entries = [], []
+        for b, ids in answers:
+            s = slot_of[b]
+            self.waiting.discard(s)
+            if ids is None:
+                done.append(s)
+                continue
+            n, m = int(self.out_len[b]), len(ids)
+            self.out_tok[b, n : n + m] = ids
+            self.out_len[b] = self.turn_start[b] = n + m
+            entries.append((s, ids, self.turns.turn_limit(n + m)))
+        self.retire(done)
+        if not entries:
+            return
+        s_, c_ = self.s_, self.dec.observation_chunk
+        slot_M = np.full((s_,), s_, np.int32)
+        limit_M = np.zeros((s_,), np.int32)
+        ids_MxW = np.zeros((s_, max(len(e[1]) for e in entries)), np.int32)
+        count_M = np.zeros((s_,), np.int32)
+        for i, (s, ids, limit) in enumerate(entries):
+            slot_M[i], limit_M[i], count_M[i] = s, limit, len(ids)
+            ids_MxW[i, : len(ids)] = ids
+        for c0 in range(0, ids_MxW.shape[1], c_):
+            cols = np.zeros((s_, c_), np.int32)
+            part = ids_MxW[:, c0 : c0 + c_]
+            cols[:, : part.shape[1]] = part
+            self.state = _reenter_jit(
+                self.params,
+                self.cfg,
+                self.layers,
+                self.state,
+                slot_M,
+                cols,
+                np.clip(count_M - c0, 0, c_).astype(np.int32),
+                limit_M,
+            )
+            self.stats["reenter_calls"] += 1
+        self.stats["rows_reentered"] += len(entries)
 
     def retire(self, slots) -> None:
         """Frees `slots` (their rows are finished) and, after a group's last row, its region;
@@ -650,6 +854,7 @@ class _Schedule:
         st = self.stats
         return {
             **st,
+            **self.turns.stats(),
             "useful_tokens": int(self.out_len.sum()),
             "wall_s": wall,
             "dispatch_s": self.t_device,
