@@ -45,6 +45,20 @@ from gjax.rollout.sampler import SamplingParams
 LIMITS = ("", "turns", "tokens", "turn_tokens", "env")
 
 
+def build_turns(config, runner: EnvRunner, rows: Sequence[Mapping[str, Any]], tokenizer):
+    """`EnvTurns` from the `env.*` section: the policy's turns decoded as the single-turn
+    reward decodes a completion (special tokens skipped), observations encoded without
+    added special tokens (a chat template's turn markers in the text are parsed as theirs)."""
+    return EnvTurns(
+        runner,
+        rows,
+        encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"],
+        decode=lambda ids: tokenizer.decode(list(ids), skip_special_tokens=True),
+        max_turns=config.env.max_turns,
+        turn_tokens=config.env.turn_tokens,
+    )
+
+
 class OneTurn:
     """Single-turn: a row's first turn is all of it."""
 
