@@ -74,9 +74,9 @@ class ScriptEnv:
         pass
 
 
-def episodes(rows, sp=GREEDY, *, max_turns=4, turn_tokens=0, env=None, **kw):
+def episodes(rows, sp=GREEDY, *, max_turns=4, turn_tokens=0, env=None, slots=3, **kw):
     env = env or ScriptEnv()
-    dec = ContinuousDecoder(CFG, slots=3, tokens_per_dispatch=4, **kw)
+    dec = ContinuousDecoder(CFG, slots=slots, tokens_per_dispatch=4, **kw)
     with EnvRunner(env, max_in_flight=4) as runner:
         turns = EnvTurns(
             runner,
@@ -173,13 +173,20 @@ def test_second_turn_with_kv_kept_equals_a_full_reprefill_of_the_history(two_tur
     assert kept < again
 
 
-def test_trajectories_are_token_exact_and_the_mask_covers_policy_tokens_only():
+THREE_TURNS = rows_with([["12 30", "5 9 2"], ["40 2", "1"], ["8 8", "19 4 4"]])
+
+
+@pytest.fixture(scope="module")
+def three_turns_sampled():
+    return THREE_TURNS, episodes(THREE_TURNS, SAMPLED)
+
+
+def test_trajectories_are_token_exact_and_the_mask_covers_policy_tokens_only(three_turns_sampled):
     """Sampled, three turns: the environment read exactly the policy's ids of each turn; the
     inserted ids are the observations' ids; the policy mask is 1 on sampled tokens only; and
     the learner's teacher-forced log-probs over prompt ++ trajectory (the same ids, no
     decode-then-re-tokenize) equal the behaviour log-probs at the policy's positions."""
-    rows = rows_with([["12 30", "5 9 2"], ["40 2", "1"], ["8 8", "19 4 4"]])
-    out, _, env = episodes(rows, SAMPLED)
+    rows, (out, _, env) = three_turns_sampled
     for b in range(G * len(PROMPTS)):
         n = int(out.lengths_B[b])
         pol = out.policy_mask_BxN[b, :n].astype(bool)
@@ -210,6 +217,19 @@ def test_trajectories_are_token_exact_and_the_mask_covers_policy_tokens_only():
     pol = out.policy_mask_BxN == 1
     assert (out.turns_B > 1).any()
     np.testing.assert_allclose(np.where(pol, out.logps_BxN, 0), np.where(pol, ref, 0), atol=1e-5)
+
+
+@pytest.mark.slow  # every program compiled again for 2 slots (20-25 s cold on a busy 2-core CPU)
+def test_trajectories_do_not_depend_on_slots_chunks_or_answer_timing(three_turns_sampled):
+    """Per-row keys: the same sampled trajectories from 2 slots, chunked prompts and
+    observations re-entering 2 columns per call (environment answers arriving at other
+    points of the schedule)."""
+    rows, (out, _, _) = three_turns_sampled
+    other, stats, _ = episodes(rows, SAMPLED, slots=2, prefill_chunk=3, observation_chunk=2)
+    assert stats["reenter_calls"] > stats["rows_reentered"] / 2  # some took several calls
+    for name in ("tokens_BxN", "policy_mask_BxN", "lengths_B", "turns_B"):
+        np.testing.assert_array_equal(getattr(other, name), getattr(out, name))
+    np.testing.assert_allclose(other.logps_BxN, out.logps_BxN, atol=1e-5)
 
 
 def _runs(out, b):

@@ -150,6 +150,7 @@ class EnvTurns:
         self.in_flight: dict[concurrent.futures.Future, int] = {}
         self.metrics: collections.Counter = collections.Counter()
         self.reprefill_tokens = 0  # what re-prefilling each re-entry's history would cost
+        self._step_s0 = self.runner.stats()["env/step_s_sum"]
 
     def _budget(self) -> int:
         return self.turn_tokens or self.n_
@@ -235,5 +236,8 @@ class EnvTurns:
             "env/prefill_tokens_per_episode_kept": (prompts / self.g_ + inserted) / episodes,
             "env/prefill_tokens_per_episode_reprefill": (prompts / self.g_ + self.reprefill_tokens)
             / episodes,
+            # seconds in environment steps (summed over episodes; they overlap each other and
+            # decoding: the decoder's `env_wait_s` is the part no slot decoded through)
+            "env/step_s": self.runner.stats()["env/step_s_sum"] - self._step_s0,
             **{k: v for k, v in self.metrics.items() if k != "env/turns"},
         }
