@@ -14,6 +14,8 @@ import pytest
 
 from gjax.envs import EnvRunner, Step
 from gjax.envs.environments import MathEnv
+from gjax.experience import to_model_inputs
+from gjax.learner import policy_logps
 from gjax.rollout import SamplingParams, generate
 from gjax.rollout.decoder import ContinuousDecoder
 from gjax.rollout.turns import EnvTurns
@@ -277,3 +279,29 @@ def test_bad_arguments():
         ContinuousDecoder(CFG, slots=1, tokens_per_dispatch=1, observation_chunk=0)
     with pytest.raises(ValueError, match="2 data rows for 3 prompts"):
         episodes(rows_with([["1"], ["1"]]))
+
+
+def test_the_learner_reads_the_sampled_and_inserted_ids_and_masks_the_loss_to_the_policy(
+    three_turns_sampled,
+):
+    """Trajectories -> Groups -> the learner's batch: its token ids are prompt ++ the
+    trajectory's ids exactly (no decode-then-re-tokenize), the loss mask is the policy mask,
+    and the learner's teacher-forced log-probs equal the behaviour log-probs there."""
+    _, (out, _, _) = three_turns_sampled
+    groups = out.groups(TOKENS, MASK)
+    host = to_model_inputs(groups)
+    np.testing.assert_array_equal(host["input_ids_BxS"][:, S:], out.tokens_BxN)
+    np.testing.assert_array_equal(host["input_ids_BxS"][:, :S], np.repeat(TOKENS, G, axis=0))
+    np.testing.assert_array_equal(host["targets_BxT"], out.tokens_BxN)
+    np.testing.assert_array_equal(host["loss_mask_BxT"], out.policy_mask_BxN == 1)
+    assert (out.mask_BxN > out.policy_mask_BxN).any()  # inserted tokens: in, not trained on
+    np.testing.assert_array_equal(groups.rewards_PxG.reshape(-1), out.reward_B)
+    assert groups.valid_PxG.all()
+    keys = ("input_ids_BxS", "positions_BxS", "segment_ids_BxS", "targets_BxT", "loss_mask_BxT")
+    learner_logps = jax.jit(policy_logps, static_argnames=("cfg", "temperature"))
+    logps = learner_logps(
+        PARAMS, {k: host[k] for k in keys}, cfg=CFG, temperature=SAMPLED.temperature
+    )
+    want = np.where(out.policy_mask_BxN == 1, out.logps_BxN, 0.0)
+    np.testing.assert_allclose(np.asarray(logps), want, atol=1e-5)
+    np.testing.assert_array_equal(host["old_logps_BxT"], out.logps_BxN)

@@ -40,6 +40,7 @@ import numpy as np
 
 from gjax.envs.base import Step
 from gjax.envs.runner import EnvRunner
+from gjax.experience import Groups
 from gjax.rollout.sampler import SamplingParams
 
 LIMITS = ("", "turns", "tokens", "turn_tokens", "env")
@@ -103,6 +104,28 @@ class Trajectories(NamedTuple):
     @property
     def truncated_B(self) -> np.ndarray:
         return np.asarray([x != "" for x in self.limit_B])
+
+    def groups(self, prompt_ids_PxS, prompt_mask_PxS) -> Groups:
+        """The learner's rows: `prompt ++ trajectory` token for token, the policy mask as the
+        loss mask's part, the behaviour log-probs as old log-probs, the trajectory's reward
+        (valid where finite) and its truncation."""
+        p_ = np.asarray(prompt_ids_PxS).shape[0]
+        rows = lambda x: np.asarray(x).reshape(p_, -1, *np.asarray(x).shape[1:])
+        reward_PxG = rows(self.reward_B)
+        valid_PxG = np.isfinite(reward_PxG)
+        return Groups(
+            prompt_ids_PxS=np.asarray(prompt_ids_PxS, np.int32),
+            prompt_mask_PxS=np.asarray(prompt_mask_PxS, bool),
+            completion_ids_PxGxN=rows(self.tokens_BxN).astype(np.int32),
+            completion_mask_PxGxN=rows(self.mask_BxN).astype(bool),
+            truncated_PxG=rows(self.truncated_B),
+            is_anchor_PxG=np.zeros(reward_PxG.shape, bool),
+            rewards_PxG=np.where(valid_PxG, reward_PxG, 0.0).astype(np.float32),
+            scores_PxG=np.full(reward_PxG.shape, np.nan, np.float32),
+            valid_PxG=valid_PxG,
+            old_logps_PxGxN=rows(self.logps_BxN).astype(np.float32),
+            policy_mask_PxGxN=rows(self.policy_mask_BxN).astype(bool),
+        )
 
 
 class EnvTurns:
