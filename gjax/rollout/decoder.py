@@ -534,7 +534,7 @@ class ContinuousDecoder:
             admits += run.prefill(new_prompts)
             run.insert(admits)
             run.reenter()
-            if not run.decoding():  # chunked: only prefills in flight yet
+            if not run.decoding():  # only prefills in flight, or rows just retired by `reenter`
                 continue
             step = run.dispatch(t0)
             run.retire(run.end_turns(run.collect(step)))
@@ -553,9 +553,10 @@ class _Dispatched(NamedTuple):
 
 
 class _Schedule:
-    """The host side of one `ContinuousDecoder.generate` call: the queue of rows, which row
-    each slot decodes, which region each group's prompt holds, the rows' outputs so far, and
-    the device state; its methods are the loop's named steps."""
+    """The host side of one `ContinuousDecoder.generate` (or `generate_episodes`) call: the
+    queue of rows, which row each slot decodes (or holds while its environment steps), which
+    region each group's prompt holds, the rows' outputs so far, and the device state; its
+    methods are the loop's named steps."""
 
     def __init__(
         self,
