@@ -33,6 +33,10 @@ class Groups:
     # int32 policy version each completion was sampled with (-1: anchor); None when the
     # backend does not serve versioned weights (the local sampler: always the current params)
     policy_version_PxG: np.ndarray | None = None
+    # bool, multi-turn rows (gjax.rollout.turns): 1 on the policy's sampled tokens, 0 on the
+    # environment's inserted ones (in the sequence, never a target of the loss); None: every
+    # completion token is the policy's (single-turn)
+    policy_mask_PxGxN: np.ndarray | None = None
 
     @property
     def num_prompts(self) -> int:
@@ -119,8 +123,10 @@ def append_anchors(
         return np.concatenate([on, anchor], axis=1)
 
     zeros = np.zeros((P, A), np.float32)
+    policy = groups_on.policy_mask_PxGxN
     return dataclasses.replace(
         groups_on,
+        policy_mask_PxGxN=None if policy is None else cat(policy, anchor_mask_PxAxN),
         completion_ids_PxGxN=cat(groups_on.completion_ids_PxGxN, anchor_ids_PxAxN),
         completion_mask_PxGxN=cat(groups_on.completion_mask_PxGxN, anchor_mask_PxAxN),
         truncated_PxG=cat(groups_on.truncated_PxG, np.zeros((P, A), bool)),
@@ -138,7 +144,8 @@ def to_model_inputs(groups: Groups, *, drop_truncated: bool = False) -> dict[str
     S-1 .. S+N-2; the returned `targets_BxT`/`loss_mask_BxT` (T = N) are aligned with those
     positions. `drop_truncated` (DAPO overlong filtering) empties the loss mask of completions
     that hit the length limit without EOS: they count nowhere, but stay in their group's
-    reward statistics.
+    reward statistics. Multi-turn rows (`policy_mask_PxGxN`): the environment's tokens are
+    in the sequence (attended, positions counted) and out of the loss mask.
     """
     P, G, N = groups.completion_ids_PxGxN.shape
     prompt_ids = np.repeat(groups.prompt_ids_PxS, G, axis=0)
@@ -155,6 +162,8 @@ def to_model_inputs(groups: Groups, *, drop_truncated: bool = False) -> dict[str
     if drop_truncated:
         keep_B = keep_B & ~groups.truncated_PxG.reshape(P * G)
     loss_mask = comp_mask & keep_B[:, None]
+    if groups.policy_mask_PxGxN is not None:
+        loss_mask = loss_mask & groups.policy_mask_PxGxN.reshape(P * G, N).astype(bool)
     out = {
         "input_ids_BxS": tokens,
         "positions_BxS": positions,

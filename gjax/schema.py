@@ -467,15 +467,23 @@ SCHEMA: dict[str, Any] = {
             ),
         },
     },
-    # gjax.envs: multi-turn environments and tools. Groundwork, not yet wired to the decoder:
-    # gjax.envs.check_config refuses env.name != '' until rollouts drive environments.
+    # gjax.envs: multi-turn environments and tools, driven by the continuous decoder
+    # (gjax.rollout.turns); gjax.envs.check_config refuses env.name != '' in training until
+    # the learner side (per-trajectory rewards, the policy-token loss mask) is wired.
     "env": {
         "name": Field(
             "",
             "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn "
-            "(others refused: not yet wired to the decoder)",
+            "(training refuses others: not yet wired to the learner)",
         ),
         "max_turns": Field(4, "policy turns per episode; a longer one is truncated", _COUNT),
+        "turn_tokens": Field(
+            0,
+            "new tokens per policy turn; a turn reaching it without a stop id ends its episode, "
+            "truncated (0: the trajectory's budget, rollout.max_new_tokens, which bounds every "
+            "policy and environment token after the prompt)",
+            _NONNEG,
+        ),
         "max_tool_calls": Field(
             8, "tool calls per episode; a turn that passes it truncates the episode", _NONNEG
         ),

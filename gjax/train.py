@@ -83,7 +83,7 @@ CONFIG_CHECKS = (
     rewards_pipeline.check_config,
     eval_lib.check_config,
     rollout_factory.check_config,
-    envs_environments.check_config,  # refuses env.name != '' (not yet wired)
+    envs_environments.check_config,  # refuses env.name != '' (learner not yet wired)
     wandb_log.check_config,
 )
 

@@ -392,3 +392,18 @@ def test_loss_kernels_report_orders_cases_by_tokens():
     assert heads[3].startswith("## sweep over N at D = 8 x V = 16") and len(blocks) == 4
     assert [r["method"] for r in rows[:3]] == ["floor", "fused", "naive"]
     assert "| 512 | 1.000 | 1.00 (1.00) |" in blocks[3]
+
+
+@pytest.mark.slow  # a subprocess: jax import and compiles (~40 s on a busy 2-core CPU)
+def test_multiturn_prefill_benchmark_counts_what_keeping_kv_saves():
+    """benchmarks/multiturn_prefill.py at toy sizes: KV kept prefills the prompt once per group
+    plus the observations; re-prefilling the history costs more."""
+    (rec,) = _benchmark_records(
+        "multiturn_prefill.py",
+        *("--prompts", "2", "--samples", "2", "--prompt-tokens", "8", "--turns", "1"),
+        *("--obs-tokens", "4", "--turn-tokens", "8", "--slots", "4"),
+    )
+    assert rec["episodes"] == 4 and 1 <= rec["turns_per_episode"] <= 2
+    kept = rec["prefill_tokens_per_episode_kept"]
+    assert kept == 8 / 2 + 4 * (rec["turns_per_episode"] - 1)  # one observation per re-entry
+    assert rec["prefill_tokens_per_episode_reprefill"] > kept

@@ -38,6 +38,7 @@ from gjax.envs import (
     tool_turn,
     tools_system_block,
 )
+from gjax.envs import environments as envs_environments
 from gjax.envs.tools import BM25, build_tool, load_corpus
 from gjax.errors import ConfigError
 from gjax.rewards.functions import REWARDS, build_reward
@@ -470,9 +471,29 @@ def test_default_config_is_single_turn_and_validates():
         build_env(cfg, reward_fn=boxed_match)
 
 
-def test_env_name_is_refused_until_the_decoder_drives_it():
+@pytest.mark.parametrize(
+    "rollout, match",
+    [
+        ({}, "the learner does not train on them yet"),
+        ({"max_staleness": 1}, r"asynchronous rollouts \(rollout.max_staleness > 0\)"),
+        ({"decoder": "static"}, "the static sampler has no turns"),
+        ({"backend": "jetstream"}, "the jetstream backend does not drive environments yet"),
+    ],
+)
+def test_env_name_is_refused_in_training_naming_what_its_path_lacks(rollout, match):
     cfg = _env_cfg(name="tool")
-    with pytest.raises(ConfigError, match="multi-turn rollouts are not wired to the decoder yet"):
+    cfg.rollout.update(rollout)
+    with pytest.raises(ConfigError, match="multi-turn training is not available") as e:
+        envs_environments.check_config(cfg)
+    assert re.search(match, str(e.value))
+    if not rollout:  # the hook is the trainer's
+        with pytest.raises(ConfigError, match=match):
+            validate(cfg, 1, checks=CONFIG_CHECKS)
+
+
+def test_turn_tokens_beyond_the_trajectory_budget_is_a_config_error():
+    cfg = _env_cfg(turn_tokens=10**6)
+    with pytest.raises(ConfigError, match="env.turn_tokens=1000000 is more than"):
         validate(cfg, 1, checks=CONFIG_CHECKS)
 
 

@@ -1,9 +1,10 @@
-"""Multi-turn environments and tools (groundwork: not yet driven by the decoder).
+"""Multi-turn environments and tools (driven by `ContinuousDecoder.generate_episodes` through
+gjax.rollout.turns; not yet by training).
 
 gjax.envs.base          the seam: Step, Episode, Environment, the ENVIRONMENTS registry
 gjax.envs.runner        EnvRunner: many episodes' steps on a background asyncio loop
 gjax.envs.environments  `math` (one step) and `tool` (multi-step with tools), build_env,
-                        check_config (refuses env.name != '' until the decoder drives it)
+                        check_config (refuses env.name != '' until training drives it)
 gjax.envs.tool_calls    strict Qwen/Hermes `<tool_call>` parsing, `<tool_response>` turns
 gjax.envs.tools         the TOOLS registry: calculator, python, search (BM25)
 gjax.envs.sandbox       bounded child processes for untrusted tool code

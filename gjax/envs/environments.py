@@ -15,8 +15,10 @@ Tool faults never raise: a malformed call, an unknown tool, bad arguments, a too
 exception, a time-out, a memory or output overrun become `error (<kind>): ...` inside the
 `<tool_response>` and count as `tools/errors/<kind>` in the step's metrics and `stats()`.
 
-Multi-turn rollouts are not yet driven by the decoder: `check_config` refuses env.name != ''
-so that no run believes it trains multi-turn; `build_env` is what the decoder will call.
+The continuous decoder drives these (`ContinuousDecoder.generate_episodes`, through
+gjax.rollout.turns); training does not consume its trajectories yet, so `check_config`
+refuses env.name != '' (naming what the run's path lacks) and no run believes it trains
+multi-turn. `build_env` is what the trainer will call.
 """
 
 from __future__ import annotations
@@ -283,17 +285,36 @@ def check_fields(env_cfg) -> None:
 def check_config(config) -> None:
     """A hook of `gjax.config.validate`: `config.env` can work, and is not asked for yet.
 
-    Multi-turn rollouts are groundwork: the environments exist as a library, but no backend
-    drives them, so a run with env.name set is refused rather than silently trained
-    single-turn."""
+    The continuous decoder drives environments (`ContinuousDecoder.generate_episodes`,
+    gjax.rollout.turns), but training does not consume its trajectories yet, so a run with
+    env.name set is refused rather than silently trained single-turn; the message names the
+    missing piece of the run's own path."""
     check_fields(config.env)
-    if config.env.name:
+    e, r = config.env, config.rollout
+    if e.turn_tokens > r.max_new_tokens:
         raise ConfigError(
-            f"config.env.name={config.env.name!r}: multi-turn rollouts are not wired to the "
-            "decoder yet. gjax.envs holds the environments and tools as a library (tested on "
-            "their own), but training still rolls out one prompt and one completion. Leave "
-            "config.env.name='' (the default) for single-turn runs."
+            f"config.env.turn_tokens={e.turn_tokens} is more than "
+            f"config.rollout.max_new_tokens={r.max_new_tokens}, which bounds a whole "
+            "trajectory; lower it, or 0 for the trajectory's budget"
         )
+    if not e.name:
+        return
+    if r.backend != "local":
+        missing = f"the {r.backend} backend does not drive environments yet"
+    elif r.decoder == "static":
+        missing = "the static sampler has no turns (the continuous decoder has)"
+    elif r.max_staleness > 0:
+        missing = "asynchronous rollouts (rollout.max_staleness > 0) do not drive them yet"
+    else:
+        missing = (
+            "the continuous decoder rolls episodes out (token-exact trajectories, KV kept "
+            "across turns), but the learner does not train on them yet (per-trajectory "
+            "rewards, the policy-token loss mask)"
+        )
+    raise ConfigError(
+        f"config.env.name={e.name!r}: multi-turn training is not available on this path: "
+        f"{missing}. Leave config.env.name='' (the default) for single-turn runs."
+    )
 
 
 def build_env(config, *, reward_fn: RewardFn) -> Environment:

@@ -19,6 +19,15 @@ rows into free slots, starting from their region's logits) and `_dispatch` (up t
 one host sync per dispatch). `gjax.rollout.engine` (JetStream) runs on the same state and
 `_dispatch`: `write_region` + `start_slots` are its insert.
 
+The host side of one `generate` call is `_Schedule`, whose methods are the loop's named steps:
+`admit` (rows into free slots, regions for new prompts), `prefill` (whole, or one chunk),
+`insert`, `dispatch`, `collect` (a dispatch's tokens onto their rows), `retire` (free the
+slots of rows that ended, a group's region after its last row), `outputs`. Multi-turn rows
+(`generate_episodes`, gjax.rollout.turns) add two: `end_turns` (a turn that ended goes to its
+environment; the slot waits, KV kept) and `reenter` (`_reenter`: the observation's tokens
+appended to the waiting slot's own cache as a prefill chunk, then it decodes its next turn).
+The trajectory (policy and environment tokens after the prompt) fits the N cache columns.
+
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
 for greedy; sampled results equal the static sampler's in distribution, not draw for draw).
@@ -50,6 +59,7 @@ from gjax.models.transformer import (
     rope_cos_sin,
 )
 from gjax.rollout.sampler import SampleOutput, SamplingParams, _sample
+from gjax.rollout.turns import EnvTurns, OneTurn, Trajectories
 
 
 class SlotState(NamedTuple):
@@ -251,6 +261,72 @@ def _slot_step(params, cfg: ModelConfig, layers, state: SlotState, tokens_S):
     return logits_from_hidden(params, cfg, hidden), cache_k, cache_v
 
 
+def _reenter(params, cfg, layers, state: SlotState, slot_M, tokens_MxC, count_M, limit_M):
+    """A turn's re-entry: the first `count_M` of `tokens_MxC` (the environment's tokens) are
+    appended to the rows in slots `slot_M` (index S: padding, dropped) as one prefill chunk
+    into their own caches, at indices n_S .. n_S + count - 1 (positions prompt_len + n): each
+    column attends the region's prompt, the row's cache (its history: KV kept, not
+    re-prefilled) and the chunk's earlier columns under one softmax. A row with count > 0
+    takes the logits after its last column, n_S += count, the length limit `limit_M`, and is
+    live again; its next drawn token is token n_S of the row (key fold_in(row key, n_S))."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    m_, c_ = tokens_MxC.shape
+    s_, n_ = state.n_S.shape[0], state.cache_k[0].shape[2]
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    scale = 1.0 / math.sqrt(dh)
+    slot_c = jnp.minimum(slot_M, s_ - 1)  # padding entries read slot S-1, write nothing
+    region_M = state.region_S[slot_c]
+    n0_M = state.n_S[slot_c]
+    cols_MxC = n0_M[:, None] + jnp.arange(c_)[None, :]  # own-cache indices
+    real_MxC = jnp.arange(c_)[None, :] < count_M[:, None]
+    write_MxC = jnp.where(real_MxC & (slot_M[:, None] < s_), cols_MxC, n_)  # n_: dropped
+    pos_MxC = state.prompt_len_R[region_M][:, None] + cols_MxC
+    pre_valid = state.prompt_mask_RxSp[region_M].astype(bool)[:, None, None, None, :]
+    own_valid = (jnp.arange(n_)[None, None, :] <= cols_MxC[..., None])[:, None, None]
+    rows_M1 = slot_M[:, None]
+    x = jnp.take(params["embed"]["embedding"], tokens_MxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_MxC.reshape(-1), cfg)
+    cache_k, cache_v = list(state.cache_k), list(state.cache_v)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [M*C, H|K, Dh]
+        put = lambda cur, new: cur.at[rows_M1, :, write_MxC].set(
+            new.reshape(m_, c_, kv_, dh).astype(dtype), mode="drop"
+        )
+        cache_k[i], cache_v[i] = put(cache_k[i], k), put(cache_v[i], v)
+        own_k = jnp.take(cache_k[i], slot_c, axis=0)  # [M, K, N, Dh], the chunk written
+        own_v = jnp.take(cache_v[i], slot_c, axis=0)
+        pk = jnp.take(state.prompt_k[i], region_M, axis=0)  # [M, K, Sp, Dh]
+        pv = jnp.take(state.prompt_v[i], region_M, axis=0)
+        q_MxKxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        s_pre = jnp.einsum("mkrcd,mkpd->mkrcp", q_MxKxRxCxDh, pk, preferred_element_type=f32)
+        s_pre = jnp.where(pre_valid, s_pre * scale, _MASK_VALUE)
+        s_own = jnp.einsum("mkrcd,mknd->mkrcn", q_MxKxRxCxDh, own_k, preferred_element_type=f32)
+        s_own = jnp.where(own_valid, s_own * scale, _MASK_VALUE)
+        mx = jnp.maximum(s_pre.max(-1), s_own.max(-1))[..., None]
+        e_pre, e_own = jnp.exp(s_pre - mx), jnp.exp(s_own - mx)
+        denom = e_pre.sum(-1) + e_own.sum(-1)
+        out = jnp.einsum("mkrcp,mkpd->mkrcd", e_pre.astype(dtype), pv)
+        out = out + jnp.einsum("mkrcn,mknd->mkrcd", e_own.astype(dtype), own_v)
+        out = out / denom[..., None].astype(dtype)
+        out = out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh)
+        x = decode_layer_out(lp, x, out, cfg)
+    hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
+    last_M = jnp.clip(count_M - 1, 0, c_ - 1)
+    hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
+    logits_MxV = logits_from_hidden(params, cfg, hidden_MxD).astype(jnp.float32)
+    slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
+    put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
+    return state._replace(
+        cache_k=cache_k,
+        cache_v=cache_v,
+        n_S=put(state.n_S, n0_M + count_M),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, logits_MxV),
+        done_S=put(state.done_S, jnp.zeros(slot_M.shape, bool)),
+    )
+
+
 def _dispatch(
     params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int, error_token=None
 ):
@@ -311,6 +387,7 @@ _chunk_jit = jax.jit(_prefill_chunk, static_argnames=("cfg",), donate_argnames=(
 _dispatch_jit = jax.jit(
     _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
 )
+_reenter_jit = jax.jit(_reenter, static_argnames=("cfg",), donate_argnames=("state",))
 _layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
 
 
@@ -328,6 +405,8 @@ class ContinuousDecoder:
       prefill_chunk: 0 prefills a prompt whole before its rows decode; C > 0 prefills C
         columns of up to A prompts per loop turn, between dispatches, so a long prompt does
         not stall the decoding slots (prompts left-padded to a multiple of C).
+      observation_chunk: columns of one re-entry call (`generate_episodes`: an environment's
+        tokens appended to waiting rows' slots; a longer observation takes several calls).
     """
 
     def __init__(
@@ -340,9 +419,12 @@ class ContinuousDecoder:
         prefill_batch: int | None = None,
         share_prompt: bool = True,
         prefill_chunk: int = 0,
+        observation_chunk: int = 32,
     ):
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
+        if observation_chunk <= 0:
+            raise ValueError(f"observation_chunk must be > 0, got {observation_chunk}")
         if slots <= 0 or tokens_per_dispatch <= 0:
             raise ValueError(
                 f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
@@ -353,6 +435,7 @@ class ContinuousDecoder:
         self.prompt_regions, self.prefill_batch = prompt_regions, prefill_batch
         self.share_prompt = share_prompt
         self.prefill_chunk = prefill_chunk
+        self.observation_chunk = observation_chunk
         self.stats: dict[str, float] = {}
 
     def regions_for(self, num_samples: int) -> int:
@@ -376,9 +459,122 @@ class ContinuousDecoder:
         order=None,
     ) -> SampleOutput:
         """`gjax.rollout.sampler.generate`'s contract. `max_tokens_B`: per-row length limits
-        (<= max_new_tokens; benchmarks); `order`: the rows' admission order (default 0..B-1)."""
+        (<= max_new_tokens; benchmarks); `order`: the rows' admission order (default 0..B-1).
+
+        One turn per row (`_run` has the loop's steps)."""
+        run = self._run(
+            params,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples,
+            sampling,
+            OneTurn(),
+            max_tokens_B=max_tokens_B,
+            order=order,
+        )
+        return run.outputs()
+
+    def generate_episodes(
+        self,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        *,
+        num_samples: int,
+        sampling: SamplingParams,
+        turns: EnvTurns,
+    ) -> Trajectories:
+        """Multi-turn rows: each row is an episode of `turns`' environment
+        (`gjax.rollout.turns`). A row's turn ends at a stop id or its turn's limit; its
+        episode steps on the environment's runner while the other slots decode; if the
+        episode goes on, the observation's ids re-enter the row's slot (KV kept) and it
+        decodes its next turn. The first turn of each row is drawn exactly as `generate`
+        draws it (same keys: token n of row b with fold_in(fold_in(rng, b), n))."""
+        run = self._run(
+            params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling, turns
+        )
+        out = run.outputs()
+        return Trajectories(
+            tokens_BxN=np.asarray(out.tokens_BxN),
+            mask_BxN=np.asarray(out.mask_BxN),
+            policy_mask_BxN=run.out_policy.astype(np.int32),
+            logps_BxN=np.asarray(out.logps_BxN),
+            lengths_B=np.asarray(out.lengths_B),
+            turns_B=turns.turns_B.copy(),
+            rewards=[list(r) for r in turns.rewards],
+            reward_B=turns.reward_B(),
+            limit_B=list(turns.limit_B),
+            observations=[list(o) for o in turns.observations],
+        )
+
+    def _run(self, params, tokens_PxS, mask_PxS, rng, g_, sp, turns, max_tokens_B=None, order=None):
+        """One loop turn: admit rows into free slots, prefill (whole prompts, or one chunk),
+        insert the admitted rows, re-enter the rows whose environment answered, decode a
+        dispatch, collect its tokens, end the turns that ended, and retire the rows that are
+        finished (their slots, and a group's region after its last row)."""
         t_start = time.perf_counter()
-        sp, g_, s_ = sampling, num_samples, self.slots
+        run = _Schedule(
+            self,
+            params,
+            tokens_PxS,
+            mask_PxS,
+            rng,
+            g_,
+            sp,
+            turns,
+            max_tokens_B=max_tokens_B,
+            order=order,
+        )
+        while run.finished < run.rows:
+            new_prompts, admits = run.admit()
+            run.check_progress(admits)
+            t0 = time.perf_counter()
+            admits += run.prefill(new_prompts)
+            run.insert(admits)
+            run.reenter()
+            if not run.decoding():  # only prefills in flight, or rows just retired by `reenter`
+                continue
+            step = run.dispatch(t0)
+            run.retire(run.end_turns(run.collect(step)))
+        self.stats = run.final_stats(time.perf_counter() - t_start)
+        return run
+
+
+class _Dispatched(NamedTuple):
+    """One dispatch's host copy: per slot and step the token, its log-prob and whether the
+    slot was live; the slots done at its end."""
+
+    tok_SxD: np.ndarray
+    logp_SxD: np.ndarray
+    live_SxD: np.ndarray
+    done_S: np.ndarray
+
+
+class _Schedule:
+    """The host side of one `ContinuousDecoder.generate` (or `generate_episodes`) call: the
+    queue of rows, which row each slot decodes (or holds while its environment steps), which
+    region each group's prompt holds, the rows' outputs so far, and the device state; its
+    methods are the loop's named steps."""
+
+    def __init__(
+        self,
+        dec: ContinuousDecoder,
+        params,
+        prompt_tokens_PxS,
+        prompt_mask_PxS,
+        rng,
+        g_,
+        sp,
+        turns,
+        *,
+        max_tokens_B,
+        order,
+    ):
+        self.dec, self.params, self.rng, self.g_, self.sp = dec, params, rng, g_, sp
+        self.turns = turns
+        self.cfg, self.s_ = dec.cfg, dec.slots
         tokens_PxS = np.asarray(prompt_tokens_PxS, np.int32)
         mask_PxS = np.asarray(prompt_mask_PxS, np.int32)
         if tokens_PxS.shape != mask_PxS.shape or tokens_PxS.ndim != 2:
@@ -386,158 +582,284 @@ class ContinuousDecoder:
                 f"prompt tokens {tokens_PxS.shape} and mask {mask_PxS.shape} must be the same "
                 "[P, S] shape"
             )
-        if self.prefill_chunk and tokens_PxS.shape[1] % self.prefill_chunk:
-            extra = self.prefill_chunk - tokens_PxS.shape[1] % self.prefill_chunk
+        self.chunk_ = dec.prefill_chunk
+        if self.chunk_ and tokens_PxS.shape[1] % self.chunk_:
+            extra = self.chunk_ - tokens_PxS.shape[1] % self.chunk_
             tokens_PxS = np.pad(tokens_PxS, ((0, 0), (extra, 0)))  # masked columns
             mask_PxS = np.pad(mask_PxS, ((0, 0), (extra, 0)))
-        p_, sp_len = tokens_PxS.shape
-        b_, n_ = p_ * g_, sp.max_new_tokens
+        self.tokens_PxS, self.mask_PxS = tokens_PxS, mask_PxS
+        p_, self.sp_len = tokens_PxS.shape
+        self.rows, self.n_ = b_, n_ = p_ * g_, sp.max_new_tokens
+        s_ = self.s_
         limits = np.full((b_,), n_, np.int32) if max_tokens_B is None else np.asarray(max_tokens_B)
         if limits.shape != (b_,) or limits.min() < 1 or limits.max() > n_:
             raise ValueError(f"max_tokens_B must be {b_} ints in [1, {n_}]")
-        r_ = self.regions_for(g_)
-        row0 = sp.row_block[0] * b_  # these rows' index in the whole batch: their keys
-        draw_sp = dataclasses.replace(sp, row_block=(0, 1))  # one key per row, not per block
-        a_ = self.prefill_batch or max(1, -(-s_ // g_))
-        group = (lambda b: b // g_) if self.share_prompt else (lambda b: b)
-        rows_left = collections.Counter(group(b) for b in range(b_))
+        turns.bind(mask_PxS, g_, sp)
+        self.limits = turns.first_limits(limits)
+        self.r_ = dec.regions_for(g_)
+        self.row0 = sp.row_block[0] * b_  # these rows' index in the whole batch: their keys
+        self.draw_sp = dataclasses.replace(sp, row_block=(0, 1))  # one key per row, not block
+        self.a_ = dec.prefill_batch or max(1, -(-s_ // g_))
+        self.group = (lambda b: b // g_) if dec.share_prompt else (lambda b: b)
+        self.rows_left = collections.Counter(self.group(b) for b in range(b_))
 
-        layers = _layers_jit(params, cfg=self.cfg)
-        state = init_state(self.cfg, s_, r_, sp_len, n_)
-        out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
-        out_logp = np.zeros((b_, n_), np.float32)
-        out_len = np.zeros((b_,), np.int32)
+        self.layers = _layers_jit(self.params, cfg=self.cfg)
+        self.state = init_state(self.cfg, s_, self.r_, self.sp_len, n_)
+        self.out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
+        self.out_logp = np.zeros((b_, n_), np.float32)
+        self.out_len = np.zeros((b_,), np.int32)
+        self.out_policy = np.zeros((b_, n_), bool)  # sampled by the policy (not inserted)
+        self.turn_start = np.zeros((b_,), np.int32)
+        self.waiting: set = set()  # slots whose row's environment step is in flight
         queue = list(range(b_) if order is None else order)
         if sorted(queue) != list(range(b_)):
             raise ValueError(f"order must be a permutation of range({b_})")
-        free_slots, free_regions = list(range(s_)), list(range(r_))
-        region_of: dict[int, int] = {}
-        slot_row = [-1] * s_
-        stats = collections.Counter()
-        t_device = 0.0
-        finished = 0
-        chunk_ = self.prefill_chunk
-        ready: set = set()  # groups whose region is prefilled
-        pending: list = []  # chunked prefill: [prompt, region, group, next column]
+        self.queue = queue
+        self.free_slots, self.free_regions = list(range(s_)), list(range(self.r_))
+        self.region_of: dict[int, int] = {}
+        self.slot_row = [-1] * s_
+        self.stats = collections.Counter()
+        self.t_device = 0.0
+        self.finished = 0
+        self.ready: set = set()  # groups whose region is prefilled
+        self.pending: list = []  # chunked prefill: [prompt, region, group, next column]
 
-        def admit():
-            """Rows in order into free slots, skipping a row whose prompt needs a region while
-            none is free (or, chunked, whose region is still being prefilled)."""
-            nonlocal queue
-            new_prompts, admits, waiting = [], [], []
-            for b in queue:
-                if not free_slots:
-                    waiting.append(b)
-                    continue
-                g = group(b)
-                if g not in region_of:
-                    if not free_regions:
-                        waiting.append(b)
-                        continue
-                    region_of[g] = free_regions.pop(0)
-                    new_prompts.append((b // g_, region_of[g]))
-                    if not chunk_:
-                        ready.add(g)
-                    else:
-                        pending.append([b // g_, region_of[g], g, 0])
-                if g not in ready:
-                    waiting.append(b)
-                    continue
-                s = free_slots.pop(0)
-                slot_row[s] = b
-                admits.append((s, region_of[g], row0 + b, limits[b]))
-            queue = waiting
-            return new_prompts, admits
+    # --- the loop's steps -------------------------------------------------------------
 
-        while finished < b_:
-            new_prompts, admits = admit()
-            if all(r < 0 for r in slot_row) and not pending and not admits:
-                raise RuntimeError(f"continuous decoder: {len(queue)} rows and no live slot")
-            t0 = time.perf_counter()
-            if not chunk_:
-                for i in range(0, len(new_prompts), a_):
-                    chunk = new_prompts[i : i + a_]
-                    idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
-                    reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
-                    state = _prefill_jit(
-                        params,
-                        self.cfg,
-                        state,
-                        tokens_PxS[idx],
-                        mask_PxS[idx],
-                        np.asarray(reg, np.int32),
-                    )
-                    stats["prefill_calls"] += 1
-                    stats["prompts_prefilled"] += len(chunk)
-            elif pending:  # one chunk of up to A prompts, then decode: prefill never stalls it
-                part = pending[:a_]
-                fill = part + [[part[0][0], r_, -1, 0]] * (a_ - len(part))
-                idx = np.asarray([e[0] for e in fill])
-                start = np.asarray([e[3] for e in fill], np.int32)
-                cols = start[:, None] + np.arange(chunk_)[None, :]
-                state = _chunk_jit(
-                    params,
-                    self.cfg,
-                    layers,
-                    state,
-                    np.take_along_axis(tokens_PxS[idx], cols, axis=1),
-                    start,
-                    mask_PxS[idx],
-                    np.asarray([e[1] for e in fill], np.int32),
-                )
-                stats["prefill_calls"] += 1
-                for e in part:
-                    e[3] += chunk_
-                    if e[3] >= sp_len:
-                        ready.add(e[2])
-                        stats["prompts_prefilled"] += 1
-                pending[:] = [e for e in pending if e[3] < sp_len]
-                admits += admit()[1]
-            if admits:
-                pad = [(s_, 0, 0, 1)] * (s_ - len(admits))
-                cols = np.asarray(admits + pad, np.int32).T
-                state = _insert_jit(state, rng, *cols)
-            if all(r < 0 for r in slot_row):  # chunked: only prefills in flight yet
+    def admit(self):
+        """Rows in order into free slots, skipping a row whose prompt needs a region while
+        none is free (or, chunked, whose region is still being prefilled). Returns the new
+        prompts (prompt, region) and the admitted rows (slot, region, row key, limit)."""
+        new_prompts, admits, waiting = [], [], []
+        for b in self.queue:
+            if not self.free_slots:
+                waiting.append(b)
                 continue
-            stats["dispatches_beside_prefill"] += bool(pending)
-            t1 = time.perf_counter()
-            state, tok, logp, live, d = _dispatch_jit(
-                params, self.cfg, layers, state, sp=draw_sp, steps=self.steps
-            )
-            tok, logp, live, d, done = jax.device_get((tok, logp, live, d, state.done_S))
-            t_device += time.perf_counter() - t1
-            stats["admit_s"] += t1 - t0
-            stats["dispatches"] += 1
-            stats["decode_steps"] += int(d)
-            stats["slot_steps_live"] += int(live.sum())
-            for s in range(s_):
-                b = slot_row[s]
-                if b < 0:
+            g = self.group(b)
+            if g not in self.region_of:
+                if not self.free_regions:
+                    waiting.append(b)
                     continue
-                k = int(live[s].sum())
-                out_tok[b, out_len[b] : out_len[b] + k] = tok[s, :k]
-                out_logp[b, out_len[b] : out_len[b] + k] = logp[s, :k]
-                out_len[b] += k
-                if done[s]:
-                    slot_row[s] = -1
-                    free_slots.append(s)
-                    finished += 1
-                    g = group(b)
-                    rows_left[g] -= 1
-                    if rows_left[g] == 0:
-                        free_regions.append(region_of.pop(g))
-            free_slots.sort()
-        wall = time.perf_counter() - t_start
-        self.stats = {
-            **stats,
-            "useful_tokens": int(out_len.sum()),
-            "wall_s": wall,
-            "dispatch_s": t_device,
-            "host_s": wall - t_device - stats["admit_s"],
-            "regions": r_,
-            "slots": s_,
-        }
-        mask = (np.arange(n_)[None, :] < out_len[:, None]).astype(np.int32)
-        return SampleOutput(
-            jnp.asarray(out_tok), jnp.asarray(mask), jnp.asarray(out_logp), jnp.asarray(out_len)
+                self.region_of[g] = self.free_regions.pop(0)
+                new_prompts.append((b // self.g_, self.region_of[g]))
+                if not self.chunk_:
+                    self.ready.add(g)
+                else:
+                    self.pending.append([b // self.g_, self.region_of[g], g, 0])
+            if g not in self.ready:
+                waiting.append(b)
+                continue
+            s = self.free_slots.pop(0)
+            self.slot_row[s] = b
+            admits.append((s, self.region_of[g], self.row0 + b, self.limits[b]))
+        self.queue = waiting
+        return new_prompts, admits
+
+    def idle(self) -> bool:
+        """No slot holds a row."""
+        return all(r < 0 for r in self.slot_row)
+
+    def decoding(self) -> bool:
+        """Some slot holds a row that decodes (not waiting for its environment)."""
+        return any(r >= 0 and s not in self.waiting for s, r in enumerate(self.slot_row))
+
+    def check_progress(self, admits) -> None:
+        if self.idle() and not self.pending and not admits:
+            raise RuntimeError(f"continuous decoder: {len(self.queue)} rows and no live slot")
+
+    def prefill(self, new_prompts) -> list:
+        """Whole prompts (every new one, A per call), or chunked one chunk of up to A pending
+        prompts; returns the rows admitted once a chunk completes their prompt."""
+        if not self.chunk_:
+            self.prefill_whole(new_prompts)
+            return []
+        if self.pending:  # one chunk, then decode: prefill never stalls it
+            self.prefill_next_chunk()
+            return self.admit()[1]
+        return []
+
+    def prefill_whole(self, new_prompts) -> None:
+        a_, r_ = self.a_, self.r_
+        for i in range(0, len(new_prompts), a_):
+            chunk = new_prompts[i : i + a_]
+            idx = [p for p, _ in chunk] + [chunk[0][0]] * (a_ - len(chunk))
+            reg = [r for _, r in chunk] + [r_] * (a_ - len(chunk))
+            self.state = _prefill_jit(
+                self.params,
+                self.cfg,
+                self.state,
+                self.tokens_PxS[idx],
+                self.mask_PxS[idx],
+                np.asarray(reg, np.int32),
+            )
+            self.stats["prefill_calls"] += 1
+            self.stats["prompts_prefilled"] += len(chunk)
+
+    def prefill_next_chunk(self) -> None:
+        """Columns [c, c + C) of up to A pending prompts; a prompt whose last chunk this is
+        makes its group ready."""
+        a_, chunk_, pending = self.a_, self.chunk_, self.pending
+        part = pending[:a_]
+        fill = part + [[part[0][0], self.r_, -1, 0]] * (a_ - len(part))
+        idx = np.asarray([e[0] for e in fill])
+        start = np.asarray([e[3] for e in fill], np.int32)
+        cols = start[:, None] + np.arange(chunk_)[None, :]
+        self.state = _chunk_jit(
+            self.params,
+            self.cfg,
+            self.layers,
+            self.state,
+            np.take_along_axis(self.tokens_PxS[idx], cols, axis=1),
+            start,
+            self.mask_PxS[idx],
+            np.asarray([e[1] for e in fill], np.int32),
         )
+        self.stats["prefill_calls"] += 1
+        for e in part:
+            e[3] += chunk_
+            if e[3] >= self.sp_len:
+                self.ready.add(e[2])
+                self.stats["prompts_prefilled"] += 1
+        pending[:] = [e for e in pending if e[3] < self.sp_len]
+
+    def insert(self, admits) -> None:
+        """Starts the admitted rows in their slots (S entries, padded)."""
+        if admits:
+            pad = [(self.s_, 0, 0, 1)] * (self.s_ - len(admits))
+            cols = np.asarray(admits + pad, np.int32).T
+            self.state = _insert_jit(self.state, self.rng, *cols)
+
+    def dispatch(self, t0: float) -> _Dispatched:
+        """Up to `tokens_per_dispatch` decode steps of every live slot; one host sync."""
+        self.stats["dispatches_beside_prefill"] += bool(self.pending)
+        t1 = time.perf_counter()
+        self.state, tok, logp, live, d = _dispatch_jit(
+            self.params, self.cfg, self.layers, self.state, sp=self.draw_sp, steps=self.dec.steps
+        )
+        tok, logp, live, d, done = jax.device_get((tok, logp, live, d, self.state.done_S))
+        self.t_device += time.perf_counter() - t1
+        self.stats["admit_s"] += t1 - t0
+        self.stats["dispatches"] += 1
+        self.stats["decode_steps"] += int(d)
+        self.stats["slot_steps_live"] += int(live.sum())
+        return _Dispatched(tok, logp, live, done)
+
+    def collect(self, step: _Dispatched) -> list[int]:
+        """Appends each live slot's tokens to its row; returns the slots whose row ended."""
+        ended = []
+        for s in range(self.s_):
+            b = self.slot_row[s]
+            if b < 0 or s in self.waiting:  # free, or done and waiting for its environment
+                continue
+            k = int(step.live_SxD[s].sum())
+            n = self.out_len[b]
+            self.out_tok[b, n : n + k] = step.tok_SxD[s, :k]
+            self.out_logp[b, n : n + k] = step.logp_SxD[s, :k]
+            self.out_policy[b, n : n + k] = True
+            self.out_len[b] += k
+            if step.done_S[s]:
+                ended.append(s)
+        return ended
+
+    def end_turns(self, slots) -> list[int]:
+        """Hands each ended turn to `turns`; returns the slots whose row is finished (the
+        others wait for their environment's answer)."""
+        finished = []
+        for s in slots:
+            b = self.slot_row[s]
+            ids = self.out_tok[b, self.turn_start[b] : self.out_len[b]]
+            if self.turns.end_turn(b, ids):
+                finished.append(s)
+            else:
+                self.waiting.add(s)
+        return finished
+
+    def reenter(self) -> None:
+        """Rows whose environment answered: a finished episode's row retires; the others
+        get the observation's ids appended to their slot (`_reenter`, C columns per call, all
+        such rows at once) and decode their next turn. Waits for an answer only when no slot
+        decodes and no prompt is being prefilled."""
+        block = bool(self.waiting) and not self.decoding() and not self.pending
+        t0 = time.perf_counter()
+        answers = self.turns.answers(self.out_len, block=block)
+        if block:
+            self.stats["env_wait_s"] += time.perf_counter() - t0
+        if not answers:
+            return
+        slot_of = {b: s for s, b in enumerate(self.slot_row) if b >= 0}
+        done, entries = [], []
+        for b, ids in answers:
+            s = slot_of[b]
+            self.waiting.discard(s)
+            if ids is None:
+                done.append(s)
+                continue
+            n, m = int(self.out_len[b]), len(ids)
+            self.out_tok[b, n : n + m] = ids
+            self.out_len[b] = self.turn_start[b] = n + m
+            entries.append((s, ids, self.turns.turn_limit(n + m)))
+        self.retire(done)
+        if not entries:
+            return
+        s_, c_ = self.s_, self.dec.observation_chunk
+        slot_M = np.full((s_,), s_, np.int32)
+        limit_M = np.zeros((s_,), np.int32)
+        ids_MxW = np.zeros((s_, max(len(e[1]) for e in entries)), np.int32)
+        count_M = np.zeros((s_,), np.int32)
+        for i, (s, ids, limit) in enumerate(entries):
+            slot_M[i], limit_M[i], count_M[i] = s, limit, len(ids)
+            ids_MxW[i, : len(ids)] = ids
+        for c0 in range(0, ids_MxW.shape[1], c_):
+            cols = np.zeros((s_, c_), np.int32)
+            part = ids_MxW[:, c0 : c0 + c_]
+            cols[:, : part.shape[1]] = part
+            self.state = _reenter_jit(
+                self.params,
+                self.cfg,
+                self.layers,
+                self.state,
+                slot_M,
+                cols,
+                np.clip(count_M - c0, 0, c_).astype(np.int32),
+                limit_M,
+            )
+            self.stats["reenter_calls"] += 1
+        self.stats["rows_reentered"] += len(entries)
+
+    def retire(self, slots) -> None:
+        """Frees `slots` (their rows are finished) and, after a group's last row, its region;
+        the free slots stay in order (admission takes the lowest)."""
+        for s in slots:
+            b = self.slot_row[s]
+            self.slot_row[s] = -1
+            self.free_slots.append(s)
+            self.finished += 1
+            g = self.group(b)
+            self.rows_left[g] -= 1
+            if self.rows_left[g] == 0:
+                self.free_regions.append(self.region_of.pop(g))
+        self.free_slots.sort()
+
+    # --- the results ------------------------------------------------------------------
+
+    def outputs(self) -> SampleOutput:
+        mask = (np.arange(self.n_)[None, :] < self.out_len[:, None]).astype(np.int32)
+        return SampleOutput(
+            jnp.asarray(self.out_tok),
+            jnp.asarray(mask),
+            jnp.asarray(self.out_logp),
+            jnp.asarray(self.out_len),
+        )
+
+    def final_stats(self, wall: float) -> dict[str, float]:
+        st = self.stats
+        return {
+            **st,
+            **self.turns.stats(),
+            "useful_tokens": int(self.out_len.sum()),
+            "wall_s": wall,
+            "dispatch_s": self.t_device,
+            "host_s": wall - self.t_device - st["admit_s"],
+            "regions": self.r_,
+            "slots": self.s_,
+        }
