@@ -69,8 +69,9 @@ def nbytes(tree) -> int:
 def _shape_bytes(text: str) -> int:
     total = 0
     for dtype, dims in _ARRAY.findall(text):
-        total += int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64)) * (
-            _DTYPE_BYTES[dtype]
+        total += (
+            int(np.prod([int(d) for d in dims.split(",") if d], dtype=np.int64))
+            * (_DTYPE_BYTES[dtype])
         )
     return total
 
@@ -192,8 +193,10 @@ def kv_in_place(hlo_text: str, cache_prefixes=("state.cache_k", "state.cache_v")
     shapes = set()
     for line in comps[entry]:
         m = _INSTR.match(line)
-        if m and m.group(3) == "parameter" and int(re.search(r"parameter\((\d+)", line)[1]) in (
-            cache.values()
+        if (
+            m
+            and m.group(3) == "parameter"
+            and int(re.search(r"parameter\((\d+)", line)[1]) in (cache.values())
         ):
             shapes.add(_bare(m.group(2)))
     writers = [o for o in hlo_op_bytes(hlo_text) if o.shape in shapes]
@@ -294,8 +297,7 @@ def decode_step_bytes(
         "loop_touched_bytes": step_touched,  # every step
         "dispatch_touched_bytes": dispatch_touched,  # once per dispatch
         "tokens_per_dispatch": tokens_per_dispatch,
-        "step_touched_over_ideal": (step_touched + dispatch_touched / tokens_per_dispatch)
-        / ideal,
+        "step_touched_over_ideal": (step_touched + dispatch_touched / tokens_per_dispatch) / ideal,
         "counted_not_touched": by_jax_op(lambda r: r["bytes"] - r["touched"]),
         "most_touched": by_jax_op(lambda r: r["touched"]),
         "kv_in_place": kv_in_place(text),
