@@ -30,13 +30,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import sys
+import threading
 from unittest import mock
 
 import jax
 import numpy as np
+from jax._src import array as array_lib  # jax.Array's implementation: where a fetch goes
 
+from gjax import flops, packing
+from gjax.metrics import to_host
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
+from gjax.rollout import decoder as dec
+from gjax.rollout.sampler import SamplingParams
 
 _DTYPE_BYTES = {
     "pred": 1,
@@ -238,9 +245,6 @@ def decode_step_bytes(
     loop-invariant ones XLA hoists, run once per dispatch). `top`: the ops with the most
     bytes counted beyond what they touch, and the most touched, by jax op; the in-place check
     of the cache (`kv_in_place`)."""
-    from gjax.rollout import decoder as dec
-    from gjax.rollout.sampler import SamplingParams
-
     sp = sampling or SamplingParams(max_new_tokens=max_new, temperature=1.0)
     params = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.key(0)))
     layers = jax.eval_shape(lambda p: tr.decode_layers(p, cfg), params)
@@ -323,8 +327,6 @@ class HostSyncs:
         self.implicit: list[str] = []
 
     def _implicit(self, depth: int) -> None:
-        import sys
-
         self.transfers += 1
         self.syncs += 1
         frame = sys._getframe(depth)
@@ -336,10 +338,6 @@ class HostSyncs:
 
     @contextlib.contextmanager
     def __call__(self):
-        import threading
-
-        from jax._src import array as array_lib
-
         thread = threading.get_ident()
         real_get, real_value = jax.device_get, array_lib.ArrayImpl._value
         real_asarray, real_array = np.asarray, np.array
@@ -402,7 +400,6 @@ def train_step_host_syncs(learner, state, groups, ref_params, key, steps: int = 
     `Learner.batch` (host rows in, the reference log-probs), `Learner.update` and the step's
     metrics pulled to the host (`gjax.metrics.to_host`, the Recorder's one pull), per step.
     The first step (compiles) runs outside the count."""
-    from gjax.metrics import to_host
 
     def step(state):
         batch = learner.batch(groups, learner.policy(state.params), ref_params)
@@ -440,8 +437,6 @@ def packed_update_flops(
     packed plan as `Learner.batch` makes it (`gjax.packing.plan`, the default auto bins,
     head at the read positions), and padded: the padding waste (executed without remat's
     recompute over useful) and remat's factor (HFU / MFU)."""
-    from gjax import flops, packing
-
     p_B = np.asarray(prompt_lengths_B, np.int64)
     c_B = np.asarray(completion_lengths_B, np.int64)
     s = prompt_len + max_new
