@@ -800,15 +800,17 @@ def stage_step(child: Child) -> None:
         figures["step_mfu_note"] = "10N FLOPs per completion token (sample + ref + update)"
     child.put(**figures)
 
-    def phases():
+    def phases():  # the last timed step's (the decoder's counters are its generate's)
+        last = per[-1]
         prefill = st.get("prefill_calls", 0) * prefill_seconds(cfg, params, backend.decoder, c)
         decode = max(st["dispatch_s"] - prefill, 0.0)
-        learner = figures["learner_s"]
-        host = max(step_s - decode - prefill - learner, 0.0)
+        learner = last["learner_s"]
+        host = max(last["step_s"] - decode - prefill - learner, 0.0)
         split = {"decode": decode, "prefill": prefill, "learner": learner, "host": host}
         return {
+            "phases_step_s": last["step_s"],
             "phases_s": split,
-            "phase_split": " / ".join(f"{100 * v / step_s:.0f}%" for v in split.values()),
+            "phase_split": " / ".join(f"{100 * v / last['step_s']:.0f}%" for v in split.values()),
             "prefill_note": "prefill calls x one blocked prefill call at the step's shapes",
         }
 
