@@ -337,6 +337,9 @@ def write_outputs(report: dict, args) -> None:
 
 
 # -------------------------------------------------------------------------------- child
+# The stages import jax and gjax inside their functions: only a child may load them. The
+# parent must stay light and never touch the device (a backend started there would hold the
+# accelerator's memory the children need) so that it outlives a stuck or crashed stage.
 
 
 class Child:
