@@ -122,8 +122,9 @@ def hlo_op_bytes(hlo_text: str) -> list[OpBytes]:
     analysis counts them (their sum is its `bytes accessed`, to rounding)."""
     comps = _computations(hlo_text)
     fused = set(re.findall(r"(?:calls|to_apply)=%([\w.\-]+)", hlo_text))
+    # `in_loop`: the instruction sits in a while body itself (a loop nested in a body, or a
+    # conditional's branches, would count as outside: the decode step has neither)
     loop_bodies = set(re.findall(r"body=%([\w.\-]+)", hlo_text))
-    # A computation called from a loop body (or its fusions) runs per step too.
     contains = {c: " ".join(lines) for c, lines in comps.items()}
     out = []
     for comp, lines in comps.items():
