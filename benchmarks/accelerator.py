@@ -251,11 +251,15 @@ def _fmt(value, kind: str) -> str:
 
 def markdown(report: dict) -> str:
     """The report as one markdown table: a row per stage, its status and main figures."""
+    device = (
+        f"{report['device_kind']} x {report['device_count']} ({report['platform']}"
+        if report["device_kind"]
+        else "no device stage ran (the efficiency checks run on the CPU"
+    )
     lines = [
-        f"Accelerator figures: {report['device_kind']} x {report['device_count']} "
-        f"({report['platform']}{', --tiny' if report['tiny'] else ''}), {report['started']}, "
-        f"{report['wall_s']:.0f} s (`python benchmarks/accelerator.py"
-        f"{' --tiny' if report['tiny'] else ''}`).",
+        f"Accelerator figures: {device}{', --tiny' if report['tiny'] else ''}), "
+        f"{report['started']}, "
+        f"{report['wall_s']:.0f} s (`python benchmarks/accelerator.py{report['flags']}`).",
         "",
         "| stage | status | s (budget) | figures |",
         "|---|---|---|---|",
@@ -290,6 +294,16 @@ def main_parent(args, log) -> dict:
         "what": "accelerator",
         "schema": SCHEMA,
         "tiny": args.tiny,
+        "flags": "".join(  # what the run was asked (the output paths left out)
+            f" {flag}" + (f" {value}" if value is not True else "")
+            for flag, value in (
+                ("--tiny", args.tiny),
+                ("--stages", args.stages),
+                ("--budgets", args.budgets),
+                ("--total-budget", args.total_budget and f"{args.total_budget:g}"),
+            )
+            if value
+        ),
         "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "platform": None,
         "device_kind": None,
