@@ -211,9 +211,9 @@ def test_packed_update_executed_over_useful():
     }
     dense, blocked = got["xla"], got["xla_blocked"]
     assert dense["padded_padding_waste"] > 2.5  # rows padded to 80 tokens
-    # Packed: 1.13 dense, 1.09 xla_blocked (the <= 1.1 target met by xla_blocked only);
-    # remat 'full' multiplies both by ~1.23.
-    assert dense["packed_padding_waste"] < 1.15 and blocked["packed_padding_waste"] <= 1.1
+    # Packed: 1.11 dense, 1.08 xla_blocked (the <= 1.1 target met by xla_blocked only;
+    # README: 1.09-1.11 and 1.05-1.07 measured); remat "full" multiplies both by ~1.23.
+    assert dense["packed_padding_waste"] < 1.12 and blocked["packed_padding_waste"] <= 1.1
     assert blocked["packed_padding_waste"] < dense["packed_padding_waste"]
     assert 1.2 < dense["packed_recompute_factor"] < 1.3
     assert dense["packed_executed_over_useful"] == pytest.approx(
