@@ -22,6 +22,7 @@ real and the split is the deployment shape.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,13 +44,15 @@ def parse():
     return ap.parse_args()
 
 
-ARGS = parse()
-if ARGS.devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
-    "XLA_FLAGS", ""
-):
-    os.environ["XLA_FLAGS"] = (
-        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={ARGS.devices}"
-    ).strip()
+if __name__ == "__main__":  # fake devices before jax loads (an importer has its own)
+    ARGS = parse()
+    if ARGS.devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get(
+        "XLA_FLAGS", ""
+    ):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "")
+            + f" --xla_force_host_platform_device_count={ARGS.devices}"
+        ).strip()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -80,90 +83,145 @@ def config(k: int):
 
 
 def run(k: int, split: bool, verifier) -> dict:
+    """One run on the embedded policy: max_staleness k, collocated or on split meshes."""
     c = config(k)
     devices = jax.devices()
     n_roll = len(devices) // 2 if split else 0
     mesh, rollout_mesh = sharding.make_meshes({"data": -1}, n_roll, devices)
     with jax.set_mesh(mesh), sharding.use_rules():
-        obj_cfg = common.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
         path = resolve_model_path(c.model.path)
         cfg, params = hf_import.load_pretrained(
             path, mesh=mesh, param_dtype="float32", dtype="float32"
         )
         tok = hf_import.load_tokenizer(path)
         rewards = build_rewards(c, verifier)
-        state, learner = build_learner(c, mesh=mesh, model_cfg=cfg, obj_cfg=obj_cfg, params=params)
-        it = PromptIterator(
-            build_prompt_data(c.data, tok),
-            global_batch_size=c.rollout.prompts_per_step,
-            seed=0,
-            process_index=0,
-            process_count=1,
-        )
-        backend = LocalSampler(cfg)
-        rollout = Rollout(
-            model_cfg=cfg,
-            backend=backend,
+        out = train_loop(
+            c,
+            cfg=cfg,
+            params=params,
             tokenizer=tok,
             rewards=rewards,
-            transfer=learner.transfer,
-            config=c,
-        )
-        base_key = jax.random.key(c.seed)
-        producer = make_producer(
-            rollout=rollout,
-            data_iter=it,
-            params=state.params,
-            base_key=base_key,
-            config=c,
-            start=0,
-            train_mesh=mesh,
+            mesh=mesh,
             rollout_mesh=rollout_mesh,
-            backend=backend,
+            backend=LocalSampler(cfg),
+            steps=ARGS.steps,
         )
-        overlapped = isinstance(producer, AsyncProducer)
-        acc = {"learner_idle": 0.0, "rollout_idle": 0.0, "tokens": 0, "rollout": [], "update": []}
-        t_start = None
-        for step in range(ARGS.steps + 1):
-            if step == 1:  # step 0 compiled everything
-                t_start = time.perf_counter()
-                acc.update(learner_idle=0.0, rollout_idle=0.0, tokens=0, rollout=[], update=[])
-            key = jax.random.fold_in(base_key, step)
-            t0 = time.perf_counter()
-            got = producer.get(step)  # synchronous: the rollout itself; else the wait for it
-            acc["learner_idle"] += time.perf_counter() - t0
-            batch = learner.batch(got.groups, state.params, None)
-            acc["rollout"].append(got.metrics["time/rollout_s"])
-            t1 = time.perf_counter()
-            state, metrics = learner.update(state, batch, jax.random.fold_in(key, 10_000))
-            producer.push(state.params, step + 1)
-            jax.block_until_ready(metrics)
-            acc["update"].append(time.perf_counter() - t1)
-            if not overlapped:  # nothing samples during the update
-                acc["rollout_idle"] += acc["update"][-1]
-            acc["tokens"] += int(got.groups.completion_mask_PxGxN.sum())
-        t_end = time.perf_counter()
-        wall = t_end - t_start
-        producer.close()
-        if overlapped:  # producer waits for weights, clipped to the timed window
-            acc["rollout_idle"] = sum(
-                max(0.0, min(b, t_end) - max(a, t_start)) for a, b in producer.wait_intervals
-            )
         rewards.close()
+    out.pop("per_step")
     return {
         "what": "run",
         "k": k,
         "placement": "split" if split else "collocated",
         "train_devices": len(devices) - n_roll,
         "rollout_devices": n_roll or len(devices),
-        "steps": ARGS.steps,
+        **out,
+    }
+
+
+def train_loop(
+    c,
+    *,
+    cfg,
+    params,
+    tokenizer,
+    rewards,
+    mesh,
+    rollout_mesh,
+    backend,
+    steps: int,
+    ref_params=None,
+    full_length: bool = False,
+) -> dict:
+    """`steps` timed steps of `gjax.train`'s loop (after one that compiles everything) through
+    its production pieces: `make_producer` (config `c`'s max_staleness), `producer.get`,
+    `learner.batch` (`ref_params`: the reference's, None: no reference pass), the jitted
+    update, `producer.push`. `full_length`: no stop ids (every completion max_new_tokens
+    long: the same shapes every step, so nothing compiles after the first). Returns steps/s, completion tokens/s, the idle fractions and,
+    per timed step, where its time went (`per_step`: the wait for the batch, the rollout's
+    own sample / rollout times, the learner's, the step's)."""
+    obj_cfg = common.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
+    state, learner = build_learner(c, mesh=mesh, model_cfg=cfg, obj_cfg=obj_cfg, params=params)
+    it = PromptIterator(
+        build_prompt_data(c.data, tokenizer),
+        global_batch_size=c.rollout.prompts_per_step,
+        seed=0,
+        process_index=0,
+        process_count=1,
+    )
+    rollout = Rollout(
+        model_cfg=cfg,
+        backend=backend,
+        tokenizer=tokenizer,
+        rewards=rewards,
+        transfer=learner.transfer,
+        config=c,
+    )
+    if full_length:
+        rollout.sampling = dataclasses.replace(rollout.sampling, stop_token_ids=())
+    base_key = jax.random.key(c.seed)
+    producer = make_producer(
+        rollout=rollout,
+        data_iter=it,
+        params=state.params,
+        base_key=base_key,
+        config=c,
+        start=0,
+        train_mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        backend=backend,
+    )
+    overlapped = isinstance(producer, AsyncProducer)
+    acc = {"learner_idle": 0.0, "rollout_idle": 0.0, "tokens": 0, "per_step": []}
+    t_start = None
+    try:
+        for step in range(steps + 1):
+            if step == 1:  # step 0 compiled everything
+                t_start = time.perf_counter()
+                acc.update(learner_idle=0.0, rollout_idle=0.0, tokens=0, per_step=[])
+            key = jax.random.fold_in(base_key, step)
+            t0 = time.perf_counter()
+            got = producer.get(step)  # synchronous: the rollout itself; else the wait for it
+            t1 = time.perf_counter()
+            acc["learner_idle"] += t1 - t0
+            batch = learner.batch(got.groups, state.params, ref_params)
+            state, metrics = learner.update(state, batch, jax.random.fold_in(key, 10_000))
+            producer.push(state.params, step + 1)
+            jax.block_until_ready(metrics)
+            t2 = time.perf_counter()
+            if not overlapped:  # nothing samples during the update
+                acc["rollout_idle"] += t2 - t1
+            tokens = int(got.groups.completion_mask_PxGxN.sum())
+            acc["tokens"] += tokens
+            acc["per_step"].append(
+                {
+                    "get_s": t1 - t0,
+                    "sample_s": got.metrics["time/sample_s"],
+                    "rollout_s": got.metrics["time/rollout_s"],
+                    "learner_s": t2 - t1,
+                    "step_s": t2 - t0,
+                    "completion_tokens": tokens,
+                    "prompt_tokens": int(got.groups.prompt_mask_PxS.sum()) * c.rollout.num_samples,
+                }
+            )
+        t_end = time.perf_counter()
+    finally:
+        producer.close()
+    wall = t_end - t_start
+    if overlapped:  # producer waits for weights, clipped to the timed window
+        acc["rollout_idle"] = sum(
+            max(0.0, min(b, t_end) - max(a, t_start)) for a, b in producer.wait_intervals
+        )
+    per = acc["per_step"]
+    return {
+        "steps": steps,
         "wall_s": wall,
-        "steps_per_s": ARGS.steps / wall,
+        "steps_per_s": steps / wall,
         "tokens_per_s": acc["tokens"] / wall,
-        "rollout_s_mean": float(np.mean(acc["rollout"][1:] or acc["rollout"])),
-        "update_s_mean": float(np.mean(acc["update"])),
+        "rollout_s_mean": float(np.mean([r["rollout_s"] for r in per[1:] or per])),
+        "update_s_mean": float(np.mean([r["learner_s"] for r in per])),
         "learner_idle_frac": acc["learner_idle"] / wall,
         "rollout_idle_frac": acc["rollout_idle"] / wall,
+        "per_step": per,
     }
 
 

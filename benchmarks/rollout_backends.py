@@ -87,15 +87,33 @@ def model_config(args) -> ModelConfig:
             num_kv_heads=args.kv_heads,
             head_dim=args.hidden // args.heads,
         )
+    return qwen2_config(dims, args.dtype)
+
+
+def qwen2_config(dims: dict, dtype: str) -> ModelConfig:
+    """The benchmarks' random-weight Qwen2 (tied embeddings, q/k/v bias) of `dims` (a
+    `gjax.flops.QWEN2_SHAPES` entry or the like) in `dtype`."""
     return ModelConfig(
         model_type="qwen2",
         attention_bias=True,
         tie_word_embeddings=True,
-        dtype=args.dtype,
-        param_dtype=args.dtype,
+        dtype=dtype,
+        param_dtype=dtype,
         max_position_embeddings=32768,
         **dims,
     )
+
+
+def kv_token_bytes(cfg: ModelConfig) -> int:
+    """KV bytes of one token over all layers (K and V)."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+
+
+def live_kv_tokens(lengths, decode_steps: int) -> float:
+    """Own-cache tokens a decode step reads, on average over `decode_steps` steps: row b
+    reads 1, 2, .., lengths[b] tokens over its steps."""
+    lengths = np.asarray(lengths, np.float64)
+    return float(np.sum(lengths * (lengths + 1) / 2)) / decode_steps
 
 
 def timed(run, repeats):
@@ -282,11 +300,11 @@ def roofline(args, cfg, params, lengths, sp_len, summary, slots, regions) -> dic
     if bw is None:
         return {"roofline": f"not measured: no HBM bandwidth for {device.device_kind!r}"}
     weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-    kv_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
+    kv_token = kv_token_bytes(cfg)
     # Live KV per step: each live row reads its prompt and its tokens so far (mean over steps).
-    live_tokens = float(np.sum(lengths * (lengths + 1) / 2)) / summary["continuous_decode_steps"]
-    cont_bytes = weights + kv_token * (live_tokens + regions * sp_len)
-    static_live = float(np.sum(lengths * (lengths + 1) / 2)) / summary["static_decode_steps"]
+    live = live_kv_tokens(lengths, summary["continuous_decode_steps"])
+    cont_bytes = weights + kv_token * (live + regions * sp_len)
+    static_live = live_kv_tokens(lengths, summary["static_decode_steps"])
     static_bytes = weights + kv_token * (static_live + sp_len * slots / args.samples)
     out = {"hbm_bw": bw, "hbm_bw_source": bw_name, "weight_bytes": weights}
     for name, nbytes in (("continuous", cont_bytes), ("static", static_bytes)):

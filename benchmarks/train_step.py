@@ -797,27 +797,13 @@ def run_trl(args, config, path: str, verifier: Verifier, data, between=None) -> 
 # -------------------------------------------------------------------------------------- MFU
 
 
-def measured_matmul_flops(n: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of the best of `repeats` f32 [n x n] @ [n x n] matmuls on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), np.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), np.float32)
-    matmul = jax.jit(lambda x, y: x @ y)
-    matmul(a, b).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        matmul(a, b).block_until_ready()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best
-
-
 def peak_flops(given: float | None) -> tuple[float | None, str]:
     """(peak FLOP/s of all devices, where it came from)."""
     if given:
         return given, "--peak-flops"
     dev = jax.devices()[0]
     if dev.platform == "cpu":
-        return measured_matmul_flops(), (
+        return flops.measured_matmul_flops(), (
             "measured in this run: best of 5 f32 2048^3 matmuls (jit, all cores of this CPU)"
         )
     found = flops.table_peak_flops(dev.device_kind)

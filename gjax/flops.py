@@ -26,6 +26,10 @@ positions per bin the loss reads (`gjax.packing.read_positions`).
 
 from __future__ import annotations
 
+import time
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gjax.models import attention
@@ -351,3 +355,32 @@ def table_hbm_bandwidth(device_kind: str) -> tuple[float, str] | None:
         if any(k in kind for k in keys):
             return bw, name
     return None
+
+
+# Measured ceilings (benchmarks: the CPU's peak, and an accelerator's own against its table).
+
+
+def _best_time(fn, args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))  # compiles
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measured_matmul_flops(n: int = 2048, repeats: int = 5, dtype="float32") -> float:
+    """FLOP/s of the best of `repeats` [n x n] @ [n x n] matmuls in `dtype` on the default
+    device (jit, one device)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    return 2 * n**3 / _best_time(jax.jit(lambda x, y: x @ y), (a, b), repeats)
+
+
+def measured_copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` elementwise passes over an f32 array of `nbytes`
+    (x + 1: each element read once and written once, so 2 x nbytes move) on the default
+    device: the memory bandwidth a decode step can reach."""
+    x = jnp.zeros((nbytes // 4,), jnp.float32)
+    return 2 * x.size * 4 / _best_time(jax.jit(lambda v: v + 1), (x,), repeats)

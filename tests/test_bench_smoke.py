@@ -407,3 +407,85 @@ def test_multiturn_prefill_benchmark_counts_what_keeping_kv_saves():
     kept = rec["prefill_tokens_per_episode_kept"]
     assert kept == 8 / 2 + 4 * (rec["turns_per_episode"] - 1)  # one observation per re-entry
     assert rec["prefill_tokens_per_episode_reprefill"] > kept
+
+
+def _accelerator(tmp_path, *args: str, timeout: float = 900) -> tuple[dict, str, str]:
+    """`benchmarks/accelerator.py ARGS --json --markdown` in tmp_path: (report, markdown,
+    stderr)."""
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env["PYTHONPATH"] = ROOT
+    out_json, out_md = tmp_path / "accel.json", tmp_path / "accel.md"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "accelerator.py"), *args]
+        + ["--json", str(out_json), "--markdown", str(out_md)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out_json.read_text()), out_md.read_text(), proc.stderr
+
+
+ACCEL_STAGES = ["ceilings", "efficiency", "decode", "update", "head", "step", "async"]
+
+
+@pytest.mark.slow
+def test_accelerator_benchmark_tiny(tmp_path):
+    """The accelerator command in its CPU mode, one stage (decode) forced over its budget:
+    it is stopped and recorded as skipped, every other stage still runs and reports its
+    figures; the JSON and the markdown table say so."""
+    report, md, _ = _accelerator(tmp_path, "--tiny", "--budgets", "decode=0.5")
+    assert report["what"] == "accelerator" and report["schema"] == 1 and report["tiny"]
+    assert (report["platform"], report["device_count"]) == ("cpu", 1)
+    assert 0 < report["wall_s"] <= report["total_budget_s"]
+    assert list(report["stages"]) == ACCEL_STAGES
+    for name, rec in report["stages"].items():
+        assert rec["status"] in ("ok", "skipped", "failed"), name
+        assert rec["wall_s"] <= rec["budget_s"] + 5, name  # the budget held
+        if rec["status"] == "ok":
+            figs = rec["figures"]
+            assert figs and not [k for k in figs if k.endswith("_error")], (name, figs)
+        else:
+            assert rec.get("reason") or rec.get("error"), name
+        assert f"| {name} | {rec['status']}" in md
+    decode = report["stages"]["decode"]
+    assert decode["status"] == "skipped" and decode["budget_s"] == 0.5
+    assert decode["reason"].startswith("over its budget of 0.5 s")
+    assert all(report["stages"][n]["status"] == "ok" for n in ACCEL_STAGES if n != "decode")
+    figs = {n: r["figures"] for n, r in report["stages"].items() if r["status"] == "ok"}
+    assert figs["ceilings"]["matmul_flops"] > 0 and figs["ceilings"]["copy_bytes_per_s"] > 0
+    eff = figs["efficiency"]
+    assert eff["kv_in_place"] is True and eff["decode_bytes_over_ideal"] > 1
+    assert eff["host_syncs_per_dispatch"] == 1 and eff["host_syncs_per_train_step"] == 1
+    assert 1 <= eff["update_packed_padding_waste"] < eff["update_flops_xla"]["padded_padding_waste"]
+    assert 0 < figs["update"]["mfu"] < figs["update"]["hfu"]
+    assert figs["head"]["fused_over_floor"] > 0 and figs["head"]["naive_over_floor"] > 0
+    step = figs["step"]
+    assert step["completion_tokens"] == 2 * 2 * 12  # every row full length
+    assert set(step["phases_s"]) == {"decode", "prefill", "learner", "host"}
+    assert sum(step["phases_s"].values()) == pytest.approx(step["phases_step_s"], rel=1e-6)
+    assert figs["async"]["over_sync"] == pytest.approx(
+        figs["async"]["steps_per_s"] / step["steps_per_s"]
+    )
+
+
+def test_accelerator_benchmark_total_budget_and_bad_flags(tmp_path):
+    """With no time left every stage is skipped, saying why (no child starts); a bad
+    --budgets entry is one paragraph, not a traceback."""
+    report, md, _ = _accelerator(tmp_path, "--tiny", "--total-budget", "1")
+    assert [r["status"] for r in report["stages"].values()] == ["skipped"] * len(ACCEL_STAGES)
+    assert all("total budget is spent" in r["reason"] for r in report["stages"].values())
+    assert md.count("| skipped: the run's total budget is spent") == len(ACCEL_STAGES)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "accelerator.py"), "--budgets", "x=1"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--budgets: 'x=1' is not NAME=SECONDS" in proc.stderr
