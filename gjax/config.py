@@ -200,6 +200,7 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         "rollout.weight_transfer",
         f"must be one of {WEIGHT_TRANSFERS}, got {config.rollout.weight_transfer!r}",
     )
+    check_rollout_quantize(config)
     try:
         schema.to_objective_config(config.objective, rollout_temperature=config.rollout.temperature)
     except (ValueError, KeyError) as e:
@@ -207,6 +208,62 @@ def check_names(config: ml_collections.ConfigDict) -> None:
         raise ConfigError(
             msg if msg.startswith("config.") else f"config.objective: {msg}"
         ) from None
+
+
+def fp8_supported(platform: str | None = None) -> tuple[bool, str]:
+    """Whether this platform's matmuls take fp8 (e4m3) operands, and if not why (a phrase).
+    CUDA GPUs from compute capability 8.9 (Ada, Hopper and later) have fp8 tensor cores;
+    the CPU and other platforms are refused rather than emulated."""
+    platform = platform or jax.default_backend()
+    if platform == "gpu":
+        cc = getattr(jax.devices()[0], "compute_capability", "0")
+        if tuple(int(x) for x in str(cc).split(".")[:2]) >= (8, 9):
+            return True, ""
+        return False, f"this GPU (compute capability {cc}) has no fp8 matmul (8.9+ does)"
+    return False, f"the {platform} platform has no fp8 matmul gjax uses"
+
+
+def check_rollout_quantize(config: ml_collections.ConfigDict) -> None:
+    """`rollout.quantize`: a known name, the local backend, a float base, fp8 only where the
+    platform has it, qwix installed."""
+    how = config.rollout.quantize
+    _require(
+        how in quant.ROLLOUT_QUANT,
+        "rollout.quantize",
+        f"={how!r} is not a rollout quantization: use one of {quant.ROLLOUT_QUANT} (none "
+        "samples with the learner's float weights)",
+    )
+    if how == "none":
+        return
+    _require(
+        config.rollout.backend == "local",
+        "rollout.quantize",
+        f"={how!r} quantizes the local sampler's weights, but rollout.backend="
+        f"{config.rollout.backend!r} serves its own: use --config.rollout.backend=local or "
+        "rollout.quantize=none",
+    )
+    base = config.model.lora.get("quantize", "none")
+    _require(
+        base == "none",
+        "rollout.quantize",
+        f"={how!r} quantizes a float policy, but model.lora.quantize={base!r} already stores "
+        "the base quantized (the sampler reads those codes as the learner does): set "
+        "rollout.quantize=none",
+    )
+    if how == "fp8":
+        ok, why = fp8_supported()
+        _require(
+            ok,
+            "rollout.quantize",
+            f"='fp8' is refused here: {why}. Use rollout.quantize=int8 (any platform) or run "
+            "on a GPU with fp8 tensor cores (compute capability 8.9+)",
+        )
+    _require(
+        quant.available(),
+        "rollout.quantize",
+        f"={how!r} needs the qwix package (its quantized arrays), which is not installed: "
+        "pip install 'gjax[qlora]' (or pip install qwix), or set rollout.quantize=none",
+    )
 
 
 def check_model(config: ml_collections.ConfigDict, path: str) -> str:
@@ -240,6 +297,7 @@ def validate(
     reference = schema.base()
     check_schema(config, reference)
     check_ranges(config, reference)
+    schema.resolve_behaviour_correction(config)
     check_names(config)
     n_roll = config.mesh.rollout_devices
     _require(

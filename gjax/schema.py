@@ -309,6 +309,14 @@ SCHEMA: dict[str, Any] = {
             "push_dir) | grpc (streamed to server_address in the server's dtype; push_dir "
             "stays the fallback and restart path)",
         ),
+        "quantize": Field(
+            "none",
+            "backend local: the sampler decodes int8 (or fp8, where the platform has it) "
+            "codes of the policy's projections with per-output-channel scales, quantized "
+            "after each push (gjax.models.quant, through qwix); the learner keeps its float "
+            "params: none | int8 | fp8. Not none: objective.behaviour_correction 'auto' "
+            "resolves to tis (rollout.recompute_old_logps on)",
+        ),
         "prompts_per_step": Field(128, "P: prompts per rollout batch (global)", _COUNT),
         "num_samples": Field(
             8,
@@ -387,7 +395,10 @@ SCHEMA: dict[str, Any] = {
         "anchor_treatment": Field(PRESET, "loss on DaGRPO anchors: ratio | luffy"),
         "luffy_gamma": Field(PRESET, "LUFFY's shaping gamma in pi / (pi + gamma)", _POS),
         "behaviour_correction": Field(
-            PRESET, "sampler/trainer mismatch correction: none | tis (truncated IS) | mask"
+            PRESET,
+            "sampler/trainer mismatch correction: none | tis (truncated IS) | mask | auto "
+            "(the default: tis when rollout.quantize is not none, else none; resolved at "
+            "validation)",
         ),
         "behaviour_level": Field(PRESET, "where the correction ratio is taken: token | sequence"),
         "behaviour_cap": Field(
@@ -687,6 +698,8 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
             )
         elif value is None or f.name == "temperature":  # temperature: rollout's by default
             value = ml_collections.config_dict.placeholder(SCHEMA["objective"][f.name].kind)
+        elif f.name == "behaviour_correction" and value == "none":
+            value = AUTO_CORRECTION  # resolved with the rollout (`resolve_behaviour_correction`)
         fields[f.name] = value
     unknown = sorted(set(overrides) - set(fields))
     if unknown:
@@ -700,9 +713,29 @@ def objective(preset: str, **overrides) -> ml_collections.ConfigDict:
     return cfg
 
 
+AUTO_CORRECTION = "auto"  # objective.behaviour_correction left to the rollout's quantization
+
+
+def resolve_behaviour_correction(config: ml_collections.ConfigDict) -> None:
+    """Resolves `objective.behaviour_correction='auto'` in place (at validation): quantized
+    rollouts (`rollout.quantize` not none) sample a behaviour policy other than the learner's,
+    so their default is tis (truncated IS at `behaviour_cap`) with the learner's own old
+    log-probs (`rollout.recompute_old_logps=True`); otherwise none. A correction the user set
+    (none | tis | mask) is kept."""
+    if config.objective.behaviour_correction != AUTO_CORRECTION:
+        return
+    quantized = config.rollout.get("quantize", "none") != "none"
+    config.objective.behaviour_correction = "tis" if quantized else "none"
+    if quantized:
+        config.rollout.recompute_old_logps = True
+
+
 def objective_as_trained(objective: dict, rollout_temperature: float) -> dict:
     """config.objective's fields as the loss uses them: an unset temperature is the rollout's
-    (the loss scores at the sampling temperature)."""
+    (the loss scores at the sampling temperature); an unresolved 'auto' correction is none
+    (`resolve_behaviour_correction` resolves it at validation)."""
+    if objective.get("behaviour_correction") == AUTO_CORRECTION:
+        objective = {**objective, "behaviour_correction": "none"}
     if objective["temperature"] is None:
         return {**objective, "temperature": rollout_temperature}
     return objective

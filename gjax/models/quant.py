@@ -12,8 +12,15 @@ embedding, the LM head and the norms stay as loaded, as in QLoRA) is stored as i
 (a block is the whole input axis when 64 does not divide it). The quantization and
 dequantization are qwix's (`qwix._src.core.qarray`: the calibration, the rounding, the nf4
 code book); gjax keeps codes and scales as two plain leaves of its param tree, so sharding,
-trees and tests see ordinary arrays. A matmul dequantizes its kernel to the compute dtype
-first (`dequantize`): the forward, the prefill and the decode layers all do.
+trees and tests see ordinary arrays. The training forward dequantizes its kernel to the
+compute dtype first (`dequantize`); the sampler's prefill and decode matmuls consume int8
+(and fp8) codes directly (`codes_dot`: y = (x @ codes) * scale, per output channel, the
+codes cast at the matmul; the 4-bit codes are dequantized first, their scales being per
+block of the contraction axis).
+
+Quantized rollouts (`rollout.quantize`, `quantize_policy`): the sampler's copy of a float
+policy has the same projections stored as int8 (or fp8) codes with per-output-channel scales,
+while the learner keeps its own float params.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from gjax.models.config import ModelConfig
 
 Params = dict[str, Any]
 BLOCK = 64  # QLoRA's block size for the 4-bit codes
-_QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4"}
+_QTYPE = {"int8": jnp.int8, "int4": jnp.int4, "nf4": "nf4", "fp8": jnp.float8_e4m3fn}
+ROLLOUT_QUANT = ("none", "int8", "fp8")  # rollout.quantize: the sampler's weights
 PROJECTIONS = (("attn", "q"), ("attn", "k"), ("attn", "v"), ("attn", "o"))
 PROJECTIONS += (("mlp", "gate"), ("mlp", "up"), ("mlp", "down"))
 
@@ -70,14 +78,56 @@ def dequantize(codes: jax.Array, scale: jax.Array, how: str, dtype) -> jax.Array
 
 
 def kernel(p: Params, cfg: ModelConfig, dtype) -> jax.Array:
-    """A projection's kernel in `dtype`: dequantized when the base is stored quantized."""
+    """A projection's kernel in `dtype`: dequantized when it is stored quantized."""
+    del cfg  # the codes' dtype says how they were quantized (`how_of`)
     if "kernel_scale" in p:
-        return dequantize(p["kernel"], p["kernel_scale"], cfg.base_quant, dtype)
+        return dequantize(p["kernel"], p["kernel_scale"], how_of(p["kernel"]), dtype)
     return p["kernel"].astype(dtype)
 
 
 # The storage dtype of the codes qwix writes (nf4's are 4-bit indices into its code book).
-_CODE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "nf4": jnp.uint4}
+_CODE_DTYPES = {"int8": jnp.int8, "int4": jnp.int4, "nf4": jnp.uint4, "fp8": jnp.float8_e4m3fn}
+# Codes whose scales are per output channel only: a matmul may consume them directly.
+_DIRECT = ("int8", "fp8")
+
+
+def how_of(codes: jax.Array) -> str:
+    """How codes of this dtype were quantized (the dtypes of `_CODE_DTYPES` are distinct)."""
+    for how, dt in _CODE_DTYPES.items():
+        if codes.dtype == jnp.dtype(dt):
+            return how
+    raise ValueError(f"no quantization stores codes as {codes.dtype}")
+
+
+def direct(p: Params) -> bool:
+    """Whether projection `p` is stored as codes a matmul consumes directly (`codes_dot`)."""
+    return "kernel_scale" in p and how_of(p["kernel"]) in _DIRECT
+
+
+def codes_dot(x_NxI: jax.Array, codes_IxO: jax.Array, scale_1xO: jax.Array, dtype) -> jax.Array:
+    """x @ (codes * scale) computed as (x @ codes) * scale, exact for per-output-channel
+    scales: the codes are cast to `dtype` at the matmul (XLA on GPU/TPU fuses the convert
+    into the dot, so a decode step reads the 1-byte codes, not a float kernel), accumulated
+    in f32, scaled per output column and returned in `dtype`. x is [..., in]."""
+    y = jnp.dot(x_NxI.astype(dtype), codes_IxO.astype(dtype), preferred_element_type=jnp.float32)
+    return (y * scale_1xO.reshape(-1)).astype(dtype)
+
+
+def quantize_policy(params: Params, how: str) -> Params:
+    """The sampler's copy of a float policy (`rollout.quantize`): every projection kernel of
+    `params["layers"]` (q, k, v, o, gate, up, down; stacked [L, in, out]) as `how` codes
+    (int8 | fp8) and per-output-channel f32 scales [L, 1, out], through qwix (`quantize`);
+    the embedding, the LM head, norms, biases and LoRA adapters stay as they are (as QLoRA
+    keeps them). A projection already stored quantized (a QLoRA base) is left as it is.
+    Jit it (the learner's params are not copied to the host)."""
+    if how not in _DIRECT:
+        raise ValueError(f"rollout quantization is one of {_DIRECT}, got {how!r}")
+    out = jax.tree.map(lambda x: x, params)  # new dicts, same arrays
+    for group, name in PROJECTIONS:
+        p = out["layers"][group][name]
+        if "kernel_scale" not in p:
+            p["kernel"], p["kernel_scale"] = quantize(p["kernel"], how)
+    return out
 
 
 def code_dtype(how: str):

@@ -118,7 +118,10 @@ def merged_kernel(p, cfg: ModelConfig):
 
 def _linear(p, x, cfg: ModelConfig):
     dtype = cfg.jnp_dtype
-    y = jnp.dot(x, quant.kernel(p, cfg, dtype))
+    if quant.direct(p):  # int8 / fp8 codes: (x @ codes) * scale, no float kernel
+        y = quant.codes_dot(x, p["kernel"], p["kernel_scale"], dtype)
+    else:
+        y = jnp.dot(x, quant.kernel(p, cfg, dtype))
     if "lora_a" in p:
         y = y + lora_delta(x, p["lora_a"], p["lora_b"], cfg.lora_scale, dtype)
     if "bias" in p:
@@ -463,22 +466,28 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
     their slice of the fused product in the step as the learner adds them: merged into a
     bf16 kernel, an update much smaller than W would round away (an adapter moving W by
     ~0.1 % kept ~0 of its effect), so the sampler would not sample the policy it trains.
-    A quantized base is dequantized here, once per call.
+    Projections stored as int8 / fp8 codes with per-output-channel scales (quantized
+    rollouts, an int8 QLoRA base) stay codes: `qkv` etc. are the fused codes and `qkv_scale`
+    etc. their fused scales [1, F], which `fused_dot` applies after the matmul; a 4-bit base
+    is dequantized here, once per call.
     """
     dtype = cfg.jnp_dtype
     out = []
     for lp in split_layers(params["layers"]):
         attn, mlp = lp["attn"], lp["mlp"]
-        w = {n: quant.kernel(attn[n], cfg, dtype) for n in "qkvo"}
-        w.update({n: quant.kernel(mlp[n], cfg, dtype) for n in ("gate", "up", "down")})
         layer = {
             "input_norm": lp["input_norm"]["scale"],
             "post_attn_norm": lp["post_attn_norm"]["scale"],
-            "qkv": jnp.concatenate([w[n] for n in "qkv"], axis=-1).astype(dtype),
-            "o": w["o"].astype(dtype),
-            "gate_up": jnp.concatenate([w["gate"], w["up"]], -1).astype(dtype),
-            "down": w["down"].astype(dtype),
         }
+        fused = (("qkv", [attn[n] for n in "qkv"]), ("o", [attn["o"]]))
+        fused += (("gate_up", [mlp["gate"], mlp["up"]]), ("down", [mlp["down"]]))
+        for key, ps in fused:
+            if all(quant.direct(p) for p in ps):
+                layer[key] = jnp.concatenate([p["kernel"] for p in ps], axis=-1)
+                layer[f"{key}_scale"] = jnp.concatenate([p["kernel_scale"] for p in ps], -1)
+            else:
+                w = [quant.kernel(p, cfg, dtype) for p in ps]
+                layer[key] = jnp.concatenate(w, axis=-1).astype(dtype)
         if cfg.attention_bias:
             layer["qkv_bias"] = jnp.concatenate([attn[n]["bias"] for n in "qkv"]).astype(dtype)
         if cfg.o_bias:
@@ -495,6 +504,14 @@ def decode_layers(params: Params, cfg: ModelConfig) -> list[Params]:
             layer["lora"] = adapters
         out.append(layer)
     return out
+
+
+def fused_dot(lp: Params, name: str, x_BxI):
+    """x @ the layer's fused kernel `name` (`decode_layers`): a plain matmul, or with codes
+    `(x @ codes) * scale` (`quant.codes_dot`)."""
+    if f"{name}_scale" in lp:
+        return quant.codes_dot(x_BxI, lp[name], lp[f"{name}_scale"], x_BxI.dtype)
+    return jnp.dot(x_BxI, lp[name])
 
 
 def _add_lora(lp: Params, y_BxF, x_BxI, names_widths, cfg: ModelConfig):
@@ -517,7 +534,9 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
     b_, dh = x_BxD.shape[0], cfg.head_dim
     hq, hkv = cfg.num_heads * dh, cfg.num_kv_heads * dh
     h_BxD = rms_norm(x_BxD, lp["input_norm"], cfg.rms_norm_eps)
-    qkv = _add_lora(lp, jnp.dot(h_BxD, lp["qkv"]), h_BxD, (("q", hq), ("k", hkv), ("v", hkv)), cfg)
+    qkv = _add_lora(
+        lp, fused_dot(lp, "qkv", h_BxD), h_BxD, (("q", hq), ("k", hkv), ("v", hkv)), cfg
+    )
     if "qkv_bias" in lp:
         qkv = qkv + lp["qkv_bias"]
     q = qkv[:, :hq].reshape(b_, cfg.num_heads, dh)
@@ -532,13 +551,13 @@ def decode_qkv(lp: Params, x_BxD, cos, sin, cfg: ModelConfig):
 def decode_layer_out(lp: Params, x_BxD, attn_BxHDh, cfg: ModelConfig):
     """The rest of a decode layer after attention: output projection (+ bias) into the
     residual, post-attention norm, SwiGLU MLP into the residual."""
-    o = _add_lora(lp, jnp.dot(attn_BxHDh, lp["o"]), attn_BxHDh, (("o", lp["o"].shape[1]),), cfg)
+    o = _add_lora(lp, fused_dot(lp, "o", attn_BxHDh), attn_BxHDh, (("o", lp["o"].shape[1]),), cfg)
     x_BxD = x_BxD + (o + lp["o_bias"] if "o_bias" in lp else o)
     h_BxD = rms_norm(x_BxD, lp["post_attn_norm"], cfg.rms_norm_eps)
     f_ = lp["gate_up"].shape[-1] // 2
-    gate_up = _add_lora(lp, jnp.dot(h_BxD, lp["gate_up"]), h_BxD, (("gate", f_), ("up", f_)), cfg)
+    gate_up = _add_lora(lp, fused_dot(lp, "gate_up", h_BxD), h_BxD, (("gate", f_), ("up", f_)), cfg)
     act = jax.nn.silu(gate_up[:, :f_]) * gate_up[:, f_:]
-    return x_BxD + _add_lora(lp, jnp.dot(act, lp["down"]), act, (("down", x_BxD.shape[1]),), cfg)
+    return x_BxD + _add_lora(lp, fused_dot(lp, "down", act), act, (("down", x_BxD.shape[1]),), cfg)
 
 
 def decode_step(

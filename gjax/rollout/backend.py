@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from gjax import multihost, sharding
-from gjax.models import lora
+from gjax.models import lora, quant
 from gjax.models.config import ModelConfig
 from gjax.rollout.sampler import SampleOutput, SamplingParams, generate
 
@@ -66,18 +66,47 @@ class RolloutBackend(Protocol):
 class LocalSampler:
     """`RolloutBackend` decoding in-process: `gjax.rollout.sampler.generate` (static, on the
     mesh), or with `decoder` a `gjax.rollout.decoder.ContinuousDecoder` (its `generate` has the
-    same contract)."""
+    same contract).
+
+    `quantize` (`rollout.quantize`: none | int8 | fp8): the sampler decodes a quantized copy
+    of the params it is given (`quant.quantize_policy`: projection codes with per-output-
+    channel scales, consumed by the prefill and decode matmuls directly), made once per
+    version (a push, or the first `generate` with new params; a LoRA policy's frozen base
+    once, its float adapters added on top). The learner keeps its float params, so the
+    sampled log-probs are the quantized behaviour policy's (`objective.behaviour_correction`).
+    """
 
     returns_logps = True
 
-    def __init__(self, cfg: ModelConfig, decoder=None):
+    def __init__(self, cfg: ModelConfig, decoder=None, quantize: str = "none"):
         self.cfg = cfg
         self.decoder = decoder
+        self.quantize = quantize
         self._local_base = None  # (key, this process's copy of a LoRA policy's frozen base)
+        self._quantized = None  # (source leaves, their quantized copy): the served version
+
+    def _served(self, params):
+        """What the sampler decodes: `params`, or their quantized copy (made once per tree:
+        the same leaves give the same copy)."""
+        if self.quantize == "none":
+            return params
+        base, adapters = lora.split(params)
+        source = jax.tree.leaves(base)
+        held = self._quantized
+        if (
+            held is None
+            or len(held[0]) != len(source)
+            or any(a is not b for a, b in zip(held[0], source))
+        ):
+            self._quantized = None  # the old copy goes before the new one is made
+            self._quantized = (source, _quantize_jit(base, self.quantize))
+        served = self._quantized[1]
+        return lora.merge(served, adapters) if adapters else served
 
     def generate(
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling
     ) -> SampleOutput:
+        params = self._served(params)
         if self.decoder is not None and _spans_processes(prompt_tokens_PxS):
             return self._process_rows(
                 params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling
@@ -139,7 +168,8 @@ class LocalSampler:
         return lora.merge(self._local_base[1], copy(adapters))
 
     def push(self, params) -> None:
-        del params  # `generate` samples with the params it is given
+        # `generate` samples with the params it is given (quantized here once per version)
+        self._served(params)
 
     def metrics(self, gather=multihost.allgather) -> dict[str, float]:
         st = self.decoder.stats if self.decoder is not None else {}
@@ -160,6 +190,9 @@ class LocalSampler:
 
     def close(self) -> None:
         pass
+
+
+_quantize_jit = jax.jit(quant.quantize_policy, static_argnums=1)
 
 
 def _spans_processes(x) -> bool:

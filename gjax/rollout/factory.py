@@ -64,9 +64,9 @@ def make_backend(
             tokens_per_dispatch=r.tokens_per_dispatch,
             prefill_chunk=r.prefill_chunk,
         )
-        return LocalSampler(model_cfg, decoder=decoder)
+        return LocalSampler(model_cfg, decoder=decoder, quantize=r.quantize)
     if r.backend == "local":
-        return LocalSampler(model_cfg)
+        return LocalSampler(model_cfg, quantize=r.quantize)
     if config.rollout.backend == "jetstream" and jax.process_count() > 1:
         raise ConfigError(
             "config.rollout.backend='jetstream' serves one process's rollouts in that process; "
