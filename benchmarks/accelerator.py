@@ -22,12 +22,14 @@ an accelerator, f32 on the CPU, where XLA upcasts bf16):
               below is against these measured ceilings (and the table where there is one).
   efficiency  the checks that need no accelerator (`gjax.efficiency`), always on the CPU
               (JAX_PLATFORMS=cpu): a decode step's bytes over the ideal at the 1.5B shape
-              (f32), the KV cache updated in place, host syncs per decode dispatch and per
+              (f32, and int8 weights: their bytes over f32's), the KV cache updated in place, host syncs per decode dispatch and per
               training step, the packed update's executed over useful FLOPs.
   decode      (a) decode tokens/s and % of the HBM roofline (the ideal bytes of a step --
               weights + live KV, read once -- over its time, over the measured bandwidth):
-              static sampler and continuous decoder, P x G rows of exactly N tokens. A
-              quantized-weights row says why it is not measured (`QUANT_NOTE`).
+              static sampler and continuous decoder, P x G rows of exactly N tokens; the
+              continuous decoder again on int8 weights (`rollout.quantize=int8`: codes with
+              per-channel scales read by the step's matmuls), its tokens/s over the float
+              one's and its roofline against the int8 ideal bytes.
   update      (b) the update (Learner.batch's reference log-probs + Learner.update) on the
               1.5B shape, packed (auto bins), Pareto completion lengths: MFU and HFU
               (`gjax.flops.learner_flops`), the padding waste and remat's factor.
@@ -81,12 +83,7 @@ MIN_STAGE_S = 5.0  # a stage is not started with less than this left of the tota
 RESULT = "RESULT "  # a child's stdout line carrying its figures so far (the last one counts)
 SCHEMA = 1
 
-QUANT_NOTE = (
-    "not implemented yet: gjax.models.quant stores a frozen QLoRA base as int8/int4 codes + "
-    "scales (qwix), but the sampler dequantizes them to the compute dtype once per generate "
-    "call (transformer.decode_layers), so a decode step reads bf16 weights: same bytes, same "
-    "speed as bf16. Quantized rollouts need the decode step to read the codes (issue 35 item 3)"
-)
+QUANT = "int8"  # rollout.quantize of the quantized decode rows (fp8 is refused on the CPU)
 
 TINY_DIMS = dict(  # vocab >= the character tokenizer's 102 ids (the step stages' prompts)
     vocab_size=128,
@@ -190,6 +187,8 @@ TABLE = {
     "efficiency": [
         ("decode bytes / ideal (XLA)", "decode_bytes_over_ideal", "x"),
         ("touched / ideal per step", "decode_step_touched_over_ideal", "x"),
+        ("decode bytes int8 / f32 (XLA)", "decode_bytes_int8_over_float", "x"),
+        ("ideal bytes int8 / f32", "decode_ideal_int8_over_float", "x"),
         ("KV in place", "kv_in_place", "bool"),
         ("host syncs / dispatch", "host_syncs_per_dispatch", "num"),
         ("host syncs / train step", "host_syncs_per_train_step", "num"),
@@ -201,7 +200,9 @@ TABLE = {
         ("static roofline", "static_roofline", "pct"),
         ("continuous tok/s", "continuous_tokens_per_s", "num"),
         ("continuous roofline", "continuous_roofline", "pct"),
-        ("quantized", "quantized", "head"),
+        ("int8 continuous tok/s", "int8_continuous_tokens_per_s", "num"),
+        ("int8 continuous roofline", "int8_continuous_roofline", "pct"),
+        ("int8 / float tok/s", "int8_over_float_tokens_per_s", "x"),
     ],
     "update": [
         ("MFU", "mfu", "pct"),
@@ -480,6 +481,29 @@ def stage_efficiency(child: Child) -> None:
             "kv_in_place": got["kv_in_place"]["in_place"],
         }
 
+    def decode_bytes_int8():  # the same step on the sampler's int8 weights
+        got = efficiency.decode_step_bytes(
+            cfg,
+            slots=slots,
+            regions=regions,
+            prompt_len=sp_len,
+            max_new=n,
+            tokens_per_dispatch=8,
+            quantize=QUANT,
+        )
+        f32 = child.figures.get("decode_bytes") or {}
+        return {
+            "decode_bytes_int8": got,
+            "decode_bytes_int8_over_float": (
+                got["bytes_accessed"] / f32["bytes_accessed"] if f32 else None
+            ),
+            "decode_ideal_int8_over_float": (
+                got["ideal_bytes"] / f32["ideal_bytes"] if f32 else None
+            ),
+            "decode_int8_bytes_over_ideal": got["bytes_over_ideal"],
+            "decode_int8_convert_bytes": got["convert_touched_bytes"],
+        }
+
     def decode_syncs():
         small = rollout_backends.qwen2_config(TINY_DIMS, "float32")
         params = tr.init_params(small, jax.random.key(0))
@@ -541,6 +565,7 @@ def stage_efficiency(child: Child) -> None:
     child.attempt("decode_syncs", decode_syncs)
     child.attempt("train_syncs", train_syncs)
     child.attempt("update_flops", update_flops)
+    child.attempt("decode_bytes_int8", decode_bytes_int8)  # last: the other checks first
 
 
 def random_groups(rng, p: int, g: int, s: int, n: int, vocab: int, completion_lengths=None):
@@ -571,6 +596,7 @@ def stage_decode(child: Child) -> None:
     import numpy as np
     import rollout_backends
 
+    from gjax.models import quant
     from gjax.models import transformer as tr
     from gjax.rollout.decoder import ContinuousDecoder
     from gjax.rollout.sampler import SamplingParams, generate
@@ -600,7 +626,6 @@ def stage_decode(child: Child) -> None:
         ideal_step_bytes=step_bytes,
         bandwidth=bw,
         bandwidth_source="ceilings: measured copy" if bw else "none (ceilings did not run)",
-        quantized=QUANT_NOTE,
     )
     repeats = 2
 
@@ -642,8 +667,34 @@ def stage_decode(child: Child) -> None:
             "continuous_dispatches": st["dispatches"],
         }
 
+    def quantized():  # the continuous decoder on the sampler's int8 weights
+        qparams = jax.jit(quant.quantize_policy, static_argnums=1)(params, QUANT)
+        q_weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(qparams))
+        q_step_bytes = q_weights + rollout_backends.kv_token_bytes(cfg) * live
+        dec = ContinuousDecoder(cfg, slots=b_, tokens_per_dispatch=8)
+
+        def run():
+            return dec.generate(
+                qparams, tokens, mask, jax.random.key(1), num_samples=g_, sampling=sp
+            )
+
+        _, secs = rollout_backends.timed(run, repeats)
+        st = dec.stats
+        step_s = st["dispatch_s"] / st["decode_steps"]
+        float_tps = child.figures.get("continuous_tokens_per_s")
+        return {
+            "quantize": QUANT,
+            "int8_weight_bytes": q_weights,
+            "int8_continuous_s": secs,
+            "int8_continuous_tokens_per_s": b_ * n_ / secs,
+            "int8_continuous_step_ms": 1e3 * step_s,
+            "int8_continuous_roofline": (q_step_bytes / step_s / bw) if bw else None,
+            "int8_over_float_tokens_per_s": (b_ * n_ / secs / float_tps) if float_tps else None,
+        }
+
     child.attempt("static", static)
     child.attempt("continuous", continuous)
+    child.attempt("quantized", quantized)
 
 
 def step_config(child: Child, *, staleness: int = 0):

@@ -40,6 +40,7 @@ from jax._src import array as array_lib  # jax.Array's implementation: where a f
 
 from gjax import flops, packing
 from gjax.metrics import to_host
+from gjax.models import quant
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
 from gjax.rollout import decoder as dec
@@ -235,6 +236,7 @@ def decode_step_bytes(
     sampling=None,
     tokens_per_dispatch: int = 8,
     top: int = 8,
+    quantize: str = "none",
 ) -> dict:
     """Bytes one continuous-decoder step accesses (XLA's cost analysis of `_dispatch` at one
     step, compiled on abstract shapes: nothing is allocated) over the ideal: the weights the
@@ -245,9 +247,16 @@ def decode_step_bytes(
     steps per dispatch (`step_touched_over_ideal`: the ops outside the step loop, e.g. the
     loop-invariant ones XLA hoists, run once per dispatch). `top`: the ops with the most
     bytes counted beyond what they touch, and the most touched, by jax op; the in-place check
-    of the cache (`kv_in_place`)."""
+    of the cache (`kv_in_place`). `quantize` (int8 | fp8): the step on the sampler's
+    quantized weights (`quant.quantize_policy`, as `rollout.quantize` serves them); the
+    ideal then counts their codes and scales, and `convert_touched_bytes` the bytes of the
+    step's dtype conversions (XLA:CPU converts each kernel's codes to a float copy before
+    its dot; a GPU/TPU fuses the convert into the dot, so these bytes are not traffic
+    there)."""
     sp = sampling or SamplingParams(max_new_tokens=max_new, temperature=1.0)
     params = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.key(0)))
+    if quantize != "none":
+        params = jax.eval_shape(lambda p: quant.quantize_policy(p, quantize), params)
     layers = jax.eval_shape(lambda p: tr.decode_layers(p, cfg), params)
     state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
     compiled = dec._dispatch_jit.lower(params, cfg, layers, state, sp=sp, steps=1).compile()
@@ -287,6 +296,7 @@ def decode_step_bytes(
             "prompt_len": prompt_len,
             "max_new": max_new,
             "dtype": cfg.dtype,
+            "quantize": quantize,
             "layers": cfg.num_layers,
             "hidden": cfg.hidden_size,
             "vocab": cfg.vocab_size,
@@ -303,6 +313,7 @@ def decode_step_bytes(
         "dispatch_touched_bytes": dispatch_touched,  # once per dispatch
         "tokens_per_dispatch": tokens_per_dispatch,
         "step_touched_over_ideal": (step_touched + dispatch_touched / tokens_per_dispatch) / ideal,
+        "convert_touched_bytes": sum(o.touched for o in ops if "convert_element_type" in o.op_name),
         "counted_not_touched": by_jax_op(lambda r: r["bytes"] - r["touched"]),
         "most_touched": by_jax_op(lambda r: r["touched"]),
         "kv_in_place": kv_in_place(text),
