@@ -259,6 +259,34 @@ _STUDIES = (
             for lr in (5e-5, 1.5e-4, 5e-4)
         ),
     ),
+    # Issue 35 item 3: quantized rollouts. GRPO on :headroom with the sampler on bf16
+    # weights vs on int8 codes (per-output-channel scales; the learner in its own dtype),
+    # 3 seeds each; the int8 variant's TIS correction is on by default (rollout.quantize
+    # resolves objective.behaviour_correction 'auto' to tis) and its runs report the
+    # behaviour-vs-learner mismatch (mismatch/abs_logp_diff_mean, mismatch/kl_k3) per step.
+    # Command (not run yet: ~6 CPU-hours on 2 cores):
+    #   python -m experiments.run quant_rollouts --seeds 3
+    #   python -m experiments.aggregate quant_rollouts
+    # Expected: int8's held-out pass@1 curve within the seeds' spread of bf16's.
+    Study(
+        "quant_rollouts",
+        "none (issue 35 item 3): GRPO with int8 rollouts learns the embedded task within seed "
+        "noise of bf16 rollouts, with the mismatch reported and TIS on",
+        (
+            Variant(
+                "bf16_rollouts",
+                "grpo",
+                "GRPO, the sampler on the policy's bf16 weights",
+                overrides={"model.dtype": "bfloat16"},
+            ),
+            Variant(
+                "int8_rollouts",
+                "grpo",
+                "GRPO, the sampler on int8 codes of the policy (TIS on by default)",
+                overrides={"model.dtype": "bfloat16", "rollout.quantize": "int8"},
+            ),
+        ),
+    ),
     # CI's smoke study (tests/test_experiments.py): two cheap variants.
     Study(
         "smoke",
