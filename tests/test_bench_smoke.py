@@ -459,6 +459,7 @@ def test_accelerator_benchmark_tiny(tmp_path):
     assert figs["ceilings"]["matmul_flops"] > 0 and figs["ceilings"]["copy_bytes_per_s"] > 0
     eff = figs["efficiency"]
     assert eff["kv_in_place"] is True and eff["decode_bytes_over_ideal"] > 1
+    assert 0 < eff["decode_ideal_int8_over_float"] < 1  # the int8 step's ideal bytes
     assert eff["host_syncs_per_dispatch"] == 1 and eff["host_syncs_per_train_step"] == 1
     assert 1 <= eff["update_packed_padding_waste"] < eff["update_flops_xla"]["padded_padding_waste"]
     assert 0 < figs["update"]["mfu"] < figs["update"]["hfu"]

@@ -223,3 +223,19 @@ def test_tiny_grpo_trains_on_int8_rollouts_with_the_mismatch_metric_and_tis(tmp_
         assert 0.0 < r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"] < 1.0
         assert np.isfinite(r["mismatch/kl_k3"]) and "correction/capped_frac" in r
         assert np.isfinite(r["loss/total"])
+
+
+def test_decode_step_bytes_on_int8_weights():
+    """`efficiency.decode_step_bytes(quantize='int8')`: the ideal counts the codes (1 byte a
+    weight) and f32 scales; on the CPU the converts of the codes to f32 copies show up as
+    bytes (a GPU/TPU fuses them into the dots)."""
+    from gjax import efficiency
+
+    kw = dict(slots=4, regions=2, prompt_len=S, max_new=N, tokens_per_dispatch=4)
+    f32 = efficiency.decode_step_bytes(CFG, **kw)
+    int8 = efficiency.decode_step_bytes(CFG, quantize="int8", **kw)
+    assert int8["shape"]["quantize"] == "int8" and int8["kv_bytes"] == f32["kv_bytes"]
+    kernels = sum(PARAMS["layers"][g][n]["kernel"].size for g, n in quant.PROJECTIONS)
+    scales = sum(QPARAMS["layers"][g][n]["kernel_scale"].size for g, n in quant.PROJECTIONS)
+    assert f32["weight_bytes"] - int8["weight_bytes"] == 3 * kernels - 4 * scales
+    assert int8["convert_touched_bytes"] >= 5 * kernels  # s8 read + f32 written, each kernel
