@@ -239,3 +239,14 @@ def test_decode_step_bytes_on_int8_weights():
     scales = sum(QPARAMS["layers"][g][n]["kernel_scale"].size for g, n in quant.PROJECTIONS)
     assert f32["weight_bytes"] - int8["weight_bytes"] == 3 * kernels - 4 * scales
     assert int8["convert_touched_bytes"] >= 5 * kernels  # s8 read + f32 written, each kernel
+
+
+def test_quantized_rollouts_evaluate_the_float_policy():
+    from gjax.rollout import factory
+
+    c = tiny_config(quantize="int8")
+    config_lib.validate(c, 1)
+    backend = factory.make_backend(c, CFG, PARAMS)
+    assert isinstance(backend, LocalSampler) and backend.quantize == "int8"
+    evaluator = factory.evaluation_backend(c, backend, CFG)
+    assert evaluator is not backend and evaluator.quantize == "none"

@@ -87,7 +87,11 @@ def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) 
     backend that serves its own weights while the async producer's requests (rollout.
     max_staleness > 0) are in flight on it: their completions would come from a version they
     are not tagged with. Such runs evaluate with the in-process static sampler (greedy tokens
-    equal to the servers', tests/test_jetstream.py), before, during and after training alike."""
+    equal to the servers', tests/test_jetstream.py), before, during and after training alike.
+    Quantized rollouts (`rollout.quantize`) evaluate the learner's float policy, with the
+    static sampler (the quantized sampler's copy stays the producer's alone)."""
     if config.rollout.max_staleness > 0 and not isinstance(backend, LocalSampler):
+        return LocalSampler(model_cfg)
+    if isinstance(backend, LocalSampler) and backend.quantize != "none":
         return LocalSampler(model_cfg)
     return backend
