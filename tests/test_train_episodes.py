@@ -122,8 +122,13 @@ class TwoStepEnv:
         pass
 
 
-if "two_step" not in ENVIRONMENTS:
-    ENVIRONMENTS.register("two_step")(lambda config, *, reward_fn: TwoStepEnv(reward_fn))
+@pytest.fixture
+def two_step(monkeypatch):
+    """`two_step` in the registry for one test only (the registry has no removal; other tests
+    list its names)."""
+    factory = lambda config, *, reward_fn: TwoStepEnv(reward_fn)  # noqa: E731
+    monkeypatch.setitem(ENVIRONMENTS._items, "two_step", factory)
+    return "two_step"
 
 
 def _recorded(monkeypatch):
@@ -140,13 +145,13 @@ def _recorded(monkeypatch):
     return seen
 
 
-def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch):
+def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch, two_step):
     """Observations are in the learner's rows (attended) and out of its loss mask; the
     trajectory's reward is the turns' rewards, discounted by env.discount."""
     from gjax.train import train
 
     seen = _recorded(monkeypatch)
-    c = tiny(name="two_step", max_turns=2, discount=0.5)
+    c = tiny(name=two_step, max_turns=2, discount=0.5)
     assert train(c, str(tmp_path / "two")) is None
     got = rows(tmp_path / "two")
     assert [r["step"] for r in got] == [1, 2]
