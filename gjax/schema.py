@@ -467,16 +467,21 @@ SCHEMA: dict[str, Any] = {
             ),
         },
     },
-    # gjax.envs: multi-turn environments and tools, driven by the continuous decoder
-    # (gjax.rollout.turns); gjax.envs.check_config refuses env.name != '' in training until
-    # the learner side (per-trajectory rewards, the policy-token loss mask) is wired.
+    # gjax.envs: multi-turn environments and tools, rolled out by the continuous decoder
+    # (gjax.rollout.turns) and trained on by gjax.rollout.episodes (local backend, continuous
+    # decoder, synchronous, one process; gjax.envs.check_config refuses the other paths).
     "env": {
         "name": Field(
             "",
-            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn "
-            "(training refuses others: not yet wired to the learner)",
+            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn",
         ),
         "max_turns": Field(4, "policy turns per episode; a longer one is truncated", _COUNT),
+        "discount": Field(
+            1.0,
+            "a trajectory's reward: sum over its turns t = 0, 1, ... of discount**t * r_t "
+            "(1.0: the plain sum of the per-turn rewards)",
+            Range("(0, 1]"),
+        ),
         "turn_tokens": Field(
             0,
             "new tokens per policy turn; a turn reaching it without a stop id ends its episode, "
