@@ -955,12 +955,11 @@ class _PagedSchedule(_Schedule):
             )
 
     def init_device_state(self):
+        # the default pool: the contiguous layout's bytes (S slots of N, its R = self.r_
+        # regions of the prompt width), plus the null page
         n_pages_row = -(-self.n_ // self.page)
         q_ = pages.prompt_pages(self.sp_len, self.page)
-        contiguous_r = ContinuousDecoder(
-            self.cfg, slots=self.s_, tokens_per_dispatch=1, share_prompt=self.dec.share_prompt
-        ).regions_for(self.g_)
-        self.num_pages = self.dec.kv_pages or self.s_ * n_pages_row + contiguous_r * q_ + 1
+        self.num_pages = self.dec.kv_pages or self.s_ * n_pages_row + self.r_ * q_ + 1
         # a region holds a prompt's mask, length and logits only: one per slot and then some
         self.r_ = self.dec.prompt_regions or 2 * self.s_
         self.free_regions = list(range(self.r_))
