@@ -274,9 +274,9 @@ SCHEMA: dict[str, Any] = {
             0,
             "decoder=continuous: tokens per KV page (gjax.rollout.pages: pages allocated as a "
             "row grows and freed when it ends, a group's prompt pages shared by its rows, a "
-            "page table per slot; divides max_new_tokens; whole prefill, single-turn; the pool "
-            "has the contiguous layout's KV bytes) | 0: each slot a contiguous max_new_tokens "
-            "cache (the default)",
+            "page table per slot; divides max_new_tokens; whole prefill; the pool has the "
+            "contiguous layout's KV bytes) | 0: each slot a contiguous max_new_tokens cache "
+            "(the default)",
             _NONNEG,
         ),
         "weight_change": Field(

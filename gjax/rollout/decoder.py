@@ -28,6 +28,10 @@ environment; the slot waits, KV kept) and `reenter` (`_reenter`: the observation
 appended to the waiting slot's own cache as a prefill chunk, then it decodes its next turn).
 The trajectory (policy and environment tokens after the prompt) fits the N cache columns.
 
+`kv_page_size` > 0 (gjax.rollout.pages, off by default) keeps the same loop on paged KV:
+`_PagedSchedule` adds `grow` (a row's pages for the next dispatch) and replaces the prompt
+regions' KV by a group's shared prompt pages.
+
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
 for greedy; sampled results equal the static sampler's in distribution, not draw for draw).
@@ -421,7 +425,7 @@ class ContinuousDecoder:
         tokens appended to waiting rows' slots; a longer observation takes several calls).
       kv_page_size: 0 (default) keeps the contiguous slots; P > 0 holds the KV in pages of P
         tokens (gjax.rollout.pages: a page table per slot, pages allocated as a row grows,
-        a group's prompt pages shared); P divides max_new_tokens. Whole prefill, one turn.
+        a group's prompt pages shared); P divides max_new_tokens. Whole prefill.
       kv_pages: the page pool (None: the KV bytes of the contiguous layout, slots * N/P pages
         of tokens and its default regions' prompt pages, plus the null page).
       poison_freed_pages: a debug hook: every page freed is filled with NaN (tests: no row
@@ -525,11 +529,6 @@ class ContinuousDecoder:
         episode goes on, the observation's ids re-enter the row's slot (KV kept) and it
         decodes its next turn. The first turn of each row is drawn exactly as `generate`
         draws it (same keys: token n of row b with fold_in(fold_in(rng, b), n))."""
-        if self.kv_page_size:
-            raise ValueError(
-                f"generate_episodes: multi-turn rows re-enter their slot's contiguous cache; "
-                f"paged KV (kv_page_size={self.kv_page_size}) decodes one turn per row"
-            )
         run = self._run(
             params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling, turns
         )
@@ -644,6 +643,7 @@ class _Schedule:
 
         self.layers = _layers_jit(self.params, cfg=self.cfg)
         self.slot_step = None  # `_dispatch`'s step: the contiguous slots'
+        self.reenter_fn = _reenter_jit
         self.stalled: set = set()  # paged: slots held back from a dispatch, short of pages
         self.state = self.init_device_state()
         self.out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
@@ -853,8 +853,12 @@ class _Schedule:
             self.out_len[b] = self.turn_start[b] = n + m
             entries.append((s, ids, self.turns.turn_limit(n + m)))
         self.retire(done)
-        if not entries:
-            return
+        if entries:
+            self.reenter_rows(entries)
+
+    def reenter_rows(self, entries) -> None:
+        """`entries` (slot, observation ids, next turn's limit): the ids into the slots,
+        C columns per call."""
         s_, c_ = self.s_, self.dec.observation_chunk
         slot_M = np.full((s_,), s_, np.int32)
         limit_M = np.zeros((s_,), np.int32)
@@ -867,7 +871,7 @@ class _Schedule:
             cols = np.zeros((s_, c_), np.int32)
             part = ids_MxW[:, c0 : c0 + c_]
             cols[:, : part.shape[1]] = part
-            self.state = _reenter_jit(
+            self.state = self.reenter_fn(
                 self.params,
                 self.cfg,
                 self.layers,
@@ -941,6 +945,8 @@ class _PagedSchedule(_Schedule):
         self.q_ = pages.prompt_pages(self.sp_len, page)
         self.width = self.q_ + n_ // page
         self.slot_step = pages.paged_slot_step
+        self.reenter_fn = pages.paged_reenter_jit
+        self.limit_of = [0] * self.s_  # the slot's row's length limit (its turn's)
         self.table_SxP = np.full((self.s_, self.width), pages.NULL_PAGE, np.int32)
         self.own_pages: list[list[int]] = [[] for _ in range(self.s_)]
         self.group_pages: dict[int, list[int]] = {}
@@ -960,9 +966,8 @@ class _PagedSchedule(_Schedule):
         n_pages_row = -(-self.n_ // self.page)
         q_ = pages.prompt_pages(self.sp_len, self.page)
         self.num_pages = self.dec.kv_pages or self.s_ * n_pages_row + self.r_ * q_ + 1
-        # a region holds a prompt's mask, length and logits only: one per slot and then some
-        self.r_ = self.dec.prompt_regions or 2 * self.s_
-        self.free_regions = list(range(self.r_))
+        # a region holds a prompt's mask, length and logits only; keeping the contiguous R
+        # keeps the default pool sufficient: no row is ever held back or preempted
         return pages.init_paged_state(
             self.cfg,
             self.s_,
@@ -982,14 +987,23 @@ class _PagedSchedule(_Schedule):
     def pages_for(self, s: int) -> int:
         """Own pages slot `s`'s row needs for the next dispatch."""
         b = self.slot_row[s]
-        end = min(int(self.out_len[b]) + self.dec.steps, int(self.limits[b]))
+        end = min(int(self.out_len[b]) + self.dec.steps, self.limit_of[s])
         return -(-end // self.page)
+
+    def grow_to(self, s: int, own: int) -> None:
+        """Slot `s`'s row holds `own` own pages (the pool has them)."""
+        more = own - len(self.own_pages[s])
+        if more > 0:
+            got = self.pool.alloc(more)
+            n0 = self.q_ + len(self.own_pages[s])
+            self.table_SxP[s, n0 : n0 + more] = got
+            self.own_pages[s] += got
 
     def growth_need(self) -> int:
         return sum(
             max(0, self.pages_for(s) - len(self.own_pages[s]))
             for s, b in enumerate(self.slot_row)
-            if b >= 0
+            if b >= 0 and s not in self.waiting
         )
 
     def admit(self):
@@ -1019,6 +1033,7 @@ class _PagedSchedule(_Schedule):
             self.table_SxP[s, : self.q_] = self.group_pages[g]
             self.admissions += 1
             self.admitted_at[s] = self.admissions
+            self.limit_of[s] = int(self.limits[b])
             admits.append((s, self.region_of[g], self.row0 + b, self.limits[b]))
         self.queue = waiting
         return new_prompts, admits
@@ -1052,29 +1067,55 @@ class _PagedSchedule(_Schedule):
     def grow(self) -> None:
         """Each live row's pages for the next dispatch, oldest row first; a row the pool
         cannot serve is held back, and if all are, the youngest rows are preempted until the
-        oldest can grow. Then the table and which slots run go to the device."""
+        oldest can grow (a row in its first turn only: a later turn's environment has
+        stepped). Then the table and which slots run go to the device."""
         while True:
-            live = sorted(
-                (s for s, b in enumerate(self.slot_row) if b >= 0), key=self.admitted_at.__getitem__
-            )
+            live = self.live_by_age()
             self.stalled = set()
             for s in live:
-                more = self.pages_for(s) - len(self.own_pages[s])
-                if more > self.pool.available():
+                if self.pages_for(s) - len(self.own_pages[s]) > self.pool.available():
                     self.stalled.add(s)
-                elif more > 0:
-                    got = self.pool.alloc(more)
-                    n0 = self.q_ + len(self.own_pages[s])
-                    self.table_SxP[s, n0 : n0 + more] = got
-                    self.own_pages[s] += got
+                else:
+                    self.grow_to(s, self.pages_for(s))
             if not live or len(self.stalled) < len(live):
                 break
-            self.preempt(live[-1])
+            self.preempt_youngest(f"{len(live)} live rows' next pages")
         self.stats["slots_stalled"] += len(self.stalled)
-        done_S = np.asarray([b < 0 or s in self.stalled for s, b in enumerate(self.slot_row)])
+        done_S = np.asarray(
+            [b < 0 or s in self.stalled or s in self.waiting for s, b in enumerate(self.slot_row)]
+        )
         self.state = self.state._replace(
             table_SxP=jnp.asarray(self.table_SxP), done_S=jnp.asarray(done_S)
         )
+
+    def live_by_age(self) -> list[int]:
+        """Slots whose row decodes (not waiting for its environment), oldest first."""
+        live = [s for s, b in enumerate(self.slot_row) if b >= 0 and s not in self.waiting]
+        return sorted(live, key=self.admitted_at.__getitem__)
+
+    def preempt_youngest(self, what: str) -> None:
+        """Preempts the youngest decoding row still in its first turn; none: the pool is too
+        small for `what`."""
+        first_turn = [s for s in self.live_by_age() if self.turn_start[self.slot_row[s]] == 0]
+        if not first_turn:
+            raise RuntimeError(
+                f"continuous decoder: kv_pages={self.num_pages} cannot hold {what} and no row "
+                "in its first turn can be preempted (a later turn's environment has stepped); "
+                "give the decoder more pages (kv_pages) or fewer slots"
+            )
+        self.preempt(first_turn[-1])
+
+    def reenter_rows(self, entries) -> None:
+        """Pages for each observation (the row's own pages to its end), preempting first-turn
+        rows if the pool is short; then the observation goes into them."""
+        for s, ids, limit in entries:
+            own = -(-int(self.out_len[self.slot_row[s]]) // self.page)
+            while own - len(self.own_pages[s]) > self.pool.available():
+                self.preempt_youngest(f"an observation of {len(ids)} tokens")
+            self.grow_to(s, own)
+            self.limit_of[s] = int(limit)
+        self.state = self.state._replace(table_SxP=jnp.asarray(self.table_SxP))
+        super().reenter_rows(entries)
 
     def release_slot(self, s: int) -> None:
         """The pages slot `s`'s row holds: its own, and its reference to its group's."""

@@ -49,7 +49,7 @@ def check_config(config) -> None:
 
 def check_paged(config) -> None:
     """`rollout.kv_page_size` > 0: the local continuous decoder, a page size dividing
-    max_new_tokens, whole prefill, single-turn rows; else one ConfigError paragraph."""
+    max_new_tokens, whole prefill; else one ConfigError paragraph."""
     r, page = config.rollout, config.rollout.kv_page_size
     if not page:
         return
@@ -72,12 +72,6 @@ def check_paged(config) -> None:
             f"{where} prefills each prompt whole; config.rollout.prefill_chunk="
             f"{r.prefill_chunk} (chunked prefill) is for the contiguous slots. Set one of "
             "them to 0."
-        )
-    if config.get("env") is not None and config.env.name:
-        raise ConfigError(
-            f"{where} decodes one turn per row; config.env.name={config.env.name!r} "
-            "(multi-turn) re-enters observations into a slot's contiguous cache, which paged "
-            "KV does not do yet. Leave kv_page_size=0 for multi-turn rows."
         )
 
 

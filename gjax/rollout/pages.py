@@ -18,7 +18,8 @@ sequence is its prompt's Q pages (Sp columns used, masked) then its own tokens. 
 the host allocator: the scheduler (gjax.rollout.decoder._Schedule) gives each live row, before
 a dispatch, enough pages for `tokens_per_dispatch` more tokens, frees a row's own pages when it
 ends, and frees a group's prompt pages (refcounted: one reference per row holding them, one
-for the group) after the group's last row.
+for the group) after the group's last row. A multi-turn row's observation (`paged_reenter`)
+goes into pages allocated for it before the call.
 """
 
 from __future__ import annotations
@@ -266,3 +267,80 @@ def _poison(state: PagedState, pages_M) -> PagedState:
 paged_prefill_jit = jax.jit(paged_prefill, static_argnames=("cfg",), donate_argnames=("state",))
 paged_insert_jit = jax.jit(paged_insert, donate_argnames=("state",))
 poison_jit = jax.jit(_poison, donate_argnames=("state",))
+
+
+def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, count_M, limit_M):
+    """`decoder._reenter` on pages: the first `count_M` of `tokens_MxC` (an environment's
+    tokens) are appended to the rows in slots `slot_M` (index S: padding, dropped) at own
+    indices n_S .. n_S + count - 1, into the pages their table already holds for them; each
+    column attends the row's prompt pages, its own tokens and the chunk's earlier columns
+    under one softmax. A row with count > 0 takes the logits after its last column,
+    n_S += count, the limit `limit_M`, and is live again."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    m_, c_ = tokens_MxC.shape
+    s_, p_ = state.table_SxP.shape
+    page = state.pages_k[0].shape[1]
+    sp_ = state.prompt_mask_RxSp.shape[1]
+    q_ = prompt_pages(sp_, page)
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    slot_c = jnp.minimum(slot_M, s_ - 1)  # padding entries read slot S-1, write nothing
+    region_M = state.region_S[slot_c]
+    table_MxP = state.table_SxP[slot_c]
+    n0_M = state.n_S[slot_c]
+    own_MxC = n0_M[:, None] + jnp.arange(c_)[None, :]  # own indices of the chunk's columns
+    real_MxC = (jnp.arange(c_)[None, :] < count_M[:, None]) & (slot_M[:, None] < s_)
+    at_MxC = jnp.minimum(q_ + own_MxC // page, p_ - 1)
+    page_MxC = jnp.where(real_MxC, jnp.take_along_axis(table_MxP, at_MxC, 1), NULL_PAGE)
+    off_MxC = own_MxC % page
+    pos_MxC = state.prompt_len_R[region_M][:, None] + own_MxC
+    cols = jnp.arange(p_ * page)
+    prompt_mask = jnp.pad(state.prompt_mask_RxSp, ((0, 0), (0, p_ * page - sp_)))[region_M]
+    own_col = cols[None, None, :] - q_ * page  # [1, 1, P*page]: own index of each column
+    # a column is read if written: the row's history and the chunk's real columns up to the
+    # query's (a padding query reads the real ones only: no unwritten column is ever valid)
+    last_MxC = jnp.minimum(own_MxC, (n0_M + count_M - 1)[:, None])
+    valid_MxCxW = prompt_mask.astype(bool)[:, None, :] | (
+        (own_col >= 0) & (own_col <= jnp.maximum(last_MxC, n0_M[:, None] - 1)[..., None])
+    )
+    x = jnp.take(params["embed"]["embedding"], tokens_MxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_MxC.reshape(-1), cfg)
+    pages_k, pages_v = list(state.pages_k), list(state.pages_v)
+    scale = 1.0 / math.sqrt(dh)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [M*C, H|K, Dh]
+        put = lambda pool, new: pool.at[page_MxC, off_MxC].set(
+            new.reshape(m_, c_, kv_, dh).astype(dtype)
+        )
+        pages_k[i], pages_v[i] = put(pages_k[i], k), put(pages_v[i], v)
+        k_MxWxKxDh = jnp.take(pages_k[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
+        v_MxWxKxDh = jnp.take(pages_v[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
+        q_MxKxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        scores = jnp.einsum(
+            "mkrcd,mwkd->mkrcw", q_MxKxRxCxDh, k_MxWxKxDh, preferred_element_type=f32
+        )
+        valid = valid_MxCxW[:, None, None]
+        scores = jnp.where(valid, scores * scale, _MASK_VALUE)
+        e = jnp.exp(scores - scores.max(-1, keepdims=True))
+        e = jnp.where(valid, e, 0.0)  # a stale column's value never meets a nonzero weight
+        v_MxWxKxDh = jnp.where(valid_MxCxW.any(1)[:, :, None, None], v_MxWxKxDh, 0)
+        out = jnp.einsum("mkrcw,mwkd->mkrcd", e.astype(dtype), v_MxWxKxDh)
+        out = out / e.sum(-1)[..., None].astype(dtype)
+        x = decode_layer_out(lp, x, out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh), cfg)
+    hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
+    last_M = jnp.clip(count_M - 1, 0, c_ - 1)
+    hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
+    logits_MxV = logits_from_hidden(params, cfg, hidden_MxD).astype(jnp.float32)
+    slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
+    put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
+    return state._replace(
+        pages_k=pages_k,
+        pages_v=pages_v,
+        n_S=put(state.n_S, n0_M + count_M),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, logits_MxV),
+        done_S=put(state.done_S, jnp.zeros(slot_M.shape, bool)),
+    )
+
+
+paged_reenter_jit = jax.jit(paged_reenter, static_argnames=("cfg",), donate_argnames=("state",))
