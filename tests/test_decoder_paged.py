@@ -119,6 +119,7 @@ def test_config_kv_page_size(static_greedy):
             check_config(bad)
 
 
+@pytest.mark.slow  # compiles the re-entry programs (15-40 s on a busy 2-core CPU)
 def test_paged_multi_turn_episodes_equal_contiguous():
     """Sampled, three turns (tests/test_decoder_turns.py's rows): observations re-enter into
     pages allocated for them (pages of 4, observations 2 columns per call); the trajectories
