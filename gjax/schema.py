@@ -270,6 +270,15 @@ SCHEMA: dict[str, Any] = {
             "dispatches, so a long prompt does not stall decoding (0: each prompt whole)",
             _NONNEG,
         ),
+        "kv_page_size": Field(
+            0,
+            "decoder=continuous: tokens per KV page (gjax.rollout.pages: pages allocated as a "
+            "row grows and freed when it ends, a group's prompt pages shared by its rows, a "
+            "page table per slot; divides max_new_tokens; whole prefill; the pool has the "
+            "contiguous layout's KV bytes) | 0: each slot a contiguous max_new_tokens cache "
+            "(the default)",
+            _NONNEG,
+        ),
         "weight_change": Field(
             "finish",
             "jetstream*: requests decoding when new weights land (between generate calls): "
