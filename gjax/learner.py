@@ -9,6 +9,9 @@
   * `Learner.batch`: a rollout's groups -> the update's device batch, with the teacher-forced
                      passes (old log-probs of anchors, reference log-probs) done on device.
 
+Both trace under `sharding.sequence_rules()`: on a mesh with `mesh.seq` > 1 their token
+axis is split over the sequence shards (ring attention; rollouts keep whole rows).
+
 Array naming: `*_BxS` are full sequences (prompt ++ completion, S = S_prompt + T), `*_BxT`
 are aligned with the T completion tokens (hidden[t] predicts targets[t]), `*_PxG` per sample.
 """
@@ -110,6 +113,17 @@ def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainSta
 # ------------------------------------------------------------------------------ device steps
 
 
+def _sequence_sharded(fn: Callable) -> Callable:
+    """`fn` traced under `sharding.sequence_rules()`: its token axis over `mesh.seq`."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with sharding.use_rules(sharding.sequence_rules()):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
     """Final hidden states at the T positions that predict the completion tokens."""
     t = batch["targets_BxT"].shape[1]
@@ -120,6 +134,7 @@ def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
     return hidden_BxSxD[:, s - t - 1 : s - 1]
 
 
+@_sequence_sharded
 def policy_logps(
     params,
     batch,
@@ -247,6 +262,7 @@ def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int, read
     return jax.tree.map(micro, (inputs, mb, mprep))
 
 
+@_sequence_sharded
 def update(
     state: TrainState,
     batch: dict[str, jax.Array],

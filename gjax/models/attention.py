@@ -35,6 +35,21 @@ Implementations (`model.attention`):
   only in jax's private cuDNN module, not used here.
 - "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
 
+Sequence shards (`mesh.seq` > 1: the update and the log-prob passes, whose rules put the
+token axis on `seq`, `gjax.sharding.sequence_rules`): `ring` attention, whatever
+`model.attention` says. Each device holds a contiguous block of T / n tokens of every row
+(its queries and keys), and the key / value / segment-id blocks travel round the `seq` ring
+(`lax.ppermute`, n - 1 hops), each met block merged into the queries' running softmax
+(flash attention's online max and sum, f32). Blocks wholly above the causal diagonal are
+skipped; segment ids mask across rows packed into a bin as everywhere else; batch and heads
+stay split as the rules place them. Chosen over all-to-all head-sharded attention
+(Ulysses) by communicated bytes per layer, counted from the compiled programs
+(`benchmarks/seq_attention_bytes.py`): a GQA model sends its few KV heads round the ring,
+fewer bytes than q, k, v and the output through two all-to-alls (Qwen2.5-1.5B: 12 query
+heads, 2 KV heads), and it needs no head count divisible by n (12 heads and n = 8).
+Each block pair is the xla math (a [T/n x T/n] f32 score tile per head, recomputed in the
+backward pass: `jax.checkpoint`); no per-block Pallas kernel is wired in yet.
+
 The Pallas kernels are custom calls XLA cannot split: on a multi-device context mesh
 (`jax.set_mesh`) `attend` runs them in a `jax.shard_map`, batch and heads split as
 `gjax.sharding`'s rules place the activations (`sharded_specs`), so each device attends its
@@ -241,11 +256,13 @@ def cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, backend="cudnn
 
 def layer_input(impl: str, segment_ids_BxT):
     """What every layer's `attend` takes, built once per forward: the dense mask for xla,
-    the segment ids for the kernels."""
+    the segment ids for the kernels and for `ring` (sequence shards)."""
+    if sharding.sequence_shards(segment_ids_BxT.shape[-1]) > 1:
+        return segment_ids_BxT
     return dense_mask(segment_ids_BxT) if impl in ("xla", "xla_blocked") else segment_ids_BxT
 
 
-def shard_specs(mesh, q_shape, kv_heads: int):
+def shard_specs(mesh, q_shape, kv_heads: int, *, split_length: bool = False):
     """(q / k / v spec, segment-ids spec, repeat_kv): how a kernel runs per shard of `mesh`.
     Batch over the rules' `batch` axes and query heads over their `q_heads` axes, as
     `sharding.constrain` places the activations (each dropped where it does not divide);
@@ -253,20 +270,99 @@ def shard_specs(mesh, q_shape, kv_heads: int):
     axes as the query heads they serve when those divide them (shard i's query heads h read
     kv heads h // R, all in shard i); otherwise (or when the rules place `kv_heads`
     elsewhere) `repeat_kv`: k / v are repeated to the query heads first (correct, at the
-    repeat's cost)."""
-    batch, _, heads, _ = sharding.logical_to_spec(
+    repeat's cost). `split_length` (ring attention): length over the rules' `length` axes."""
+    batch, length, heads, _ = sharding.logical_to_spec(
         ("batch", "length", "q_heads", None), mesh=mesh, shape=q_shape, drop_indivisible=True
     )
+    length = length if split_length else None
     kv_axes = sharding.logical_to_spec(("batch", "length", "kv_heads", None))[2]
     n = sharding.mesh_axis_size(mesh, heads)
     repeat_kv = n > 1 and (kv_heads % n != 0 or kv_axes != heads)
-    return P(batch, None, heads, None), P(batch, None), repeat_kv
+    return P(batch, length, heads, None), P(batch, length), repeat_kv
+
+
+def _ring_shard(q_BxNxHxDh, k_BxNxKxDh, v_BxNxKxDh, seg_BxN, *, axis, shards: int):
+    """One device's part of `ring`: its N = T / shards queries against every block of keys,
+    the blocks passed on round the ring of `axis`."""
+    b, n, h, dh = q_BxNxHxDh.shape
+    kv = k_BxNxKxDh.shape[2]
+    me = jax.lax.axis_index(axis)
+    q_BxNxKxRxDh = q_BxNxHxDh.reshape(b, n, kv, h // kv, dh)
+    pos_N = jnp.arange(n)
+    q_pos_N = me * n + pos_N
+    to_next = [(i, (i + 1) % shards) for i in range(shards)]
+
+    @jax.checkpoint  # the backward pass recomputes a block's scores: no [N x N] residuals
+    def merge(carry, k_BxNxKxDh, v_BxNxKxDh, seg_k_BxN, src):
+        out_BxKxRxNxDh, max_BxKxRxN, sum_BxKxRxN = carry
+        k_pos_N = src * n + pos_N
+        mask_BxNxN = (
+            (k_pos_N[None, None, :] <= q_pos_N[None, :, None])
+            & (seg_BxN[:, :, None] == seg_k_BxN[:, None, :])
+            & (seg_k_BxN[:, None, :] != 0)
+        )
+        scores = jnp.einsum(
+            "bnkrd,bmkd->bkrnm", q_BxNxKxRxDh, k_BxNxKxDh, preferred_element_type=jnp.float32
+        ) / math.sqrt(dh)
+        scores = jnp.where(mask_BxNxN[:, None, None], scores, MASK_VALUE)
+        # The running max only steadies the exponentials (the result does not depend on it).
+        new_max = jax.lax.stop_gradient(jnp.maximum(max_BxKxRxN, scores.max(-1)))
+        e = jnp.exp(scores - new_max[..., None])
+        rescale = jnp.exp(max_BxKxRxN - new_max)
+        sum_BxKxRxN = rescale * sum_BxKxRxN + e.sum(-1)
+        out_BxKxRxNxDh = rescale[..., None] * out_BxKxRxNxDh + jnp.einsum(
+            "bkrnm,bmkd->bkrnd",
+            e.astype(v_BxNxKxDh.dtype),
+            v_BxNxKxDh,
+            preferred_element_type=jnp.float32,
+        )
+        return out_BxKxRxNxDh, new_max, sum_BxKxRxN
+
+    def merge_if_visible(carry, k, v, seg_k, src):  # blocks after ours are causally masked
+        return jax.lax.cond(src <= me, merge, lambda c, *_: c, carry, k, v, seg_k, src)
+
+    stats = jnp.full((b, kv, h // kv, n), MASK_VALUE, jnp.float32)
+    carry = (jnp.zeros((b, kv, h // kv, n, dh), jnp.float32), stats, jnp.zeros_like(stats))
+    carry = merge(carry, k_BxNxKxDh, v_BxNxKxDh, seg_BxN, me)
+
+    def hop(state, i):
+        carry, blocks = state
+        blocks = tuple(jax.lax.ppermute(x, axis, to_next) for x in blocks)
+        carry = merge_if_visible(carry, *blocks, (me - i) % shards)
+        return (carry, blocks), None
+
+    blocks = (k_BxNxKxDh, v_BxNxKxDh, seg_BxN)
+    (carry, _), _ = jax.lax.scan(hop, (carry, blocks), jnp.arange(1, shards))
+    out_BxKxRxNxDh, _, sum_BxKxRxN = carry
+    out = out_BxKxRxNxDh / sum_BxKxRxN[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, h, dh).astype(q_BxNxHxDh.dtype)
+
+
+def ring(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT):
+    """Ring attention over the context mesh's sequence shards (module docstring): the same
+    masked GQA attention as `xla`, from segment ids, without any device holding more than
+    its T / n queries and two key / value blocks."""
+    mesh = jax.sharding.get_abstract_mesh()
+    h, kv = q_BxTxHxDh.shape[2], k_BxTxKxDh.shape[2]
+    spec, seg_spec, repeat_kv = shard_specs(mesh, q_BxTxHxDh.shape, kv, split_length=True)
+    if repeat_kv:
+        k_BxTxKxDh, v_BxTxKxDh = (jnp.repeat(x, h // kv, axis=2) for x in (k_BxTxKxDh, v_BxTxKxDh))
+    axis = spec[1]
+    per_shard = jax.shard_map(
+        functools.partial(_ring_shard, axis=axis, shards=sharding.mesh_axis_size(mesh, axis)),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, seg_spec),
+        out_specs=spec,
+    )
+    return per_shard(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT)
 
 
 def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in, *, interpret=False):
     """Attention by a resolved implementation (`resolve`); `layer_in` from `layer_input`.
     The Pallas kernels run per shard of the context mesh, if any (module docstring);
-    `interpret` runs them in Pallas' interpreter (tests on CPU)."""
+    `interpret` runs them in Pallas' interpreter (tests on CPU). Sequence shards: `ring`."""
+    if sharding.sequence_shards(q_BxTxHxDh.shape[1]) > 1:
+        return ring(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     if impl == "xla":
         return xla(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     if impl == "xla_blocked":

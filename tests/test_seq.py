@@ -1,0 +1,114 @@
+"""Sequence shards (`mesh.seq`, ring attention): the packed update and the log-prob pass on
+meshes that split every bin's tokens equal one device, forward and gradients (8 fake CPU
+devices, conftest.py); and their validation."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from gjax import objective as obj
+from gjax import packing, sharding
+from gjax.learner import init_state, make_learner
+from gjax.models import attention
+from gjax.models.transformer import init_params
+from tests.test_learner import CFG
+from tests.test_packing import K, M, host_batch
+
+PACK = packing.Packing(bins=8, length=28)  # 28 tokens a bin: 2 or 4 shards of 14 or 7
+
+
+def assert_same_update(want, got, what):
+    """Same metrics and params (the packing mesh test's tolerances: rtol = atol = 1e-6)."""
+    (s0, m0), (s1, m1) = want, got
+    assert set(m0) == set(m1), what
+    for k in m0:
+        np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, atol=1e-6, err_msg=f"{what}: {k}")
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(s0.params), jax.tree.leaves(s1.params), strict=True
+    ):
+        np.testing.assert_allclose(
+            b, a, rtol=1e-6, atol=1e-6, err_msg=f"{what}: {jax.tree_util.keystr(path)}"
+        )
+
+
+def _run(mesh_shape, params, host, oc):
+    """(log-probs, update) of the packed learner on a mesh of `mesh_shape` (the first
+    prod(shape) devices), and whether its update program passes blocks round a ring."""
+    n = int(np.prod(list(mesh_shape.values())))
+    mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:n])
+    tx = optax.sgd(1.0)  # new params = params - gradient: compares the gradients
+    train_cfg = ml_collections.ConfigDict(
+        dict(
+            minibatches=M,
+            microbatches=K,
+            num_iterations=1,
+            packing="packed",
+            pack_bins=PACK.bins,
+            pack_length=PACK.length,
+        )
+    )
+    with jax.set_mesh(mesh), sharding.use_rules():
+        placed = sharding.shard_params(jax.tree.map(jnp.copy, params), mesh)  # donated
+        state, shardings = init_state(placed, tx, mesh)
+        learner = make_learner(
+            mesh=mesh,
+            model_cfg=CFG,
+            obj_cfg=oc,
+            tx=tx,
+            state_shardings=shardings,
+            train_cfg=train_cfg,
+        )
+        batch = learner.transfer.put_batch(host)
+        logps = learner.logps(state.params, batch)
+        text = learner.update.lower(state, batch, jax.random.key(0)).compile().as_text()
+        out = learner.update(state, batch, jax.random.key(0))
+    return jax.device_get(logps), jax.device_get(out), "collective-permute" in text
+
+
+@pytest.mark.slow  # about 40 s on 2 busy cores: four meshes, each compiles its update
+def test_sequence_shards_equal_one_device_forward_and_gradients():
+    """seq = 2 and 4, alone and as data 2 x seq 2 x tensor 2: the reference log-probs and the
+    whole update (GSPO with a KL term: per-sequence ratios from the bins' segment ids; loss,
+    every metric, every parameter gradient) equal seq = 1 within the packing mesh test's
+    tolerances. Rows are packed several to a bin, so segment ids mask across shards."""
+    params = init_params(CFG, jax.random.key(4))
+    host = host_batch(params, seed=5, pack=PACK, prompts=8)
+    bins_B = host["pack_bin_B"] + (np.arange(len(host["pack_bin_B"])) % M) * PACK.bins
+    assert np.bincount(bins_B[host["pack_len_B"] > 0]).max() >= 3  # really packs
+    oc = obj.ObjectiveConfig.preset("gspo", kl_beta=0.04)
+    ref_logps, ref, ring = _run({"data": 1}, params, host, oc)
+    assert not ring
+    assert float(ref[1]["loss/kl"]) > 0
+    for shape in ({"seq": 2}, {"seq": 4}, {"data": 2, "seq": 2, "tensor": 2}):
+        logps, out, ring = _run(shape, params, host, oc)
+        assert ring, shape  # the blocks went round the seq ring
+        np.testing.assert_allclose(logps, ref_logps, rtol=1e-6, atol=1e-6, err_msg=str(shape))
+        assert_same_update(ref, out, str(shape))
+
+
+def test_ring_attention_equals_dense_with_packed_segments():
+    """`attention.ring` on data 2 x seq 4 (GQA, two rows packed into a bin, padding) equals
+    the dense masked attention at real queries, and so do the gradients."""
+    rng = np.random.default_rng(0)
+    b, t, h, kv, dh = 2, 16, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, dh)), jnp.float32) for n in (h, kv, kv))
+    seg = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 4, [0] * 3 + [1] * 13], jnp.int32)
+    real = np.asarray(seg > 0)[..., None, None]
+
+    def loss(q, k, v):
+        out = attention.attend("xla", q, k, v, attention.layer_input("xla", seg))
+        return jnp.sum(jnp.where(real, out, 0.0) ** 2), out
+
+    (_, want), grads_want = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    mesh = sharding.make_mesh({"data": 2, "seq": 4})
+    with jax.set_mesh(mesh), sharding.use_rules(sharding.sequence_rules()):
+        assert sharding.sequence_shards(t) == 4 and sharding.sequence_shards(t + 2) == 1
+        fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+        (_, got), grads = fn(q, k, v)
+        assert "collective-permute" in fn.lower(q, k, v).compile().as_text()
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-6)
+    for g, gw in zip(grads, grads_want):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
