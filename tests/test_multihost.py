@@ -111,8 +111,8 @@ def test_process_blocks_factor_split_axes_or_refuse():
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
-    factored = sharding.host_factored_mesh(mesh, (1, 2, 1))
-    assert dict(factored.shape) == {"data": 2, "fsdp_procs": 2, "fsdp": 2, "tensor": 1}
+    factored = sharding.host_factored_mesh(mesh, (1, 2, 1, 1))
+    assert dict(factored.shape) == {"data": 2, "fsdp_procs": 2, "fsdp": 2, "seq": 1, "tensor": 1}
     x = np.arange(64.0).reshape(8, 8)
     spec = PartitionSpec("fsdp", "data")
     y = jax.jit(lambda a: a, out_shardings=NamedSharding(factored, spec))(
