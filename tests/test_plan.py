@@ -40,7 +40,7 @@ def tiny_plan():
 @pytest.mark.slow  # the module's plan: about 35 s of compiles, cold
 def test_rows_count_what_each_mode_holds(tiny_plan):
     config, hf, rows, mesh = tiny_plan
-    assert mesh == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert mesh == {"data": 2, "fsdp": 1, "seq": 1, "tensor": 1}
     assert list(rows) == ["full", "lora", "qlora"]
     full, lora_row, qlora = rows["full"], rows["lora"], rows["qlora"]
     cfg = plan.model_config(config, hf)

@@ -2,6 +2,8 @@
 meshes that split every bin's tokens equal one device, forward and gradients (8 fake CPU
 devices, conftest.py); and their validation."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -89,24 +91,32 @@ def test_sequence_shards_equal_one_device_forward_and_gradients():
         assert_same_update(ref, out, str(shape))
 
 
-def test_ring_attention_equals_dense_with_packed_segments():
+@pytest.mark.parametrize("tile", [attention.RING_TILE, 2])  # a block whole, in 2 tiles
+def test_ring_attention_equals_dense_with_packed_segments(tile):
     """`attention.ring` on data 2 x seq 4 (GQA, two rows packed into a bin, padding) equals
-    the dense masked attention at real queries, and so do the gradients."""
+    the dense masked attention at real queries, and so do the gradients; with 2-key score
+    tiles too (blocks of 4 keys)."""
     rng = np.random.default_rng(0)
     b, t, h, kv, dh = 2, 16, 4, 2, 8
     q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, dh)), jnp.float32) for n in (h, kv, kv))
     seg = jnp.asarray([[1] * 5 + [2] * 7 + [0] * 4, [0] * 3 + [1] * 13], jnp.int32)
     real = np.asarray(seg > 0)[..., None, None]
 
-    def loss(q, k, v):
-        out = attention.attend("xla", q, k, v, attention.layer_input("xla", seg))
+    def loss(q, k, v, attend=attention.attend):
+        out = attend("xla", q, k, v, attention.layer_input("xla", seg))
         return jnp.sum(jnp.where(real, out, 0.0) ** 2), out
 
+    def ring(impl, q, k, v, seg):
+        return attention.ring(q, k, v, seg, tile=tile)
+
     (_, want), grads_want = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
+    assert attention.key_tile(4, tile) == min(tile, 4)
     mesh = sharding.make_mesh({"data": 2, "seq": 4})
     with jax.set_mesh(mesh), sharding.use_rules(sharding.sequence_rules()):
         assert sharding.sequence_shards(t) == 4 and sharding.sequence_shards(t + 2) == 1
-        fn = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+        fn = jax.jit(
+            jax.value_and_grad(functools.partial(loss, attend=ring), (0, 1, 2), has_aux=True)
+        )
         (_, got), grads = fn(q, k, v)
         assert "collective-permute" in fn.lower(q, k, v).compile().as_text()
     np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=2e-6)
