@@ -187,6 +187,12 @@ def policy_logps(
         targets_JxW = packing.take_reads(targets_JxW, read_JxC)
     head_DxV = lm_head_kernel(params, cfg)
     pieces = math.gcd(total, shards)  # contiguous blocks of bins, one per device
+    seq = sharding.sequence_shards(hidden_JxWxD.shape[1])
+    if seq > 1:  # and blocks of positions, one per sequence shard
+        hidden_JxWxD, targets_JxW = (
+            packing.shard_major(x, seq) for x in (hidden_JxWxD, targets_JxW)
+        )
+        pieces *= seq
 
     def head_logps(hidden_NxD, targets_N):
         return token_logps(
@@ -197,6 +203,8 @@ def policy_logps(
         hidden_JxWxD.reshape(pieces, -1, hidden_JxWxD.shape[-1]),
         targets_JxW.reshape(pieces, -1),
     ).reshape(-1)
+    if seq > 1:
+        logps_N = packing.from_shard_major(logps_N.reshape(seq * total, -1), seq).reshape(-1)
     if "pack_reads_C" in batch:  # back to the bins' [J, W] places
         rows_JxC = jnp.broadcast_to(jnp.arange(total)[:, None], read_JxC.shape)
         logps_JxW = jnp.zeros((total, width), logps_N.dtype)
@@ -316,6 +324,11 @@ def update(
         )
         if "read_JxC" in inputs:  # the head at the read positions only
             hidden_JxWxD = packing.take_reads(hidden_JxWxD, inputs["read_JxC"])
+        seq = sharding.sequence_shards(hidden_JxWxD.shape[1])
+        if seq > 1:  # the loss is a sum over tokens: each sequence shard's own, first
+            hidden_JxWxD, mb, mprep = jax.tree.map(
+                lambda x: packing.shard_major(x, seq), (hidden_JxWxD, mb, mprep)
+            )
         return obj.micro_batch_loss(
             hidden_JxWxD,
             lm_head_kernel(params, cfg),

@@ -16,7 +16,9 @@ code runs unsharded.
 Mapping a tuple of logical axes follows flax (`nn.logical_to_mesh_axes`): rules apply in
 order and a mesh axis shards at most one dimension, so with the default rules activations
 `("batch", "length", "embed")` become `P(("data", "fsdp"), None, None)` while the weight
-`("embed", "mlp")` becomes `P("fsdp", "tensor")`. `use_rules` also installs the rules for
+`("embed", "mlp")` becomes `P(("fsdp", "seq"), "tensor")`: parameters are sharded over the
+sequence shards as over fsdp (`param_shardings` leaves out mesh axes of size 1, so with
+seq = 1 that is `P("fsdp", "tensor")`). `use_rules` also installs the rules for
 flax's `nn.with_logical_constraint`, which the model uses for its activations.
 
 The `seq` axis (`mesh.seq`, context parallelism) shards the token axis of the update's and
@@ -55,7 +57,7 @@ Rules = Mapping[str, MeshAxes]
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),
     "length": None,
-    "embed": "fsdp",
+    "embed": ("fsdp", "seq"),  # params over fsdp x seq (ZeRO over the sequence shards too)
     "vocab": "tensor",
     "q_heads": "tensor",
     "kv_heads": "tensor",
@@ -549,7 +551,7 @@ def param_shardings(params: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     problems: list[str] = []
 
     def sharding(path, leaf, names):
-        spec = logical_to_spec(names, rules)
+        spec = _without_unit_axes(logical_to_spec(names, rules), mesh)
         for dim, (axes, size) in enumerate(zip(spec, leaf.shape)):
             n = mesh_axis_size(mesh, axes)
             if size % n:
@@ -580,6 +582,16 @@ _AXIS_FIELDS = {
     "mlp": ("intermediate_size",),
     "layers": ("num_layers",),
 }
+
+
+def _without_unit_axes(spec: P, mesh) -> P:
+    """`spec` without the mesh axes of size 1 (the same layout, spelled as without them)."""
+
+    def entry(e):
+        axes = tuple(a for a in _as_tuple(e) if mesh.shape[a] > 1)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return P(*(entry(e) for e in spec))
 
 
 def validate_model_sharding(cfg, mesh: Mesh, rules: Rules | None = None) -> None:

@@ -124,7 +124,12 @@ def test_make_mesh_errors(shape, match):
 
 def test_logical_to_spec():
     assert sharding.logical_to_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
-    assert sharding.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    # params over fsdp x seq; param_shardings spells a size-1 seq axis out of the spec
+    assert sharding.logical_to_spec(("embed", "mlp")) == P(("fsdp", "seq"), "tensor")
+    seq = sharding.sequence_rules()
+    assert sharding.logical_to_spec(("batch", "length", "embed"), seq) == P(
+        ("data", "fsdp"), "seq", None
+    )
     assert sharding.logical_to_spec(("layers", None, "vocab")) == P(None, None, "tensor")
     with pytest.raises(KeyError, match=r"no sharding rule for logical axis 'heads'; rules cover"):
         sharding.logical_to_spec(("batch", "heads"))
