@@ -17,8 +17,8 @@ Mapping a tuple of logical axes follows flax (`nn.logical_to_mesh_axes`): rules 
 order and a mesh axis shards at most one dimension, so with the default rules activations
 `("batch", "length", "embed")` become `P(("data", "fsdp"), None, None)` while the weight
 `("embed", "mlp")` becomes `P(("fsdp", "seq"), "tensor")`: parameters are sharded over the
-sequence shards as over fsdp (`param_shardings` leaves out mesh axes of size 1, so with
-seq = 1 that is `P("fsdp", "tensor")`). `use_rules` also installs the rules for
+sequence shards as over fsdp (`param_shardings` leaves `seq` out where it has size 1, so
+with seq = 1 that is `P("fsdp", "tensor")`). `use_rules` also installs the rules for
 flax's `nn.with_logical_constraint`, which the model uses for its activations.
 
 The `seq` axis (`mesh.seq`, context parallelism) shards the token axis of the update's and
@@ -585,10 +585,11 @@ _AXIS_FIELDS = {
 
 
 def _without_unit_axes(spec: P, mesh) -> P:
-    """`spec` without the mesh axes of size 1 (the same layout, spelled as without them)."""
+    """`spec` without `seq` where it has size 1 (the same layout, spelled as before the seq
+    axis existed: params' specs on a mesh without sequence shards stay as they were)."""
 
     def entry(e):
-        axes = tuple(a for a in _as_tuple(e) if mesh.shape[a] > 1)
+        axes = tuple(a for a in _as_tuple(e) if a != "seq" or mesh.shape[a] > 1)
         return None if not axes else axes[0] if len(axes) == 1 else axes
 
     return P(*(entry(e) for e in spec))

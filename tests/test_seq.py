@@ -170,3 +170,22 @@ def test_a_row_longer_than_the_models_positions_is_refused_at_validation():
     check_length(c, 56)
     with pytest.raises(ConfigError, match=r"24 \+ 32 = 56 tokens exceeds .*=48.* at most 48"):
         check_length(c, 48)
+
+
+@pytest.mark.slow  # one update compile, 20-50 s on 2 busy cores
+def test_the_planner_compiles_the_update_alone_with_sequence_shards():
+    """gjax.plan with mesh.seq = 2 and rollout=False (--norollout): the update is compiled on
+    the seq mesh, no rollout program (its figures 0)."""
+    from gjax import plan
+    from tests.test_plan import _config
+
+    def temp(seq):
+        config = _config(decoder="static")
+        config.mesh.seq, config.mesh.data = seq, 2 // seq
+        hf = plan._hf_of(config, None)
+        rows, mesh = plan.make_plan(config, hf, jax.devices()[:2], modes=("full",), rollout=False)
+        assert mesh["seq"] == seq
+        assert all(rows[0].figures[k] == 0 for k in plan.NO_ROLLOUT)
+        return rows[0].figures["update_temp"]
+
+    assert temp(2) > 0
