@@ -3,6 +3,7 @@ meshes that split every bin's tokens equal one device, forward and gradients (8 
 devices, conftest.py); and their validation."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -67,7 +68,7 @@ def _run(mesh_shape, params, host, oc):
         logps = learner.logps(state.params, batch)
         compiled = learner.update.lower(state, batch, jax.random.key(0)).compile()
         out = compiled(state, batch, jax.random.key(0))
-    return jax.device_get(logps), jax.device_get(out), "collective-permute" in compiled.as_text()
+    return jax.device_get(logps), jax.device_get(out), compiled.as_text()
 
 
 @pytest.mark.slow  # three meshes, each compiles its update: 30-90 s on 2 cores
@@ -81,12 +82,16 @@ def test_sequence_shards_equal_one_device_forward_and_gradients():
     bins_B = host["pack_bin_B"] + (np.arange(len(host["pack_bin_B"])) % M) * PACK.bins
     assert np.bincount(bins_B[host["pack_len_B"] > 0]).max() >= 3  # really packs
     oc = obj.ObjectiveConfig.preset("gspo", kl_beta=0.04)
-    ref_logps, ref, ring = _run({"data": 1}, params, host, oc)
-    assert not ring
+    ref_logps, ref, text = _run({"data": 1}, params, host, oc)
+    assert "collective-permute" not in text
     assert float(ref[1]["loss/kl"]) > 0
     for shape in ({"seq": 4}, {"data": 2, "seq": 2, "tensor": 2}):
-        logps, out, ring = _run(shape, params, host, oc)
-        assert ring, shape  # the blocks went round the seq ring
+        logps, out, text = _run(shape, params, host, oc)
+        assert "collective-permute" in text, shape  # the blocks went round the seq ring
+        # and no device gathers a bin's whole width of hidden states or MLP activations
+        widths = f"({CFG.hidden_size}|{CFG.intermediate_size})"
+        full = re.compile(rf"= f32\[\d+,{PACK.length},{widths}\]\{{[^}}]*\}} all-gather\(")
+        assert not full.search(text), (shape, full.search(text))
         np.testing.assert_allclose(logps, ref_logps, rtol=1e-6, atol=1e-6, err_msg=str(shape))
         assert_same_update(ref, out, str(shape))
 
