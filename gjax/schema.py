@@ -149,6 +149,14 @@ SCHEMA: dict[str, Any] = {
             1, "devices on the fully sharded data-parallel axis (-1: all the rest)", _AXIS
         ),
         "tensor": Field(1, "devices on the tensor-parallel axis (-1: all the rest)", _AXIS),
+        # Context parallelism: the update's and the log-prob passes' token axis over `seq`
+        # devices (ring attention, gjax.models.attention.ring); rollouts keep whole rows.
+        "seq": Field(
+            1,
+            "devices each row's tokens are split over in the update and the log-prob passes "
+            "(ring attention; divides the bin / row length; rollouts are unaffected)",
+            _COUNT,
+        ),
         # The train mesh (data x fsdp x tensor) then spans the other devices; with H processes
         # each gives its last rollout_devices / H (gjax.sharding.make_meshes).
         "rollout_devices": Field(

@@ -116,8 +116,8 @@ def test_process_blocks_factor_split_axes_or_refuse():
     from jax.sharding import NamedSharding, PartitionSpec
 
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
-    factored = sharding.host_factored_mesh(mesh, (1, 2, 1))
-    assert dict(factored.shape) == {"data": 2, "fsdp_procs": 2, "fsdp": 2, "tensor": 1}
+    factored = sharding.host_factored_mesh(mesh, (1, 2, 1, 1))
+    assert dict(factored.shape) == {"data": 2, "fsdp_procs": 2, "fsdp": 2, "seq": 1, "tensor": 1}
     x = np.arange(64.0).reshape(8, 8)
     spec = PartitionSpec("fsdp", "data")
     y = jax.jit(lambda a: a, out_shardings=NamedSharding(factored, spec))(
@@ -460,6 +460,18 @@ def test_two_processes_train_as_one_and_resume(tmp_path):
     assert json.loads((two / "summary.json").read_text()) == json.loads(
         (ref / "summary.json").read_text()
     )
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
+def test_two_processes_with_sequence_shards_train_as_one(tmp_path):
+    """mesh.seq = 2 (data 4 x seq 2: each process a data 2 x seq 2 block, the ring within a
+    process): two processes of 4 devices train as one of 8, to `_assert_same_run`."""
+    ref, two = tmp_path / "one_process", tmp_path / "two_processes"
+    seq = ("--config.mesh.seq=2",)
+    _train(ref, 2, processes=1, extra=seq)
+    _train(two, 2, processes=2, extra=seq)
+    _assert_same_run(_rows(ref), _rows(two), _state(ref, 2), _state(two, 2), updates=2)
 
 
 _GATHER = """
