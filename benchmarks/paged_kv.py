@@ -35,7 +35,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from rollout_backends import add_model_args, model_config  # noqa: E402 - this folder
+from rollout_backends import add_model_args, model_config, random_prompts  # noqa: E402 - this folder
 
 from gjax.models import transformer as tr  # noqa: E402
 from gjax.rollout import SamplingParams  # noqa: E402
@@ -66,12 +66,7 @@ def main():
     params = tr.init_params(cfg, jax.random.key(0))
     rng = np.random.RandomState(0)
     p_, g_, n_, sp_len = args.prompts, args.samples, args.new_tokens, args.max_prompt
-    plen = rng.randint(max(1, sp_len // 3), sp_len + 1, p_)
-    tokens = np.zeros((p_, sp_len), np.int32)
-    mask = np.zeros_like(tokens)
-    for i, n in enumerate(plen):  # left-padded
-        tokens[i, -n:] = rng.randint(3, cfg.vocab_size, n)
-        mask[i, -n:] = 1
+    tokens, mask = random_prompts(p_, sp_len, cfg.vocab_size, rng)
     lengths = pareto_lengths(p_ * g_, n_, rng)
     budget = args.kv_budget or 16 * (n_ + sp_len)
 
