@@ -104,6 +104,18 @@ def qwen2_config(dims: dict, dtype: str) -> ModelConfig:
     )
 
 
+def random_prompts(p_: int, sp_len: int, vocab: int, rng) -> tuple[np.ndarray, np.ndarray]:
+    """P left-padded prompts of random ids (3..vocab), lengths uniform in [Sp/3, Sp]:
+    (tokens [P, Sp] int32, mask [P, Sp])."""
+    plen = rng.randint(max(1, sp_len // 3), sp_len + 1, p_)
+    tokens = np.zeros((p_, sp_len), np.int32)
+    mask = np.zeros_like(tokens)
+    for i, n in enumerate(plen):
+        tokens[i, -n:] = rng.randint(3, vocab, n)
+        mask[i, -n:] = 1
+    return tokens, mask
+
+
 def kv_token_bytes(cfg: ModelConfig) -> int:
     """KV bytes of one token over all layers (K and V)."""
     return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize
@@ -146,12 +158,7 @@ def main():
     params = tr.init_params(cfg, jax.random.key(0))
     rng = np.random.RandomState(0)
     p_, g_, n_, sp_len = args.prompts, args.samples, args.new_tokens, args.max_prompt
-    plen = rng.randint(max(1, sp_len // 3), sp_len + 1, p_)
-    tokens = np.zeros((p_, sp_len), np.int32)
-    mask = np.zeros_like(tokens)
-    for i, n in enumerate(plen):  # left-padded
-        tokens[i, -n:] = rng.randint(3, cfg.vocab_size, n)
-        mask[i, -n:] = 1
+    tokens, mask = random_prompts(p_, sp_len, cfg.vocab_size, rng)
     lengths = draw_lengths(p_ * g_, n_, rng)
     useful = int(lengths.sum())
     budget = args.kv_budget or 64 * (n_ + sp_len)

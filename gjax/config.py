@@ -59,9 +59,17 @@ def _require(cond: bool, field: str, msg: str) -> None:
 
 
 def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
-    shape = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "tensor": mesh_cfg.tensor}
+    seq = mesh_cfg.get("seq", 1)  # a run recorded before mesh.seq existed: 1
+    shape = {"data": mesh_cfg.data, "fsdp": mesh_cfg.fsdp, "seq": seq, "tensor": mesh_cfg.tensor}
     for axis, size in shape.items():
         _require(size == -1 or size >= 1, f"mesh.{axis}", f"must be >= 1 or -1, got {size}")
+    _require(
+        isinstance(seq, int) and seq >= 1 and num_devices % seq == 0,
+        "mesh.seq",
+        f"={seq} does not divide the {num_devices} devices of the train mesh: every row's "
+        f"tokens are split over mesh.seq devices, and the other axes take the rest. Set "
+        f"mesh.seq to a divisor of {num_devices} (1: whole rows on each device)",
+    )
     fixed = 1
     for size in shape.values():
         fixed *= size if size > 0 else 1
@@ -74,13 +82,52 @@ def resolve_mesh_shape(mesh_cfg, num_devices: int) -> dict[str, int]:
             f"{num_devices} devices are not divisible by the fixed axes' product {fixed}",
         )
         shape[free[0]] = num_devices // fixed
-    total = shape["data"] * shape["fsdp"] * shape["tensor"]
+    total = shape["data"] * shape["fsdp"] * shape["seq"] * shape["tensor"]
     _require(
         total == num_devices,
         "mesh",
-        f"data*fsdp*tensor = {total} but {num_devices} devices are available",
+        f"data*fsdp*seq*tensor = {total} but {num_devices} devices are available",
     )
     return shape
+
+
+def check_length(config: ml_collections.ConfigDict, max_position_embeddings: int) -> None:
+    """A row (prompt + completion) within the model's positions."""
+    S, T = config.data.max_prompt_len, config.rollout.max_new_tokens
+    _require(
+        max_position_embeddings >= S + T,
+        "rollout.max_new_tokens",
+        f"data.max_prompt_len + rollout.max_new_tokens = {S} + {T} = {S + T} tokens exceeds "
+        f"the model's max_position_embeddings={max_position_embeddings}: positions past it "
+        "were never trained (RoPE extrapolates badly). Lower rollout.max_new_tokens (or "
+        f"data.max_prompt_len) so that they sum to at most {max_position_embeddings}",
+    )
+
+
+def check_sequence_shards(config: ml_collections.ConfigDict, seq: int) -> None:
+    """`mesh.seq` divides the length the update's rows run at: the bin (`train.pack_length`,
+    0: the padded row) when packed, the padded row (prompt + completion) otherwise."""
+    if seq == 1:
+        return
+    t = config.train
+    row = config.data.max_prompt_len + config.rollout.max_new_tokens
+    if t.packing == "packed" and t.pack_length:
+        length, what = t.pack_length, "train.pack_length (the tokens of a packed bin)"
+        fix = f"set train.pack_length to a multiple of {seq}"
+    else:
+        length = row
+        what = "the row length data.max_prompt_len + rollout.max_new_tokens" + (
+            " (a packed bin's length with train.pack_length=0)" if t.packing == "packed" else ""
+        )
+        fix = f"make data.max_prompt_len + rollout.max_new_tokens a multiple of {seq}" + (
+            f", or set train.pack_length to a multiple of {seq}" if t.packing == "packed" else ""
+        )
+    _require(
+        length % seq == 0,
+        "mesh.seq",
+        f"={seq} does not divide {what}, {length}: each of the {seq} sequence shards takes "
+        f"an equal block of a row's tokens. Change mesh.seq, or {fix}",
+    )
 
 
 # Rollout backends `gjax.rollout.factory.make_backend` builds; a new backend adds its name here.
@@ -279,13 +326,7 @@ def check_model(config: ml_collections.ConfigDict, path: str) -> str:
             f"config.model.path={config.model.path!r}: {e}. Set config.model.path to a local or "
             "gs:// checkpoint directory, a Hugging Face hub id, or embedded:tiny_qwen2."
         ) from None
-    S, T = config.data.max_prompt_len, config.rollout.max_new_tokens
-    _require(
-        cfg.max_position_embeddings >= S + T,
-        "rollout.max_new_tokens",
-        f"data.max_prompt_len + rollout.max_new_tokens = {S + T} exceeds the model's "
-        f"max_position_embeddings={cfg.max_position_embeddings}",
-    )
+    check_length(config, cfg.max_position_embeddings)
     return local
 
 
@@ -386,6 +427,7 @@ def validate(
     )
     if t.packing == "packed":  # at start, not after the model is loaded (make_learner)
         packing.check_fixed_bins(t.pack_bins, t.microbatches, data_parallel, processes)
+    check_sequence_shards(config, mesh["seq"])
     for check in checks:
         check(config)
     return mesh

@@ -58,6 +58,7 @@ HARMLESS = frozenset(
         "rollout.decode_slots",
         "rollout.tokens_per_dispatch",
         "rollout.prefill_chunk",
+        "rollout.kv_page_size",
         "reward.workers",
     }
 )

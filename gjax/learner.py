@@ -9,6 +9,9 @@
   * `Learner.batch`: a rollout's groups -> the update's device batch, with the teacher-forced
                      passes (old log-probs of anchors, reference log-probs) done on device.
 
+Both trace under `sharding.sequence_rules()`: on a mesh with `mesh.seq` > 1 their token
+axis is split over the sequence shards (ring attention; rollouts keep whole rows).
+
 Array naming: `*_BxS` are full sequences (prompt ++ completion, S = S_prompt + T), `*_BxT`
 are aligned with the T completion tokens (hidden[t] predicts targets[t]), `*_PxG` per sample.
 """
@@ -110,6 +113,17 @@ def init_state(params, tx: optax.GradientTransformation, mesh) -> tuple[TrainSta
 # ------------------------------------------------------------------------------ device steps
 
 
+def _sequence_sharded(fn: Callable) -> Callable:
+    """`fn` traced under `sharding.sequence_rules()`: its token axis over `mesh.seq`."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with sharding.use_rules(sharding.sequence_rules()):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
     """Final hidden states at the T positions that predict the completion tokens."""
     t = batch["targets_BxT"].shape[1]
@@ -120,6 +134,7 @@ def completion_hidden(params, cfg: ModelConfig, batch) -> jax.Array:
     return hidden_BxSxD[:, s - t - 1 : s - 1]
 
 
+@_sequence_sharded
 def policy_logps(
     params,
     batch,
@@ -172,6 +187,12 @@ def policy_logps(
         targets_JxW = packing.take_reads(targets_JxW, read_JxC)
     head_DxV = lm_head_kernel(params, cfg)
     pieces = math.gcd(total, shards)  # contiguous blocks of bins, one per device
+    seq = sharding.sequence_shards(hidden_JxWxD.shape[1])
+    if seq > 1:  # and blocks of positions, one per sequence shard
+        hidden_JxWxD, targets_JxW = (
+            packing.shard_major(x, seq) for x in (hidden_JxWxD, targets_JxW)
+        )
+        pieces *= seq
 
     def head_logps(hidden_NxD, targets_N):
         return token_logps(
@@ -182,6 +203,8 @@ def policy_logps(
         hidden_JxWxD.reshape(pieces, -1, hidden_JxWxD.shape[-1]),
         targets_JxW.reshape(pieces, -1),
     ).reshape(-1)
+    if seq > 1:
+        logps_N = packing.from_shard_major(logps_N.reshape(seq * total, -1), seq).reshape(-1)
     if "pack_reads_C" in batch:  # back to the bins' [J, W] places
         rows_JxC = jnp.broadcast_to(jnp.arange(total)[:, None], read_JxC.shape)
         logps_JxW = jnp.zeros((total, width), logps_N.dtype)
@@ -247,6 +270,7 @@ def pack_minibatch(rows, prep, *, bins: int, width: int, microbatches: int, read
     return jax.tree.map(micro, (inputs, mb, mprep))
 
 
+@_sequence_sharded
 def update(
     state: TrainState,
     batch: dict[str, jax.Array],
@@ -300,6 +324,11 @@ def update(
         )
         if "read_JxC" in inputs:  # the head at the read positions only
             hidden_JxWxD = packing.take_reads(hidden_JxWxD, inputs["read_JxC"])
+        seq = sharding.sequence_shards(hidden_JxWxD.shape[1])
+        if seq > 1:  # the loss is a sum over tokens: each sequence shard's own, first
+            hidden_JxWxD, mb, mprep = jax.tree.map(
+                lambda x: packing.shard_major(x, seq), (hidden_JxWxD, mb, mprep)
+            )
         return obj.micro_batch_loss(
             hidden_JxWxD,
             lm_head_kernel(params, cfg),

@@ -379,6 +379,23 @@ def take_reads(x_JxW: jax.Array, read_JxC: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x_JxW, idx, axis=1, mode="fill", fill_value=0)
 
 
+def shard_major(x_JxC: jax.Array, shards: int) -> jax.Array:
+    """[J, C, ...] -> [shards * J, C / shards, ...]: each bin's C positions cut into `shards`
+    blocks, the blocks of shard s first (rows s * J + j). With the positions split over
+    `shards` devices (`mesh.seq`) and the bins over others, the flattened tokens are then
+    one block per device, so a token-chunked head (`objective.logprobs`) runs per shard."""
+    j, c = x_JxC.shape[:2]
+    x = x_JxC.reshape(j, shards, c // shards, *x_JxC.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(shards * j, c // shards, *x_JxC.shape[2:])
+
+
+def from_shard_major(x_SJxCs: jax.Array, shards: int) -> jax.Array:
+    """The inverse of `shard_major`."""
+    sj, cs = x_SJxCs.shape[:2]
+    x = x_SJxCs.reshape(shards, sj // shards, cs, *x_SJxCs.shape[2:])
+    return jnp.swapaxes(x, 0, 1).reshape(sj // shards, shards * cs, *x_SJxCs.shape[2:])
+
+
 def completion_destinations(dest_RxS: jax.Array, t: int) -> jax.Array:
     """[R, T]: the packed place of the position predicting each completion target."""
     s = dest_RxS.shape[1]

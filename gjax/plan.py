@@ -2,7 +2,7 @@
 
     python -m gjax.plan --config=configs/grpo.py --slice=v5e-8 [--shape=qwen3-8b] \
         [--modes=full,lora,qlora] [--lora_rank=16] [--qlora=int8] [--margin=0.1] \
-        [--json=plan.json] [--config.mesh.data=1 --config.mesh.fsdp=-1 ...]
+        [--json=plan.json] [--norollout] [--config.mesh.data=1 --config.mesh.fsdp=-1 ...]
 
 No weight is read and nothing is allocated: the learner's update (the config's rollout batch
 at its longest, its packing, remat, minibatches and microbatches) and the rollout step (the
@@ -15,6 +15,10 @@ The whole model is compiled (the 8B update and rollout programs for 8 devices: a
 minutes and 0.9 GB of memory on a 2-core machine; measured, a linear extrapolation from 2
 and 3 layers put a 1.5B continuous decoder's temporaries at 1.6 GiB where the whole
 model's compile gives 5.6, so none is offered).
+
+`--norollout` plans the update alone (its rollout columns read 0): long-context tables
+(`scripts/seq_plan.py`: the update at 8k-32k tokens with `--config.mesh.seq`, the sequence
+shards of the update) need no decoder compiled at each length.
 
 Per device a run holds the frozen base (LoRA), the trained params and their Adam state
 throughout; on top of that either the update's batch and temporaries, or the rollout's
@@ -415,12 +419,16 @@ def model_config(config, hf: dict[str, Any], num_layers: int | None = None):
     return lora.configure(cfg, m.lora)
 
 
-def measure(config, hf, mesh, *, lora_on: bool) -> dict[str, int]:
-    """Per-device figures of one row, the whole model compiled."""
+NO_ROLLOUT = {"kv": 0, "decode_state": 0, "decode_weights": 0, "rollout_temp": 0}
+
+
+def measure(config, hf, mesh, *, lora_on: bool, rollout: bool = True) -> dict[str, int]:
+    """Per-device figures of one row, the whole model compiled (`rollout=False`: the update
+    only, the rollout's figures 0)."""
     cfg = model_config(config, hf)
     return {
         **plan_update(config, cfg, mesh, lora_on=lora_on),
-        **plan_rollout(config, cfg, mesh),
+        **(plan_rollout(config, cfg, mesh) if rollout else NO_ROLLOUT),
     }
 
 
@@ -432,6 +440,7 @@ def make_plan(
     modes=MODES,
     lora_rank: int = 16,
     qlora: str = "int8",
+    rollout: bool = True,
 ) -> tuple[list[Row], dict[str, int]]:
     """The rows of `modes` for `config` on a mesh over `devices` (see the module docstring),
     and the mesh's shape."""
@@ -460,7 +469,8 @@ def make_plan(
             else:
                 base = m.lora.quantize if mode == "qlora" else m.param_dtype
                 what = f"base {base} + rank-{m.lora.rank} adapters ({m.lora.dtype})"
-            rows.append(Row(mode, measure(c, hf, mesh, lora_on=mode != "full"), what))
+            figures = measure(c, hf, mesh, lora_on=mode != "full", rollout=rollout)
+            rows.append(Row(mode, figures, what))
     return rows, shape
 
 
@@ -515,7 +525,19 @@ def notes(rows: list[Row], config, chip: Chip) -> list[str]:
     return out
 
 
-def report(rows: list[Row], *, slice_name, chip_name, chip, n, mesh, shape_name, config, margin):
+def report(
+    rows: list[Row],
+    *,
+    slice_name,
+    chip_name,
+    chip,
+    n,
+    mesh,
+    shape_name,
+    config,
+    margin,
+    rollout: bool = True,
+):
     """The plan as a JSON-able dict (what --json writes)."""
     limit = budget(chip, margin)
     r, t, m = config.rollout, config.train, config.model
@@ -543,6 +565,8 @@ def report(rows: list[Row], *, slice_name, chip_name, chip, n, mesh, shape_name,
             "dtype": m.dtype,
             "param_dtype": m.param_dtype,
             "attention": m.attention,
+            "seq": config.mesh.seq,
+            "rollout_planned": rollout,
         },
         "rows": [
             {
@@ -603,6 +627,8 @@ def main(argv) -> None:
     devices = _devices(n)  # first: anything below may start jax's backend
     config_lib.validate(config, n)  # the run's own checks, for the slice's device count
     hf = _hf_of(config, F.shape)
+    if "max_position_embeddings" in hf:  # a row within the model's positions
+        config_lib.check_length(config, int(hf["max_position_embeddings"]))
     rows, mesh = make_plan(
         config,
         hf,
@@ -610,6 +636,7 @@ def main(argv) -> None:
         modes=tuple(F.modes),
         lora_rank=F.lora_rank,
         qlora=F.qlora,
+        rollout=F.rollout,
     )
     shape_name = F.shape or config.model.path
     print(
@@ -618,6 +645,8 @@ def main(argv) -> None:
     )
     print(table(rows, chip, F.margin))
     print("\n".join(notes(rows, config, chip)))
+    if not F.rollout:
+        print("  --norollout: the update alone; the rollout columns are not planned (0).")
     if F.json:
         rep = report(
             rows,
@@ -629,6 +658,7 @@ def main(argv) -> None:
             shape_name=shape_name,
             config=config,
             margin=F.margin,
+            rollout=F.rollout,
         )
         with open(F.json, "w") as f:
             json.dump(rep, f, indent=2)
@@ -645,6 +675,7 @@ def _define_flags() -> None:
     flags.DEFINE_enum("qlora", "int8", QLORA, "the qlora row's base: model.lora.quantize")
     flags.DEFINE_float("margin", 0.1, "share of each chip's HBM kept free (runtime, fragmentation)")
     flags.DEFINE_string("json", None, "also write the plan as JSON to this path")
+    flags.DEFINE_bool("rollout", True, "also plan the rollout programs (--norollout: the update)")
 
 
 if __name__ == "__main__":

@@ -149,6 +149,14 @@ SCHEMA: dict[str, Any] = {
             1, "devices on the fully sharded data-parallel axis (-1: all the rest)", _AXIS
         ),
         "tensor": Field(1, "devices on the tensor-parallel axis (-1: all the rest)", _AXIS),
+        # Context parallelism: the update's and the log-prob passes' token axis over `seq`
+        # devices (ring attention, gjax.models.attention.ring); rollouts keep whole rows.
+        "seq": Field(
+            1,
+            "devices each row's tokens are split over in the update and the log-prob passes "
+            "(ring attention; divides the bin / row length; rollouts are unaffected)",
+            _COUNT,
+        ),
         # The train mesh (data x fsdp x tensor) then spans the other devices; with H processes
         # each gives its last rollout_devices / H (gjax.sharding.make_meshes).
         "rollout_devices": Field(
@@ -268,6 +276,15 @@ SCHEMA: dict[str, Any] = {
             0,
             "decoder=continuous: prompt columns prefilled per loop turn, between decode "
             "dispatches, so a long prompt does not stall decoding (0: each prompt whole)",
+            _NONNEG,
+        ),
+        "kv_page_size": Field(
+            0,
+            "decoder=continuous: tokens per KV page (gjax.rollout.pages: pages allocated as a "
+            "row grows and freed when it ends, a group's prompt pages shared by its rows, a "
+            "page table per slot; divides max_new_tokens; whole prefill; the pool has the "
+            "contiguous layout's KV bytes) | 0: each slot a contiguous max_new_tokens cache "
+            "(the default)",
             _NONNEG,
         ),
         "weight_change": Field(
@@ -478,16 +495,21 @@ SCHEMA: dict[str, Any] = {
             ),
         },
     },
-    # gjax.envs: multi-turn environments and tools, driven by the continuous decoder
-    # (gjax.rollout.turns); gjax.envs.check_config refuses env.name != '' in training until
-    # the learner side (per-trajectory rewards, the policy-token loss mask) is wired.
+    # gjax.envs: multi-turn environments and tools, rolled out by the continuous decoder
+    # (gjax.rollout.turns) and trained on by gjax.rollout.episodes (local backend, continuous
+    # decoder, synchronous, one process; gjax.envs.check_config refuses the other paths).
     "env": {
         "name": Field(
             "",
-            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn "
-            "(training refuses others: not yet wired to the learner)",
+            "multi-turn environment (gjax.envs.ENVIRONMENTS: math | tool); '' single-turn",
         ),
         "max_turns": Field(4, "policy turns per episode; a longer one is truncated", _COUNT),
+        "discount": Field(
+            1.0,
+            "a trajectory's reward: sum over its turns t = 0, 1, ... of discount**t * r_t "
+            "(1.0: the plain sum of the per-turn rewards)",
+            Range("(0, 1]"),
+        ),
         "turn_tokens": Field(
             0,
             "new tokens per policy turn; a turn reaching it without a stop id ends its episode, "

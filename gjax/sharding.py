@@ -1,7 +1,7 @@
 """The one place where sharding is decided: the device mesh and logical-axis rules.
 
 Model code names *logical* axes only (`vocab, embed, q_heads, kv_heads, mlp, layers, batch,
-length`); the rules below map each to a mesh axis (`data, fsdp, tensor`), a tuple of mesh
+length`); the rules below map each to a mesh axis (`data, fsdp, seq, tensor`), a tuple of mesh
 axes, or `None` (replicated). Rules are plain data (a dict), so a config can carry its own:
 
     mesh = make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -16,8 +16,16 @@ code runs unsharded.
 Mapping a tuple of logical axes follows flax (`nn.logical_to_mesh_axes`): rules apply in
 order and a mesh axis shards at most one dimension, so with the default rules activations
 `("batch", "length", "embed")` become `P(("data", "fsdp"), None, None)` while the weight
-`("embed", "mlp")` becomes `P("fsdp", "tensor")`. `use_rules` also installs the rules for
+`("embed", "mlp")` becomes `P(("fsdp", "seq"), "tensor")`: parameters are sharded over the
+sequence shards as over fsdp (`param_shardings` leaves `seq` out where it has size 1, so
+with seq = 1 that is `P("fsdp", "tensor")`). `use_rules` also installs the rules for
 flax's `nn.with_logical_constraint`, which the model uses for its activations.
+
+The `seq` axis (`mesh.seq`, context parallelism) shards the token axis of the update's and
+the log-prob passes' activations: they run under `sequence_rules()` (`length -> seq`), and
+attention across the shards is ring attention (`gjax.models.attention.ring`). Everything
+else (rollouts, decoding) runs under the default rules, `length` unsharded: on a mesh with
+seq > 1 the rollouts treat the seq devices as copies of their row shard.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from jax.sharding import PartitionSpec as P
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "seq", "tensor")
 
 LOGICAL_AXES = ("vocab", "embed", "q_heads", "kv_heads", "mlp", "layers", "batch", "length")
 
@@ -49,20 +57,22 @@ Rules = Mapping[str, MeshAxes]
 DEFAULT_RULES: dict[str, MeshAxes] = {
     "batch": ("data", "fsdp"),
     "length": None,
-    "embed": "fsdp",
+    "embed": ("fsdp", "seq"),  # params over fsdp x seq (ZeRO over the sequence shards too)
     "vocab": "tensor",
     "q_heads": "tensor",
     "kv_heads": "tensor",
     "mlp": "tensor",
     "layers": None,
 }
+# The update's and the log-prob passes' rules: the token axis over `seq` (`sequence_rules`).
+SEQ_RULES: dict[str, MeshAxes] = {"length": "seq"}
 
 # --------------------------------------------------------------------------------------------
 # Mesh
 
 
 def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh with axes `(data, fsdp, tensor)`; axes left out of `shape` have size 1.
+    """A mesh with axes `(data, fsdp, seq, tensor)`; axes left out of `shape` have size 1.
 
     One axis may be -1: it takes whatever the device count leaves. The product must equal the
     number of devices (all of `jax.devices()` unless `devices` is given).
@@ -97,8 +107,8 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
 
 
 def device_grid(sizes: Sequence[int], devices: Sequence[Any]) -> np.ndarray:
-    """`devices` laid out as an array of shape `sizes` (axes `data, fsdp, tensor`, ordered by
-    increasing traffic), following the interconnect where there is one to follow.
+    """`devices` laid out as an array of shape `sizes` (axes `data, fsdp, seq, tensor`,
+    ordered by increasing traffic), following the interconnect where there is one to follow.
 
     - CPU: the order given (fake host devices have no topology; tests rely on the order).
     - One TPU slice (or GPUs): `mesh_utils.create_device_mesh`, which maps the axes onto the
@@ -168,21 +178,22 @@ def _outer_split(sizes: Sequence[int], n: int, what: str) -> list[int]:
     """How `n` granules (slices, hosts) split the axes: the whole of `data` if `n` divides
     it, else `data` fully and the rest of `n` on `fsdp`; never `tensor` (the busiest axis).
     Keeps each granule's share of the batch rows (`data x fsdp`, row-major) contiguous."""
-    data, fsdp, _ = sizes
+    data, fsdp = sizes[:2]
+    rest = [1] * (len(sizes) - 2)
     if data % n == 0:
-        return [n, 1, 1]
+        return [n, 1, *rest]
     if n % data == 0 and fsdp % (n // data) == 0:
-        return [data, n // data, 1]
+        return [data, n // data, *rest]
     raise ValueError(
         f"the mesh {dict(zip(MESH_AXES, sizes))} cannot be split over {n} {what}: make "
         f"mesh.data a multiple of {n}, or mesh.data a divisor of {n} and mesh.fsdp a "
-        f"multiple of the rest (the tensor axis stays within one of the {what})"
+        f"multiple of the rest (the seq and tensor axes stay within one of the {what})"
     )
 
 
 def _rows_per_process_contiguous(grid: np.ndarray) -> bool:
     """Each batch row (a `data, fsdp` position) on one process, each process's rows a run."""
-    rows = grid.reshape(-1, grid.shape[-1])
+    rows = grid.reshape(grid.shape[0] * grid.shape[1], -1)
     owner = []
     for row in rows:
         procs = {d.process_index for d in row}
@@ -231,7 +242,8 @@ def process_mesh(mesh: Mesh) -> Mesh:
     keeps its size, so a param sharded over it has the same shard on each device as in
     `mesh`."""
     mine = np.vectorize(lambda d: d.process_index == jax.process_index())(mesh.devices)
-    index = [np.flatnonzero(mine.any(axis=tuple(a for a in range(3) if a != i))) for i in range(3)]
+    n = len(MESH_AXES)
+    index = [np.flatnonzero(mine.any(axis=tuple(a for a in range(n) if a != i))) for i in range(n)]
     block = np.ix_(*index)
     if not mine[block].all():
         raise ValueError(f"this process's devices of the mesh {dict(mesh.shape)} are no block")
@@ -371,6 +383,23 @@ def use_rules(rules: Rules | None = None) -> Iterator[None]:
 
 def current_rules() -> dict[str, MeshAxes]:
     return getattr(_local, "rules", None) or DEFAULT_RULES
+
+
+def sequence_rules(rules: Rules | None = None) -> dict[str, MeshAxes]:
+    """`rules` (default: the current ones) with the token axis over `seq` (`SEQ_RULES`): the
+    rules the update and the log-prob passes trace under (module docstring)."""
+    return {**check_rules(current_rules() if rules is None else rules), **SEQ_RULES}
+
+
+def sequence_shards(length: int | None = None) -> int:
+    """How many shards the current rules cut the token axis (`length`) into on the context
+    mesh: 1 without a mesh or where it stays whole; with `length`, also 1 where the shards do
+    not divide it (as `constrain` drops them)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    n = mesh_axis_size(mesh, current_rules().get("length"))
+    return 1 if length is not None and length % n else n
 
 
 def check_rules(rules: Rules) -> dict[str, MeshAxes]:
@@ -522,7 +551,7 @@ def param_shardings(params: Any, mesh: Mesh, rules: Rules | None = None) -> Any:
     problems: list[str] = []
 
     def sharding(path, leaf, names):
-        spec = logical_to_spec(names, rules)
+        spec = _without_unit_axes(logical_to_spec(names, rules), mesh)
         for dim, (axes, size) in enumerate(zip(spec, leaf.shape)):
             n = mesh_axis_size(mesh, axes)
             if size % n:
@@ -553,6 +582,17 @@ _AXIS_FIELDS = {
     "mlp": ("intermediate_size",),
     "layers": ("num_layers",),
 }
+
+
+def _without_unit_axes(spec: P, mesh) -> P:
+    """`spec` without `seq` where it has size 1 (the same layout, spelled as before the seq
+    axis existed: params' specs on a mesh without sequence shards stay as they were)."""
+
+    def entry(e):
+        axes = tuple(a for a in _as_tuple(e) if a != "seq" or mesh.shape[a] > 1)
+        return None if not axes else axes[0] if len(axes) == 1 else axes
+
+    return P(*(entry(e) for e in spec))
 
 
 def validate_model_sharding(cfg, mesh: Mesh, rules: Rules | None = None) -> None:

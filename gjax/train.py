@@ -73,7 +73,8 @@ from gjax.models import hf_import, lora
 from gjax.rewards import pipeline as rewards_pipeline
 from gjax.rewards.pipeline import build_rewards, build_verifier
 from gjax.rollout import factory as rollout_factory
-from gjax.rollout.collect import Rollout, ServingFailed
+from gjax.rollout.collect import ServingFailed
+from gjax.rollout.episodes import make_rollout
 from gjax.rollout.factory import make_backend
 from gjax.rollout.producer import make_producer
 
@@ -83,7 +84,7 @@ CONFIG_CHECKS = (
     rewards_pipeline.check_config,
     eval_lib.check_config,
     rollout_factory.check_config,
-    envs_environments.check_config,  # refuses env.name != '' (learner not yet wired)
+    envs_environments.check_config,  # env.name != '' only where episodes are wired
     wandb_log.check_config,
 )
 
@@ -240,13 +241,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     if config_diff is not None:
         _write_record(workdir, config_record.resumed, workdir, config, start, config_diff)
     data_iter = _prompt_iterator(config, train_data, learner.transfer.layout, meta["data"])
-    rollout = Rollout(
+    rollout = make_rollout(  # env.name set: its episodes (gjax.rollout.episodes)
+        config,
+        scope,
         model_cfg=model_cfg,
         backend=backend,
         tokenizer=tok,
         rewards=rewards,
         transfer=learner.transfer,
-        config=config,
     )
     eval_backend = rollout_factory.evaluation_backend(config, backend, model_cfg)
     evaluate = functools.partial(

@@ -337,14 +337,14 @@ def test_several_processes_overlap_rollouts_on_the_train_mesh_with_the_local_sam
 
 def test_split_mesh_shapes():
     train_mesh, roll = sharding.make_meshes({"data": -1, "tensor": 2}, 4, jax.devices())
-    assert dict(train_mesh.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
-    assert dict(roll.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert dict(train_mesh.shape) == {"data": 2, "fsdp": 1, "seq": 1, "tensor": 2}
+    assert dict(roll.shape) == {"data": 2, "fsdp": 1, "seq": 1, "tensor": 2}
     assert not set(train_mesh.devices.flat) & set(roll.devices.flat)
     c = tiny_config()
     c.mesh.rollout_devices = 4
     from gjax.config import validate
 
-    assert validate(c, 8) == {"data": 4, "fsdp": 1, "tensor": 1}  # the train mesh
+    assert validate(c, 8) == {"data": 4, "fsdp": 1, "seq": 1, "tensor": 1}  # the train mesh
 
 
 def test_learner_batch_teacher_forces_anchors_and_recomputation():

@@ -234,14 +234,14 @@ def test_kv_heads_the_tensor_axis_does_not_divide_are_repeated_to_the_query_head
     fallback), still equal to the reference; the spec choice follows the rules."""
     from gjax import sharding
 
-    abstract = jax.sharding.AbstractMesh((2, 1, 4), sharding.MESH_AXES)
+    abstract = jax.sharding.AbstractMesh((2, 1, 1, 4), sharding.MESH_AXES)
     spec, seg_spec, repeat = attention.shard_specs(abstract, (B, T, H, DH), K)
     assert (spec, seg_spec, repeat) == (
         jax.sharding.PartitionSpec(("data", "fsdp"), None, "tensor", None),
         jax.sharding.PartitionSpec(("data", "fsdp"), None),
         True,
     )
-    abstract2 = jax.sharding.AbstractMesh((2, 2, 2), sharding.MESH_AXES)
+    abstract2 = jax.sharding.AbstractMesh((2, 2, 1, 2), sharding.MESH_AXES)
     assert not attention.shard_specs(abstract2, (4, T, H, DH), K)[2]
     with sharding.use_rules({**sharding.DEFAULT_RULES, "kv_heads": None}):
         assert attention.shard_specs(abstract2, (4, T, H, DH), K)[2]  # kv replicated: repeat

@@ -116,11 +116,11 @@ def test_pass_at_k_needs_k_within_the_group():
 def test_mesh_resolution_and_errors():
     c = common.base()
     c.mesh.fsdp, c.mesh.tensor = 2, 2
-    assert resolve_mesh_shape(c.mesh, 8) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert resolve_mesh_shape(c.mesh, 8) == {"data": 2, "fsdp": 2, "seq": 1, "tensor": 2}
     with pytest.raises(ConfigError, match=r"not divisible"):
         resolve_mesh_shape(c.mesh, 6)
     c.mesh.data = 3
-    with pytest.raises(ConfigError, match=r"data\*fsdp\*tensor = 12"):
+    with pytest.raises(ConfigError, match=r"data\*fsdp\*seq\*tensor = 12"):
         resolve_mesh_shape(c.mesh, 8)
 
 

@@ -7,6 +7,7 @@ Token ids and text: the tests' "tokenizer" writes ids as decimal words ("12 30 5
 environment reads exactly the ids the policy sampled and its observations are exact ids."""
 
 import dataclasses
+import math
 
 import jax
 import numpy as np
@@ -18,7 +19,7 @@ from gjax.experience import to_model_inputs
 from gjax.learner import policy_logps
 from gjax.rollout import SamplingParams, generate
 from gjax.rollout.decoder import ContinuousDecoder
-from gjax.rollout.turns import EnvTurns
+from gjax.rollout.turns import EnvTurns, trajectory_rewards
 from tests.test_sampler import CFG, PARAMS, PROMPTS, S, left_pad, teacher_forced_logits
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -305,3 +306,53 @@ def test_the_learner_reads_the_sampled_and_inserted_ids_and_masks_the_loss_to_th
     want = np.where(out.policy_mask_BxN == 1, out.logps_BxN, 0.0)
     np.testing.assert_allclose(np.asarray(logps), want, atol=1e-5)
     np.testing.assert_array_equal(host["old_logps_BxT"], out.logps_BxN)
+
+
+class ToolLikeEnv(ScriptEnv):
+    """ScriptEnv whose truncated last step also counts itself as the `tool` environment's
+    steps do (`env/truncated`, `env/truncated_turns` in the step's metrics)."""
+
+    def start(self, row):
+        episode = super().start(row)
+        step = episode.step
+
+        async def counted(text, *, length=None):
+            out = await step(text, length=length)
+            if out.truncated:
+                counts = {"env/truncated": 1.0, "env/truncated_turns": 1.0}
+                out = dataclasses.replace(out, metrics={**out.metrics, **counts})
+            return out
+
+        episode.step = counted
+        return episode
+
+
+def test_step_counts_do_not_overwrite_the_batch_truncation_counts():
+    """A step's own `env/truncated` (the tool environment's: steps it truncated) used to
+    replace the batch's count of truncated trajectories in the stats (2 instead of 6 here)."""
+    rows = [
+        {"problem": "p0", "answer": "", "obs": [" ".join(["2"] * N)]},
+        {"problem": "p1", "answer": "", "obs": ["9"], "truncate": True},
+        {"problem": "p2", "answer": "", "obs": ["12 30"] * 9},
+    ]
+    out, stats, _ = episodes(rows, max_turns=3, env=ToolLikeEnv())
+    assert out.truncated_B.all()
+    assert stats["env/truncated"] == 6 and stats["env/truncated_env"] == G
+    assert stats["env/truncated_turns"] == stats["env/truncated_tokens"] == G
+
+
+def test_trajectory_rewards_sum_or_discount_the_turns():
+    rewards = [[None, 1.0], [0.5, None, 2.0], [1.0, float("nan")], [], [None]]
+    np.testing.assert_array_equal(
+        trajectory_rewards(rewards, 1.0), np.float32([1.0, 2.5, np.nan, 0.0, 0.0])
+    )
+    # turn t weighs discount**t: a reward at the second turn counts half at 0.5
+    np.testing.assert_array_equal(
+        trajectory_rewards(rewards, 0.5), np.float32([0.5, 0.5 + 0.25 * 2.0, np.nan, 0.0, 0.0])
+    )
+    rng = np.random.default_rng(0)  # 1.0 is the plain sum bit for bit (the EnvTurns reward)
+    many = [list(rng.standard_normal(5)) for _ in range(50)]
+    want = np.float32([math.fsum(r) for r in many])
+    np.testing.assert_array_equal(trajectory_rewards(many, 1.0), want)
+    with pytest.raises(ValueError, match="discount must be in"):
+        trajectory_rewards(rewards, 0.0)

@@ -472,23 +472,37 @@ def test_default_config_is_single_turn_and_validates():
 
 
 @pytest.mark.parametrize(
-    "rollout, match",
+    "overrides, match",
     [
-        ({}, "the learner does not train on them yet"),
-        ({"max_staleness": 1}, r"asynchronous rollouts \(rollout.max_staleness > 0\)"),
-        ({"decoder": "static"}, "the static sampler has no turns"),
-        ({"backend": "jetstream"}, "the jetstream backend does not drive environments yet"),
+        ({"rollout.max_staleness": 1}, r"asynchronous rollouts \(rollout.max_staleness > 0\)"),
+        ({"rollout.decoder": "static"}, "the static sampler has no turns"),
+        ({"rollout.backend": "jetstream"}, "the jetstream backend does not drive environments"),
+        ({"anchors.per_group": 1}, "DaGRPO's anchors"),
+        ({"reward.judge.name": "rule"}, "a judge's scores"),
     ],
 )
-def test_env_name_is_refused_in_training_naming_what_its_path_lacks(rollout, match):
+def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, match):
     cfg = _env_cfg(name="tool")
-    cfg.rollout.update(rollout)
+    for k, v in overrides.items():
+        section, _, key = k.rpartition(".")
+        node = cfg
+        for part in section.split("."):
+            node = node[part]
+        node[key] = v
     with pytest.raises(ConfigError, match="multi-turn training is not available") as e:
         envs_environments.check_config(cfg)
     assert re.search(match, str(e.value))
-    if not rollout:  # the hook is the trainer's
+    if k == "anchors.per_group":  # the hook is the trainer's
         with pytest.raises(ConfigError, match=match):
             validate(cfg, 1, checks=CONFIG_CHECKS)
+
+
+@pytest.mark.parametrize("name", ["math", "tool"])
+def test_env_name_trains_on_the_local_continuous_synchronous_path(name):
+    """The path gjax.rollout.episodes trains on: the defaults (local, continuous, k = 0)."""
+    cfg = _env_cfg(name=name)
+    envs_environments.check_config(cfg)
+    validate(cfg, 1, checks=CONFIG_CHECKS)
 
 
 def test_turn_tokens_beyond_the_trajectory_budget_is_a_config_error():
@@ -594,3 +608,16 @@ def test_a_sandbox_child_dies_with_its_trainer(tmp_path):
         trainer.wait()
         if child is not None and _alive(child):  # only after a failure: leave nothing behind
             os.kill(child, signal.SIGKILL)
+
+
+def test_multi_turn_training_in_several_processes_is_refused_at_set_up(monkeypatch):
+    """Episodes decode one process's rows: a jax.distributed run with env.name set stops with
+    one paragraph before any environment starts."""
+    import contextlib
+
+    from gjax.rollout import episodes
+
+    monkeypatch.setattr(episodes.jax, "process_count", lambda: 2)
+    match = "multi-turn training runs in one process"
+    with contextlib.ExitStack() as scope, pytest.raises(ConfigError, match=match):
+        episodes.make_rollout(_env_cfg(name="math"), scope, rewards=None)

@@ -52,6 +52,9 @@ TRAIN = [
     "--config.rollout.num_samples=4",
     "--config.data.heldout_size=16",
     "--config.log.progress=False",
+    # Storage is the subject: greedy held-out accuracy only (no pass@k samples, which no test
+    # here reads; the local runs of tests/test_train_e2e.py check them).
+    "--config.eval.num_samples=0",
 ]
 
 

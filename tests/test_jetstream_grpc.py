@@ -305,12 +305,15 @@ def test_a_step_whose_requests_all_fail_stops_the_run(env, tmp_path):  # noqa: F
     from tests.test_train_e2e import command, rows, run
 
     wd = tmp_path / "run"
-    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1")  # checkpoint 1, local rollouts
+    greedy = "--config.eval.num_samples=0"  # no pass@k samples: no figure of them is read
+    # Checkpoint 1, from local rollouts.
+    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1", greedy)
     port = _free_port()  # nothing listens there
     proc = subprocess.run(
         command(
             "configs/grpo.py:tiny",
             wd,
+            greedy,
             "--config.train.steps=3",
             "--config.rollout.backend=jetstream_grpc",
             f"--config.rollout.server_address=127.0.0.1:{port}",

@@ -41,6 +41,8 @@ pytestmark = [
 # Greedy-equivalent sampling on the server and in the trainer's config (they must agree),
 # and one anchor per group (the demonstration) so that groups differ and the update moves.
 SAMPLING = ["--config.rollout.top_k=1", "--config.anchors.per_group=1"]
+# No test reads the summary: the held-out evaluation is greedy only (pass@k's 8 samples of
+# each problem, served top_k = 1 by the servers, would be 8 copies of one decode).
 STEPS = 4  # k = 1: versions 0, 0, 1, 2 (three pushes; the kill falls between the last two)
 
 
@@ -74,6 +76,7 @@ def _train(workdir, addresses: list[str], processes: int) -> list[subprocess.Pop
         f"--config.rollout.server_addresses={','.join(addresses)}",
         "--config.rollout.request_timeout_s=120",
         "--config.rollout.max_staleness=1",
+        "--config.eval.num_samples=0",
     ]
     if processes == 1:
         return [

@@ -56,8 +56,23 @@ def ragged_groups(seed=0, P=P):
     )
 
 
-def host_batch(params, seed=0, pack=PACK, minibatches=M, prompts=P):
-    x = to_model_inputs(ragged_groups(seed, prompts), drop_truncated=True)
+def multi_turn_groups(seed=0):
+    """`ragged_groups` as multi-turn rows: in each on-policy completion 1-2 environment tokens
+    after its first 1-3 policy tokens (in the sequence, out of the loss mask); anchors are
+    demonstrations, all policy-side."""
+    g = ragged_groups(seed)
+    rng = np.random.default_rng(seed + 7)
+    start = rng.integers(1, 4, (P, G))[..., None]
+    end = start + rng.integers(1, 3, (P, G))[..., None]
+    n = np.arange(N)[None, None]
+    inserted = (n >= start) & (n < end) & ~g.is_anchor_PxG[..., None]
+    g.policy_mask_PxGxN = g.completion_mask_PxGxN & ~inserted
+    return g
+
+
+def host_batch(params, seed=0, pack=PACK, minibatches=M, prompts=P, groups=None):
+    groups = ragged_groups(seed, prompts) if groups is None else groups
+    x = to_model_inputs(groups, drop_truncated=True)
     x.update(
         packing.plan(
             packing.row_spans(x["segment_ids_BxS"], x["loss_mask_BxT"]),
@@ -273,6 +288,40 @@ def test_packed_objective_equals_padded_for_every_preset():
     behaviour correction), over 2 microbatches of bins vs 2 of rows."""
     params = init_params(CFG, jax.random.key(1))
     host = host_batch(params, pack=packing.Packing(PACK.bins * M, PACK.length), minibatches=1)
+    _assert_packed_objective_equals_padded(host)
+
+
+def test_packed_objective_equals_padded_on_multi_turn_rows():
+    """The same on multi-turn rows (gjax.rollout.turns): environment tokens between the
+    policy's, attended and out of the loss mask, in every preset's advantage and aggregation
+    (Dr.GRPO's constant, token means: the loss mask's counts, not the rows' lengths)."""
+    params = init_params(CFG, jax.random.key(1))
+    groups = multi_turn_groups()
+    host = host_batch(
+        params, pack=packing.Packing(PACK.bins * M, PACK.length), minibatches=1, groups=groups
+    )
+    inside = host["loss_mask_BxT"] == 0
+    inside &= np.cumsum(host["loss_mask_BxT"], 1) > 0
+    inside &= np.cumsum(host["loss_mask_BxT"][:, ::-1], 1)[:, ::-1] > 0
+    assert inside.sum() >= 5  # environment tokens between policy tokens of one row
+    _assert_packed_objective_equals_padded(host)
+
+
+def test_packed_update_equals_padded_on_multi_turn_rows():
+    """The whole update on multi-turn rows (model forward and backward: the environment's
+    tokens attended inside the bins), packed vs padded, 2 minibatches x 2 microbatches: loss,
+    every metric, every parameter gradient; GRPO and Dr.GRPO."""
+    params = init_params(CFG, jax.random.key(4))
+    host = host_batch(params, seed=2, groups=multi_turn_groups(2))
+    cases = (("grpo", _preset("grpo")), ("dr_grpo", _preset("dr_grpo")))
+    batch = {k: jnp.asarray(v) for k, v in host.items()}
+    out = jax.jit(_updates, static_argnums=(2, 3))(params, batch, cases, (None, PACK))
+    for name, _ in cases:
+        assert float(out[name, False][1]["loss/total"]) != 0.0, name
+        _assert_same(out[name, False], out[name, True], name)
+
+
+def _assert_packed_objective_equals_padded(host):
     assert np.bincount(host["pack_bin_B"][host["pack_len_B"] > 0]).max() >= 3  # really packs
     assert (host["pack_len_B"] == 0).any()  # and leaves out rows without loss tokens
     assert host["pack_reads_C"].shape[0] < PACK.length  # the head skips prompt positions

@@ -40,7 +40,7 @@ def tiny_plan():
 @pytest.mark.slow  # the module's plan: about 35 s of compiles, cold
 def test_rows_count_what_each_mode_holds(tiny_plan):
     config, hf, rows, mesh = tiny_plan
-    assert mesh == {"data": 2, "fsdp": 1, "tensor": 1}
+    assert mesh == {"data": 2, "fsdp": 1, "seq": 1, "tensor": 1}
     assert list(rows) == ["full", "lora", "qlora"]
     full, lora_row, qlora = rows["full"], rows["lora"], rows["qlora"]
     cfg = plan.model_config(config, hf)
@@ -175,7 +175,7 @@ def test_command_prints_the_table_and_writes_json(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "v5e-4 (4 x v5e, 16.00 GiB each" in out.stdout
-    assert "mesh {'data': 4, 'fsdp': 1, 'tensor': 1}" in out.stdout
+    assert "mesh {'data': 4, 'fsdp': 1, 'seq': 1, 'tensor': 1}" in out.stdout
     assert out.stdout.count(" fits") >= 2
     rep = json.loads(path.read_text())
     assert rep["chips"] == 4 and rep["hbm_bytes_per_chip"] == 16 * 2**30

@@ -90,15 +90,16 @@ def _padded_batch(b=8, t=12, seed=0):
 
 def test_make_mesh_axes_and_fill():
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    assert mesh.axis_names == ("data", "fsdp", "tensor")
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+    assert mesh.axis_names == ("data", "fsdp", "seq", "tensor")
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "seq": 1, "tensor": 2}
     assert dict(sharding.make_mesh({"fsdp": -1, "tensor": 2}).shape) == {
         "data": 1,
         "fsdp": 4,
+        "seq": 1,
         "tensor": 2,
     }
     sub = sharding.make_mesh({"tensor": 4}, devices=jax.devices()[:4])
-    assert dict(sub.shape) == {"data": 1, "fsdp": 1, "tensor": 4}
+    assert dict(sub.shape) == {"data": 1, "fsdp": 1, "seq": 1, "tensor": 4}
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,12 @@ def test_make_mesh_errors(shape, match):
 
 def test_logical_to_spec():
     assert sharding.logical_to_spec(("batch", "length", "embed")) == P(("data", "fsdp"), None, None)
-    assert sharding.logical_to_spec(("embed", "mlp")) == P("fsdp", "tensor")
+    # params over fsdp x seq; param_shardings spells a size-1 seq axis out of the spec
+    assert sharding.logical_to_spec(("embed", "mlp")) == P(("fsdp", "seq"), "tensor")
+    seq = sharding.sequence_rules()
+    assert sharding.logical_to_spec(("batch", "length", "embed"), seq) == P(
+        ("data", "fsdp"), "seq", None
+    )
     assert sharding.logical_to_spec(("layers", None, "vocab")) == P(None, None, "tensor")
     with pytest.raises(KeyError, match=r"no sharding rule for logical axis 'heads'; rules cover"):
         sharding.logical_to_spec(("batch", "heads"))
@@ -298,8 +304,8 @@ def neighbours(a, b):
 def test_cpu_mesh_keeps_the_device_order():
     """Fake CPU devices: exactly today's layout (other tests compare against it)."""
     for shape, sizes in [
-        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 2)),
-        ({"fsdp": -1}, (1, 8, 1)),
+        ({"data": 2, "fsdp": 2, "tensor": 2}, (2, 2, 1, 2)),
+        ({"fsdp": -1}, (1, 8, 1, 1)),
     ]:
         mesh = sharding.make_mesh(shape)
         assert mesh.devices.tolist() == np.asarray(jax.devices(), object).reshape(sizes).tolist()

@@ -12,6 +12,7 @@ import importlib
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,6 +67,21 @@ def env():
     return e
 
 
+# The resume test's run: 10 steps, so that once the resumed run has saved step 4 it has steps
+# left to be stopped in.
+RESUMED = ("--config.train.steps=10", "--config.checkpoint.every=2")
+
+
+@pytest.fixture(scope="module")
+def clean_run(env, tmp_path_factory):
+    """`grpo.py:tiny` run once, uninterrupted, for RESUMED's 10 steps: the reference of the
+    resume test, and the finished grpo workdir that the refusal tests copy and resume (each
+    of those paid a run of its own before). Tests read it only, never write to it."""
+    wd = tmp_path_factory.mktemp("clean") / "clean"
+    run("configs/grpo.py:tiny", wd, env, *RESUMED)
+    return wd
+
+
 def command(config, workdir, *extra, small=True):
     return [
         sys.executable,
@@ -117,12 +133,22 @@ def small_config(algo, arg="tiny"):
 )
 def test_each_algorithm_runs_a_few_steps(algo, tmp_path, capsys):
     """In this process, on the suite's 8 CPU devices (data-parallel 8): the sampler compiled
-    for the first algorithm serves the others (same shapes, same sampling)."""
+    for the first algorithm serves the others (same shapes, same sampling).
+
+    The held-out pass@k (8 samples of each of 16 problems, before and after: 16 sampler
+    calls to the 2 steps' 2) is drawn only where its batch shape is one of its own: dagrpo's
+    groups hold an anchor, cw_grpo steps 8 prompts. Elsewhere it would repeat, to the
+    rollout's shape and compiled sampler, what grpo's run in
+    test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run checks (and
+    tests/test_eval.py, test_heldout_metrics_samples_in_the_rollout_shape_when_it_can):
+    greedy held-out accuracy only."""
     from gjax.train import train
 
     wd = tmp_path / algo
     c = small_config(algo)
     c.train.steps = 2
+    if algo not in ("dagrpo", "cw_grpo"):
+        c.eval.num_samples = 0
     if algo == "cw_grpo":  # its 4 microbatches must each hold a multiple of the 8 devices' rows
         c.rollout.prompts_per_step = 8
     if algo == "pass_at_k":  # k below the group of 4 (k = G is refused: every advantage 0)
@@ -203,15 +229,13 @@ def test_embedded_default_learns(algo, env, tmp_path):
     assert all(0.5 < r["pack/fill"] <= 1 for r in got)  # the padding waste, still reported
 
 
-def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path):
+def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, clean_run, tmp_path):
     """Kill -9 after a checkpoint, resume, Ctrl-C, resume: same metrics as one clean run.
 
     (Ctrl-C and SIGTERM share one handler: finish the step, save, exit 128 + signal.) Then the
     finished workdir, rerun with a smaller train.steps, says so and keeps its summary."""
-    # 10 steps: once the resumed run has saved step 4, it has steps left to be stopped in.
-    args = ("--config.train.steps=10", "--config.checkpoint.every=2")
-    clean, broken = tmp_path / "clean", tmp_path / "broken"
-    run("configs/grpo.py:tiny", clean, env, *args)
+    args = RESUMED
+    clean, broken = clean_run, tmp_path / "broken"
 
     # 1) SIGKILL as soon as the step-2 checkpoint is complete.
     proc = subprocess.Popen(
@@ -321,9 +345,9 @@ def test_resume_after_sigkill_and_ctrl_c_matches_uninterrupted_run(env, tmp_path
     assert (broken / "checkpoints" / "10" / "_CHECKPOINT_METADATA").exists()
 
 
-def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
+def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, clean_run, tmp_path):
     wd = tmp_path / "run"
-    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1", "--config.checkpoint.every=1")
+    shutil.copytree(clean_run, wd)  # a finished grpo run's workdir, checkpoints and all
     proc = subprocess.run(
         command("configs/dapo.py:tiny", wd, "--config.train.steps=2"),
         env=env,
@@ -350,15 +374,15 @@ def test_bad_workdir_and_foreign_checkpoint_fail_clearly(env, tmp_path):
     assert proc.returncode != 0 and "is not writable" in " ".join(proc.stderr.split())
 
 
-def test_a_resume_that_changes_training_is_refused_unless_opted_in(env, tmp_path):
+def test_a_resume_that_changes_training_is_refused_unless_opted_in(env, clean_run, tmp_path):
     """A resume with another optim.lr stops at start (one paragraph naming the field, old ->
     new, and the ways on; config.json untouched); with train.allow_config_change it trains on,
     config.json keeps the original and config_history.jsonl records the change and its step.
     Extending train.steps alone is harmless."""
     wd = tmp_path / "run"
-    run("configs/grpo.py:tiny", wd, env, "--config.train.steps=1", "--config.checkpoint.every=1")
+    shutil.copytree(clean_run, wd)  # a finished grpo run of 10 steps, checkpoints every 2
     original = (wd / "config.json").read_text()
-    changed = ["--config.train.steps=2", "--config.optim.lr=0.0001"]
+    changed = ["--config.train.steps=11", "--config.optim.lr=0.0001"]
     proc = subprocess.run(
         command("configs/grpo.py:tiny", wd, *changed),
         env=env,
@@ -378,9 +402,9 @@ def test_a_resume_that_changes_training_is_refused_unless_opted_in(env, tmp_path
     assert (wd / "config.json").read_text() == original
     history = [json.loads(x) for x in (wd / "config_history.jsonl").read_text().splitlines()]
     # Harmless changes (checkpoint.every back to tiny's 40) are recorded too.
-    changes = {"optim.lr": [3e-05, 0.0001], "train.steps": [1, 2], "checkpoint.every": [1, 40]}
-    assert history == [{"step": 1, "changes": changes}]
-    assert [r["step"] for r in rows(wd)] == [1, 2]
+    changes = {"optim.lr": [3e-05, 0.0001], "train.steps": [10, 11], "checkpoint.every": [2, 40]}
+    assert history == [{"step": 10, "changes": changes}]
+    assert [r["step"] for r in rows(wd)] == list(range(1, 12))
 
 
 def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
@@ -398,6 +422,7 @@ def test_judge_faults_stop_the_run_with_one_paragraph(env, tmp_path):
             "--config.reward.judge.max_retries=0",
             "--config.reward.judge.max_missing_steps=3",
             "--config.train.steps=4",
+            "--config.eval.num_samples=0",  # the judge is the subject: greedy held-out only
         ]
         results = {}
         for name, key in (("down", "right-key"), ("wrong_key", "wrong-key")):

@@ -238,6 +238,9 @@ def test_trainer_streams_its_weights_to_gjax_serve(env, tmp_path):  # noqa: F811
             "--config.rollout.backend=jetstream_grpc",
             f"--config.rollout.server_address=127.0.0.1:{port}",
             "--config.rollout.weight_transfer=grpc",
+            # The push is the subject: greedy held-out only, not pass@k's 8 samples of each
+            # held-out problem through the server (twice 128 requests, no figure read here).
+            "--config.eval.num_samples=0",
         )
     finally:
         _stop(proc)

@@ -16,9 +16,9 @@ exception, a time-out, a memory or output overrun become `error (<kind>): ...` i
 `<tool_response>` and count as `tools/errors/<kind>` in the step's metrics and `stats()`.
 
 The continuous decoder drives these (`ContinuousDecoder.generate_episodes`, through
-gjax.rollout.turns); training does not consume its trajectories yet, so `check_config`
-refuses env.name != '' (naming what the run's path lacks) and no run believes it trains
-multi-turn. `build_env` is what the trainer will call.
+gjax.rollout.turns) and training consumes its trajectories (gjax.rollout.episodes, which
+calls `build_env`); `check_config` refuses env.name != '' on the paths that do not (naming
+what the run's path lacks), so no run believes it trains multi-turn when it does not.
 """
 
 from __future__ import annotations
@@ -283,12 +283,13 @@ def check_fields(env_cfg) -> None:
 
 
 def check_config(config) -> None:
-    """A hook of `gjax.config.validate`: `config.env` can work, and is not asked for yet.
+    """A hook of `gjax.config.validate`: `config.env` can work, on a path that trains on it.
 
-    The continuous decoder drives environments (`ContinuousDecoder.generate_episodes`,
-    gjax.rollout.turns), but training does not consume its trajectories yet, so a run with
-    env.name set is refused rather than silently trained single-turn; the message names the
-    missing piece of the run's own path."""
+    Multi-turn training (gjax.rollout.episodes) runs on the local backend's continuous
+    decoder, synchronously (rollout.max_staleness = 0), in one process; a run with env.name
+    set on another path is refused rather than silently trained single-turn, and the message
+    names the missing piece of the run's own path. Not part of an episode either: DaGRPO's
+    anchors (demonstrations are single completions) and a judge's scores."""
     check_fields(config.env)
     e, r = config.env, config.rollout
     if e.turn_tokens > r.max_new_tokens:
@@ -305,15 +306,18 @@ def check_config(config) -> None:
         missing = "the static sampler has no turns (the continuous decoder has)"
     elif r.max_staleness > 0:
         missing = "asynchronous rollouts (rollout.max_staleness > 0) do not drive them yet"
+    elif config.anchors.per_group > 0:
+        missing = "DaGRPO's anchors (anchors.per_group > 0) are single completions, not episodes"
+    elif config.reward.judge.name != "none":
+        missing = f"a judge's scores (reward.judge.name={config.reward.judge.name!r}) are not "
+        missing += "part of an episode's steps"
     else:
-        missing = (
-            "the continuous decoder rolls episodes out (token-exact trajectories, KV kept "
-            "across turns), but the learner does not train on them yet (per-trajectory "
-            "rewards, the policy-token loss mask)"
-        )
+        return
     raise ConfigError(
         f"config.env.name={e.name!r}: multi-turn training is not available on this path: "
-        f"{missing}. Leave config.env.name='' (the default) for single-turn runs."
+        f"{missing}. Multi-turn training runs on --config.rollout.backend=local with the "
+        "continuous decoder, rollout.max_staleness=0, in one process; or leave "
+        "config.env.name='' (the default) for single-turn runs."
     )
 
 

@@ -35,6 +35,22 @@ Implementations (`model.attention`):
   only in jax's private cuDNN module, not used here.
 - "auto": `AUTO` by platform (cpu: xla, gpu: pallas_gpu, tpu: splash).
 
+Sequence shards (`mesh.seq` > 1: the update and the log-prob passes, whose rules put the
+token axis on `seq`, `gjax.sharding.sequence_rules`): `ring` attention, whatever
+`model.attention` says. Each device holds a contiguous block of T / n tokens of every row
+(its queries and keys), and the key / value / segment-id blocks travel round the `seq` ring
+(`lax.ppermute`, n - 1 hops), each met block merged into the queries' running softmax
+(flash attention's online max and sum, f32). Blocks wholly above the causal diagonal are
+skipped; segment ids mask across rows packed into a bin as everywhere else; batch and heads
+stay split as the rules place them. Chosen over all-to-all head-sharded attention
+(Ulysses) by communicated bytes per layer, counted from the compiled programs
+(`benchmarks/seq_attention_bytes.py`): a GQA model sends its few KV heads round the ring,
+fewer bytes than q, k, v and the output through two all-to-alls (Qwen2.5-1.5B: 12 query
+heads, 2 KV heads), and it needs no head count divisible by n (12 heads and n = 8).
+Each block is the xla math in tiles of `RING_TILE` keys (a [T/n x RING_TILE] f32 score
+tile per head, recomputed in the backward pass: `jax.checkpoint`); no per-block Pallas
+kernel is wired in yet.
+
 The Pallas kernels are custom calls XLA cannot split: on a multi-device context mesh
 (`jax.set_mesh`) `attend` runs them in a `jax.shard_map`, batch and heads split as
 `gjax.sharding`'s rules place the activations (`sharded_specs`), so each device attends its
@@ -57,6 +73,7 @@ from gjax.models.config import ATTENTION_IMPLEMENTATIONS as IMPLEMENTATIONS
 
 AUTO = {"cpu": "xla", "gpu": "pallas_gpu", "tpu": "splash"}
 XLA_BLOCKS = 4  # "xla_blocked": query chunks per row
+RING_TILE = 512  # ring attention: keys per score tile ([T / seq x RING_TILE] f32 per head)
 # Platforms each implementation compiles for (xla: any).
 PLATFORMS = {"cudnn": ("gpu",), "pallas_gpu": ("gpu",), "splash": ("tpu",)}
 CUDNN_DTYPES = ("bfloat16", "float16")  # jax.nn.dot_product_attention(implementation="cudnn")
@@ -241,11 +258,13 @@ def cudnn(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, backend="cudnn
 
 def layer_input(impl: str, segment_ids_BxT):
     """What every layer's `attend` takes, built once per forward: the dense mask for xla,
-    the segment ids for the kernels."""
+    the segment ids for the kernels and for `ring` (sequence shards)."""
+    if sharding.sequence_shards(segment_ids_BxT.shape[-1]) > 1:
+        return segment_ids_BxT
     return dense_mask(segment_ids_BxT) if impl in ("xla", "xla_blocked") else segment_ids_BxT
 
 
-def shard_specs(mesh, q_shape, kv_heads: int):
+def shard_specs(mesh, q_shape, kv_heads: int, *, split_length: bool = False):
     """(q / k / v spec, segment-ids spec, repeat_kv): how a kernel runs per shard of `mesh`.
     Batch over the rules' `batch` axes and query heads over their `q_heads` axes, as
     `sharding.constrain` places the activations (each dropped where it does not divide);
@@ -253,20 +272,126 @@ def shard_specs(mesh, q_shape, kv_heads: int):
     axes as the query heads they serve when those divide them (shard i's query heads h read
     kv heads h // R, all in shard i); otherwise (or when the rules place `kv_heads`
     elsewhere) `repeat_kv`: k / v are repeated to the query heads first (correct, at the
-    repeat's cost)."""
-    batch, _, heads, _ = sharding.logical_to_spec(
+    repeat's cost). `split_length` (ring attention): length over the rules' `length` axes."""
+    batch, length, heads, _ = sharding.logical_to_spec(
         ("batch", "length", "q_heads", None), mesh=mesh, shape=q_shape, drop_indivisible=True
     )
+    length = length if split_length else None
     kv_axes = sharding.logical_to_spec(("batch", "length", "kv_heads", None))[2]
     n = sharding.mesh_axis_size(mesh, heads)
     repeat_kv = n > 1 and (kv_heads % n != 0 or kv_axes != heads)
-    return P(batch, None, heads, None), P(batch, None), repeat_kv
+    return P(batch, length, heads, None), P(batch, length), repeat_kv
+
+
+def key_tile(n: int, cap: int) -> int:
+    """Keys per score tile of a ring block of `n` keys: the largest divisor of n <= cap."""
+    return max(d for d in range(1, min(n, cap) + 1) if n % d == 0)
+
+
+def _ring_shard(q_BxNxHxDh, k_BxNxKxDh, v_BxNxKxDh, seg_BxN, *, axis, shards: int, tile: int, vary):
+    """One device's part of `ring`: its N = T / shards queries against every block of keys,
+    the blocks passed on round the ring of `axis`, each block in tiles of `tile` keys;
+    `vary`: the mesh axes q is split over."""
+    b, n, h, dh = q_BxNxHxDh.shape
+    kv = k_BxNxKxDh.shape[2]
+    me = jax.lax.axis_index(axis)
+    q_BxNxKxRxDh = q_BxNxHxDh.reshape(b, n, kv, h // kv, dh)
+    q_pos_N = me * n + jnp.arange(n)
+    to_next = [(i, (i + 1) % shards) for i in range(shards)]
+
+    @jax.checkpoint  # the backward pass recomputes a tile's scores: no [N x N] residuals
+    def merge_tile(carry, tile_in):
+        k_BxCxKxDh, v_BxCxKxDh, seg_k_BxC, k_pos_C = tile_in
+        out_BxKxRxNxDh, max_BxKxRxN, sum_BxKxRxN = carry
+        mask_BxNxC = (
+            (k_pos_C[None, None, :] <= q_pos_N[None, :, None])
+            & (seg_BxN[:, :, None] == seg_k_BxC[:, None, :])
+            & (seg_k_BxC[:, None, :] != 0)
+        )
+        scores = jnp.einsum(
+            "bnkrd,bckd->bkrnc", q_BxNxKxRxDh, k_BxCxKxDh, preferred_element_type=jnp.float32
+        ) / math.sqrt(dh)
+        scores = jnp.where(mask_BxNxC[:, None, None], scores, MASK_VALUE)
+        # The running max only steadies the exponentials (the result does not depend on it).
+        new_max = jax.lax.stop_gradient(jnp.maximum(max_BxKxRxN, scores.max(-1)))
+        e = jnp.exp(scores - new_max[..., None])
+        rescale = jnp.exp(max_BxKxRxN - new_max)
+        sum_BxKxRxN = rescale * sum_BxKxRxN + e.sum(-1)
+        out_BxKxRxNxDh = rescale[..., None] * out_BxKxRxNxDh + jnp.einsum(
+            "bkrnc,bckd->bkrnd",
+            e.astype(v_BxCxKxDh.dtype),
+            v_BxCxKxDh,
+            preferred_element_type=jnp.float32,
+        )
+        return (out_BxKxRxNxDh, new_max, sum_BxKxRxN), None
+
+    def merge(carry, k_BxNxKxDh, v_BxNxKxDh, seg_k_BxN, src):  # one block, tile by tile
+        k_pos_N = src * n + jnp.arange(n)
+        tiles = n // tile
+
+        def split(x):  # [B, N, ...] -> [N / C, B, C, ...]
+            return jnp.moveaxis(x.reshape(x.shape[0], tiles, tile, *x.shape[2:]), 1, 0)
+
+        xs = (split(k_BxNxKxDh), split(v_BxNxKxDh), split(seg_k_BxN), k_pos_N.reshape(tiles, tile))
+        return jax.lax.scan(merge_tile, carry, xs)[0]
+
+    def merge_if_visible(carry, k, v, seg_k, src):  # blocks after ours are causally masked
+        return jax.lax.cond(src <= me, merge, lambda c, *_: c, carry, k, v, seg_k, src)
+
+    stats = jnp.full((b, kv, h // kv, n), MASK_VALUE, jnp.float32)
+    carry = (jnp.zeros((b, kv, h // kv, n, dh), jnp.float32), stats, jnp.zeros_like(stats))
+    carry = tuple(jax.lax.pcast(x, vary, to="varying") for x in carry)  # as q varies
+    carry = merge(carry, k_BxNxKxDh, v_BxNxKxDh, seg_BxN, me)
+
+    def hop(state, i):
+        carry, blocks = state
+        blocks = tuple(jax.lax.ppermute(x, axis, to_next) for x in blocks)
+        carry = merge_if_visible(carry, *blocks, (me - i) % shards)
+        return (carry, blocks), None
+
+    blocks = (k_BxNxKxDh, v_BxNxKxDh, seg_BxN)
+    # Unrolled (n - 1 hops): XLA may overlap each hop's permute with the previous block's
+    # math, and the compiled program lists every permute (benchmarks/seq_attention_bytes.py).
+    (carry, _), _ = jax.lax.scan(hop, (carry, blocks), jnp.arange(1, shards), unroll=True)
+    out_BxKxRxNxDh, _, sum_BxKxRxN = carry
+    out = out_BxKxRxNxDh / sum_BxKxRxN[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, n, h, dh).astype(q_BxNxHxDh.dtype)
+
+
+def _spec_axes(spec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec names."""
+    axes = [a for e in spec if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+    return tuple(axes)
+
+
+def ring(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT, *, tile: int = RING_TILE):
+    """Ring attention over the context mesh's sequence shards (module docstring): the same
+    masked GQA attention as `xla`, from segment ids, without any device holding more than
+    its T / n queries, two key / value blocks and one [T / n x `tile`] f32 score tile per
+    head (`key_tile`: the largest divisor of T / n up to `tile`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    h, kv = q_BxTxHxDh.shape[2], k_BxTxKxDh.shape[2]
+    spec, seg_spec, repeat_kv = shard_specs(mesh, q_BxTxHxDh.shape, kv, split_length=True)
+    if repeat_kv:
+        k_BxTxKxDh, v_BxTxKxDh = (jnp.repeat(x, h // kv, axis=2) for x in (k_BxTxKxDh, v_BxTxKxDh))
+    axis = spec[1]
+    shards = sharding.mesh_axis_size(mesh, axis)
+    tile = key_tile(q_BxTxHxDh.shape[1] // shards, tile)
+    per_shard = jax.shard_map(
+        functools.partial(_ring_shard, axis=axis, shards=shards, tile=tile, vary=_spec_axes(spec)),
+        mesh=mesh,
+        in_specs=(spec, spec, spec, seg_spec),
+        out_specs=spec,
+    )
+    return per_shard(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, segment_ids_BxT)
 
 
 def attend(impl: str, q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in, *, interpret=False):
     """Attention by a resolved implementation (`resolve`); `layer_in` from `layer_input`.
     The Pallas kernels run per shard of the context mesh, if any (module docstring);
-    `interpret` runs them in Pallas' interpreter (tests on CPU)."""
+    `interpret` runs them in Pallas' interpreter (tests on CPU). Sequence shards: `ring`."""
+    if sharding.sequence_shards(q_BxTxHxDh.shape[1]) > 1:
+        return ring(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     if impl == "xla":
         return xla(q_BxTxHxDh, k_BxTxKxDh, v_BxTxKxDh, layer_in)
     if impl == "xla_blocked":

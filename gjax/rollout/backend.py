@@ -130,6 +130,27 @@ class LocalSampler:
             sampling=sampling,
         )
 
+    def generate_episodes(
+        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, turns
+    ):
+        """Multi-turn rows (`gjax.rollout.turns.Trajectories`): each row an episode of
+        `turns`' environment on the continuous decoder, one process's rows
+        (`ContinuousDecoder.generate_episodes`). Only this backend has it, and only with the
+        continuous decoder: `gjax.envs.check_config` refuses env.name != '' elsewhere."""
+        if self.decoder is None:
+            raise ValueError("generate_episodes needs the continuous decoder (rollout.decoder)")
+        if _spans_processes(prompt_tokens_PxS):
+            raise ValueError("generate_episodes decodes one process's rows (host arrays)")
+        return self.decoder.generate_episodes(
+            params,
+            prompt_tokens_PxS,
+            prompt_mask_PxS,
+            rng,
+            num_samples=num_samples,
+            sampling=sampling,
+            turns=turns,
+        )
+
     def _process_rows(self, params, tokens_PxS, mask_PxS, rng, num_samples, sampling):
         """The continuous decoder on global row-sharded prompts (several processes, the loop's
         thread): each process decodes its own block of rows on its own devices of the mesh

@@ -228,12 +228,17 @@ class Rollout:
         if "scores_PxG" in grouped:
             groups.scores_PxG = grouped["scores_PxG"].astype(np.float32)
         accuracy = groups.rewards_PxG.copy()
+        self._shape_overlong(groups, lengths)
+        return accuracy
+
+    def _shape_overlong(self, groups: Groups, lengths: np.ndarray) -> None:
+        """DAPO's soft overlong punishment (eq. (13)) added to `groups`' rewards."""
         if self.overlong_buffer:
+            P, G = groups.rewards_PxG.shape
             pen = soft_overlong_penalty(
                 lengths, max_length=self.T, cache_length=self.overlong_buffer
             )
             groups.rewards_PxG = groups.rewards_PxG + self.overlong_penalty * pen.reshape(P, G)
-        return accuracy
 
     def _metrics(self, groups: Groups, accuracy: np.ndarray, lengths) -> dict[str, float]:
         """Reward and length figures over every process's rows (one small all-gather)."""

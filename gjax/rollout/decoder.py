@@ -28,6 +28,10 @@ environment; the slot waits, KV kept) and `reenter` (`_reenter`: the observation
 appended to the waiting slot's own cache as a prefill chunk, then it decodes its next turn).
 The trajectory (policy and environment tokens after the prompt) fits the N cache columns.
 
+`kv_page_size` > 0 (gjax.rollout.pages, off by default) keeps the same loop on paged KV:
+`_PagedSchedule` adds `grow` (a row's pages for the next dispatch) and replaces the prompt
+regions' KV by a group's shared prompt pages.
+
 Sampling keys are per row: token n of row b is drawn with fold_in(fold_in(rng, b), n), so a
 row's completion does not depend on which slot, or which neighbours, it decoded with (exact
 for greedy; sampled results equal the static sampler's in distribution, not draw for draw).
@@ -58,6 +62,7 @@ from gjax.models.transformer import (
     rms_norm,
     rope_cos_sin,
 )
+from gjax.rollout import pages
 from gjax.rollout.sampler import SampleOutput, SamplingParams, _sample
 from gjax.rollout.turns import EnvTurns, OneTurn, Trajectories
 
@@ -328,7 +333,14 @@ def _reenter(params, cfg, layers, state: SlotState, slot_M, tokens_MxC, count_M,
 
 
 def _dispatch(
-    params, cfg, layers, state: SlotState, sp: SamplingParams, steps: int, error_token=None
+    params,
+    cfg,
+    layers,
+    state: SlotState,
+    sp: SamplingParams,
+    steps: int,
+    error_token=None,
+    slot_step=None,
 ):
     """Up to `steps` decode steps (fewer once every slot is done). A step draws each live
     slot's token n_S from its logits, emits it and decodes it. Returns the new state and, per
@@ -360,10 +372,12 @@ def _dispatch(
         if sp.stop_token_ids:
             done_S = done_S | (live_S & jnp.isin(tok_S, stop_ids))
         feed_S = jnp.where(live_S & (tok_S >= 0), tok_S, sp.pad_token_id)
-        logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, feed_S)
+        if slot_step is None:
+            logits_SxV, cache_k, cache_v = _slot_step(params, cfg, layers, st, feed_S)
+            st = st._replace(cache_k=cache_k, cache_v=cache_v)
+        else:
+            logits_SxV, st = slot_step(params, cfg, layers, st, feed_S)
         st = st._replace(
-            cache_k=cache_k,
-            cache_v=cache_v,
             n_S=n1_S,
             logits_SxV=logits_SxV.astype(jnp.float32),  # a done slot's are never read
             done_S=done_S,
@@ -385,7 +399,9 @@ _prefill_jit = jax.jit(_prefill, static_argnames=("cfg",), donate_argnames=("sta
 _insert_jit = jax.jit(_insert, donate_argnames=("state",))
 _chunk_jit = jax.jit(_prefill_chunk, static_argnames=("cfg",), donate_argnames=("state",))
 _dispatch_jit = jax.jit(
-    _dispatch, static_argnames=("cfg", "sp", "steps", "error_token"), donate_argnames=("state",)
+    _dispatch,
+    static_argnames=("cfg", "sp", "steps", "error_token", "slot_step"),
+    donate_argnames=("state",),
 )
 _reenter_jit = jax.jit(_reenter, static_argnames=("cfg",), donate_argnames=("state",))
 _layers_jit = jax.jit(decode_layers, static_argnames=("cfg",))
@@ -407,6 +423,13 @@ class ContinuousDecoder:
         not stall the decoding slots (prompts left-padded to a multiple of C).
       observation_chunk: columns of one re-entry call (`generate_episodes`: an environment's
         tokens appended to waiting rows' slots; a longer observation takes several calls).
+      kv_page_size: 0 (default) keeps the contiguous slots; P > 0 holds the KV in pages of P
+        tokens (gjax.rollout.pages: a page table per slot, pages allocated as a row grows,
+        a group's prompt pages shared); P divides max_new_tokens. Whole prefill.
+      kv_pages: the page pool (None: the KV bytes of the contiguous layout, slots * N/P pages
+        of tokens and its default regions' prompt pages, plus the null page).
+      poison_freed_pages: a debug hook: every page freed is filled with NaN (tests: no row
+        reads a page after it is freed).
     """
 
     def __init__(
@@ -420,6 +443,9 @@ class ContinuousDecoder:
         share_prompt: bool = True,
         prefill_chunk: int = 0,
         observation_chunk: int = 32,
+        kv_page_size: int = 0,
+        kv_pages: int | None = None,
+        poison_freed_pages: bool = False,
     ):
         if prefill_chunk < 0:
             raise ValueError(f"prefill_chunk must be >= 0, got {prefill_chunk}")
@@ -429,6 +455,15 @@ class ContinuousDecoder:
             raise ValueError(
                 f"slots ({slots}) and tokens_per_dispatch ({tokens_per_dispatch}) must be > 0"
             )
+        if kv_page_size < 0:
+            raise ValueError(f"kv_page_size must be >= 0, got {kv_page_size}")
+        if kv_page_size and prefill_chunk:
+            raise ValueError(
+                f"kv_page_size={kv_page_size} (paged KV) prefills each prompt whole: "
+                f"prefill_chunk must be 0, got {prefill_chunk}"
+            )
+        if kv_pages is not None and kv_pages < 2:
+            raise ValueError(f"kv_pages must be >= 2 (one is the null page), got {kv_pages}")
         if prompt_regions is not None and prompt_regions <= 0:
             raise ValueError(f"prompt_regions must be > 0, got {prompt_regions}")
         self.cfg, self.slots, self.steps = cfg, slots, tokens_per_dispatch
@@ -436,6 +471,8 @@ class ContinuousDecoder:
         self.share_prompt = share_prompt
         self.prefill_chunk = prefill_chunk
         self.observation_chunk = observation_chunk
+        self.kv_page_size, self.kv_pages = kv_page_size, kv_pages
+        self.poison_freed_pages = poison_freed_pages
         self.stats: dict[str, float] = {}
 
     def regions_for(self, num_samples: int) -> int:
@@ -515,7 +552,7 @@ class ContinuousDecoder:
         dispatch, collect its tokens, end the turns that ended, and retire the rows that are
         finished (their slots, and a group's region after its last row)."""
         t_start = time.perf_counter()
-        run = _Schedule(
+        run = (_PagedSchedule if self.kv_page_size else _Schedule)(
             self,
             params,
             tokens_PxS,
@@ -536,6 +573,7 @@ class ContinuousDecoder:
             run.reenter()
             if not run.decoding():  # only prefills in flight, or rows just retired by `reenter`
                 continue
+            run.grow()
             step = run.dispatch(t0)
             run.retire(run.end_turns(run.collect(step)))
         self.stats = run.final_stats(time.perf_counter() - t_start)
@@ -604,7 +642,10 @@ class _Schedule:
         self.rows_left = collections.Counter(self.group(b) for b in range(b_))
 
         self.layers = _layers_jit(self.params, cfg=self.cfg)
-        self.state = init_state(self.cfg, s_, self.r_, self.sp_len, n_)
+        self.slot_step = None  # `_dispatch`'s step: the contiguous slots'
+        self.reenter_fn = _reenter_jit
+        self.stalled: set = set()  # paged: slots held back from a dispatch, short of pages
+        self.state = self.init_device_state()
         self.out_tok = np.full((b_, n_), sp.pad_token_id, np.int32)
         self.out_logp = np.zeros((b_, n_), np.float32)
         self.out_len = np.zeros((b_,), np.int32)
@@ -623,6 +664,9 @@ class _Schedule:
         self.finished = 0
         self.ready: set = set()  # groups whose region is prefilled
         self.pending: list = []  # chunked prefill: [prompt, region, group, next column]
+
+    def init_device_state(self):
+        return init_state(self.cfg, self.s_, self.r_, self.sp_len, self.n_)
 
     # --- the loop's steps -------------------------------------------------------------
 
@@ -729,12 +773,21 @@ class _Schedule:
             cols = np.asarray(admits + pad, np.int32).T
             self.state = _insert_jit(self.state, self.rng, *cols)
 
+    def grow(self) -> None:
+        """Before a dispatch: the contiguous slots hold all N columns already."""
+
     def dispatch(self, t0: float) -> _Dispatched:
         """Up to `tokens_per_dispatch` decode steps of every live slot; one host sync."""
         self.stats["dispatches_beside_prefill"] += bool(self.pending)
         t1 = time.perf_counter()
         self.state, tok, logp, live, d = _dispatch_jit(
-            self.params, self.cfg, self.layers, self.state, sp=self.draw_sp, steps=self.dec.steps
+            self.params,
+            self.cfg,
+            self.layers,
+            self.state,
+            sp=self.draw_sp,
+            steps=self.dec.steps,
+            slot_step=self.slot_step,
         )
         tok, logp, live, d, done = jax.device_get((tok, logp, live, d, self.state.done_S))
         self.t_device += time.perf_counter() - t1
@@ -749,7 +802,8 @@ class _Schedule:
         ended = []
         for s in range(self.s_):
             b = self.slot_row[s]
-            if b < 0 or s in self.waiting:  # free, or done and waiting for its environment
+            # free, done and waiting for its environment, or (paged) held back for pages
+            if b < 0 or s in self.waiting or s in self.stalled:
                 continue
             k = int(step.live_SxD[s].sum())
             n = self.out_len[b]
@@ -799,8 +853,12 @@ class _Schedule:
             self.out_len[b] = self.turn_start[b] = n + m
             entries.append((s, ids, self.turns.turn_limit(n + m)))
         self.retire(done)
-        if not entries:
-            return
+        if entries:
+            self.reenter_rows(entries)
+
+    def reenter_rows(self, entries) -> None:
+        """`entries` (slot, observation ids, next turn's limit): the ids into the slots,
+        C columns per call."""
         s_, c_ = self.s_, self.dec.observation_chunk
         slot_M = np.full((s_,), s_, np.int32)
         limit_M = np.zeros((s_,), np.int32)
@@ -813,7 +871,7 @@ class _Schedule:
             cols = np.zeros((s_, c_), np.int32)
             part = ids_MxW[:, c0 : c0 + c_]
             cols[:, : part.shape[1]] = part
-            self.state = _reenter_jit(
+            self.state = self.reenter_fn(
                 self.params,
                 self.cfg,
                 self.layers,
@@ -862,4 +920,236 @@ class _Schedule:
             "host_s": wall - self.t_device - st["admit_s"],
             "regions": self.r_,
             "slots": self.s_,
+        }
+
+
+class _PagedSchedule(_Schedule):
+    """`_Schedule` on paged KV (`kv_page_size` > 0, gjax.rollout.pages): a group's prompt gets
+    Q pages when its first row is admitted (one reference for the group, one per row), a row
+    gets its own pages in `grow`, before each dispatch, for `tokens_per_dispatch` more tokens,
+    and `retire` releases them. A row is admitted only while the pool can also give every
+    live row its next pages. A live row that cannot grow is held back from the dispatch
+    (`stalled`: done on the device, its logits and pages kept); if every row is held back, the
+    youngest is preempted: its pages freed, it is decoded again from its first token later
+    (the same tokens: its keys depend only on its row index and token index)."""
+
+    def __init__(self, dec: ContinuousDecoder, *args, **kw):
+        self.page = dec.kv_page_size
+        super().__init__(dec, *args, **kw)
+        page, n_ = self.page, self.n_
+        if n_ % page:
+            raise ValueError(
+                f"kv_page_size={page} must divide max_new_tokens={n_} (a row's own tokens "
+                "fill whole pages)"
+            )
+        self.q_ = pages.prompt_pages(self.sp_len, page)
+        self.width = self.q_ + n_ // page
+        self.slot_step = pages.paged_slot_step
+        self.reenter_fn = pages.paged_reenter_jit
+        self.limit_of = [0] * self.s_  # the slot's row's length limit (its turn's)
+        self.table_SxP = np.full((self.s_, self.width), pages.NULL_PAGE, np.int32)
+        self.own_pages: list[list[int]] = [[] for _ in range(self.s_)]
+        self.group_pages: dict[int, list[int]] = {}
+        self.admitted_at = [0] * self.s_
+        self.admissions = 0
+        on_free = self.poison if dec.poison_freed_pages else None
+        self.pool = pages.PagePool(self.num_pages, on_free=on_free)
+        if self.num_pages - 1 < self.width:
+            raise ValueError(
+                f"kv_pages={self.num_pages} holds fewer than one row's {self.width} pages "
+                f"({self.q_} of its prompt, {n_ // page} of its tokens) and the null page"
+            )
+
+    def init_device_state(self):
+        # the default pool: the contiguous layout's bytes (S slots of N, its R = self.r_
+        # regions of the prompt width), plus the null page
+        n_pages_row = -(-self.n_ // self.page)
+        q_ = pages.prompt_pages(self.sp_len, self.page)
+        self.num_pages = self.dec.kv_pages or self.s_ * n_pages_row + self.r_ * q_ + 1
+        # a region holds a prompt's mask, length and logits only; keeping the contiguous R
+        # keeps the default pool sufficient: no row is ever held back or preempted
+        return pages.init_paged_state(
+            self.cfg,
+            self.s_,
+            self.r_,
+            self.sp_len,
+            self.n_,
+            pages=self.num_pages,
+            page_size=self.page,
+        )
+
+    def poison(self, freed) -> None:
+        ids = np.zeros((self.num_pages,), np.int32)  # padding: the null page, never valid
+        ids[: len(freed)] = freed
+        self.state = pages.poison_jit(self.state, ids)
+        self.stats["pages_poisoned"] += len(freed)
+
+    def pages_for(self, s: int) -> int:
+        """Own pages slot `s`'s row needs for the next dispatch."""
+        b = self.slot_row[s]
+        end = min(int(self.out_len[b]) + self.dec.steps, self.limit_of[s])
+        return -(-end // self.page)
+
+    def grow_to(self, s: int, own: int) -> None:
+        """Slot `s`'s row holds `own` own pages (the pool has them)."""
+        more = own - len(self.own_pages[s])
+        if more > 0:
+            got = self.pool.alloc(more)
+            n0 = self.q_ + len(self.own_pages[s])
+            self.table_SxP[s, n0 : n0 + more] = got
+            self.own_pages[s] += got
+
+    def growth_need(self) -> int:
+        return sum(
+            max(0, self.pages_for(s) - len(self.own_pages[s]))
+            for s, b in enumerate(self.slot_row)
+            if b >= 0 and s not in self.waiting
+        )
+
+    def admit(self):
+        new_prompts, admits, waiting = [], [], []
+        spare = self.pool.available() - self.growth_need()
+        for b in self.queue:
+            g = self.group(b)
+            first = -(-min(self.dec.steps, int(self.limits[b])) // self.page)
+            need = first + (0 if g in self.region_of else self.q_)
+            new_group = g not in self.region_of
+            if (
+                not self.free_slots
+                or self.stalled
+                or need > spare
+                or (new_group and not self.free_regions)
+            ):
+                waiting.append(b)
+                continue
+            if new_group:
+                self.region_of[g] = self.free_regions.pop(0)
+                self.group_pages[g] = self.pool.alloc(self.q_)  # the group's reference
+                new_prompts.append((b // self.g_, self.region_of[g], self.group_pages[g]))
+            spare -= need
+            s = self.free_slots.pop(0)
+            self.slot_row[s] = b
+            self.pool.ref(self.group_pages[g])  # the row's reference
+            self.table_SxP[s, : self.q_] = self.group_pages[g]
+            self.admissions += 1
+            self.admitted_at[s] = self.admissions
+            self.limit_of[s] = int(self.limits[b])
+            admits.append((s, self.region_of[g], self.row0 + b, self.limits[b]))
+        self.queue = waiting
+        return new_prompts, admits
+
+    def prefill_whole(self, new_prompts) -> None:
+        a_, r_ = self.a_, self.r_
+        for i in range(0, len(new_prompts), a_):
+            chunk = new_prompts[i : i + a_]
+            pad = a_ - len(chunk)
+            idx = [p for p, _, _ in chunk] + [chunk[0][0]] * pad
+            reg = [r for _, r, _ in chunk] + [r_] * pad
+            ids = [q for _, _, q in chunk] + [[pages.NULL_PAGE] * self.q_] * pad
+            self.state = pages.paged_prefill_jit(
+                self.params,
+                self.cfg,
+                self.state,
+                self.tokens_PxS[idx],
+                self.mask_PxS[idx],
+                np.asarray(reg, np.int32),
+                np.asarray(ids, np.int32),
+            )
+            self.stats["prefill_calls"] += 1
+            self.stats["prompts_prefilled"] += len(chunk)
+
+    def insert(self, admits) -> None:
+        if admits:
+            pad = [(self.s_, 0, 0, 1)] * (self.s_ - len(admits))
+            cols = np.asarray(admits + pad, np.int32).T
+            self.state = pages.paged_insert_jit(self.state, self.rng, *cols)
+
+    def grow(self) -> None:
+        """Each live row's pages for the next dispatch, oldest row first; a row the pool
+        cannot serve is held back, and if all are, the youngest rows are preempted until the
+        oldest can grow (a row in its first turn only: a later turn's environment has
+        stepped). Then the table and which slots run go to the device."""
+        while True:
+            live = self.live_by_age()
+            self.stalled = set()
+            for s in live:
+                if self.pages_for(s) - len(self.own_pages[s]) > self.pool.available():
+                    self.stalled.add(s)
+                else:
+                    self.grow_to(s, self.pages_for(s))
+            if not live or len(self.stalled) < len(live):
+                break
+            self.preempt_youngest(f"{len(live)} live rows' next pages")
+        self.stats["slots_stalled"] += len(self.stalled)
+        done_S = np.asarray(
+            [b < 0 or s in self.stalled or s in self.waiting for s, b in enumerate(self.slot_row)]
+        )
+        self.state = self.state._replace(
+            table_SxP=jnp.asarray(self.table_SxP), done_S=jnp.asarray(done_S)
+        )
+
+    def live_by_age(self) -> list[int]:
+        """Slots whose row decodes (not waiting for its environment), oldest first."""
+        live = [s for s, b in enumerate(self.slot_row) if b >= 0 and s not in self.waiting]
+        return sorted(live, key=self.admitted_at.__getitem__)
+
+    def preempt_youngest(self, what: str) -> None:
+        """Preempts the youngest decoding row still in its first turn; none: the pool is too
+        small for `what`."""
+        first_turn = [s for s in self.live_by_age() if self.turn_start[self.slot_row[s]] == 0]
+        if not first_turn:
+            raise RuntimeError(
+                f"continuous decoder: kv_pages={self.num_pages} cannot hold {what} and no row "
+                "in its first turn can be preempted (a later turn's environment has stepped); "
+                "give the decoder more pages (kv_pages) or fewer slots"
+            )
+        self.preempt(first_turn[-1])
+
+    def reenter_rows(self, entries) -> None:
+        """Pages for each observation (the row's own pages to its end), preempting first-turn
+        rows if the pool is short; then the observation goes into them."""
+        for s, ids, limit in entries:
+            own = -(-int(self.out_len[self.slot_row[s]]) // self.page)
+            while own - len(self.own_pages[s]) > self.pool.available():
+                self.preempt_youngest(f"an observation of {len(ids)} tokens")
+            self.grow_to(s, own)
+            self.limit_of[s] = int(limit)
+        self.state = self.state._replace(table_SxP=jnp.asarray(self.table_SxP))
+        super().reenter_rows(entries)
+
+    def release_slot(self, s: int) -> None:
+        """The pages slot `s`'s row holds: its own, and its reference to its group's."""
+        self.pool.release(self.own_pages[s])
+        self.own_pages[s] = []
+        self.pool.release(self.group_pages[self.group(self.slot_row[s])])
+        self.table_SxP[s] = pages.NULL_PAGE
+
+    def preempt(self, s: int) -> None:
+        """Frees slot `s` and its pages; its row goes back to the queue's head, from token 0."""
+        b = self.slot_row[s]
+        self.release_slot(s)
+        self.slot_row[s] = -1
+        self.free_slots.append(s)
+        self.free_slots.sort()
+        self.out_tok[b] = self.sp.pad_token_id
+        self.out_logp[b] = 0.0
+        self.out_policy[b] = False
+        self.out_len[b] = 0
+        self.queue.insert(0, b)
+        self.stats["rows_preempted"] += 1
+
+    def retire(self, slots) -> None:
+        for s in slots:
+            self.release_slot(s)
+        super().retire(slots)
+        for g in [g for g in self.group_pages if g not in self.region_of]:
+            self.pool.release(self.group_pages.pop(g))  # the group's reference: its last row
+
+    def final_stats(self, wall: float) -> dict[str, float]:
+        return {
+            **super().final_stats(wall),
+            "kv_page_size": self.page,
+            "kv_pages": self.num_pages,
+            "kv_pages_peak": self.pool.peak_used,
+            "pages_allocated": self.pool.allocated,
         }

@@ -5,6 +5,8 @@ Above `backend.py` and the backends themselves (it imports them; they import the
 
 from __future__ import annotations
 
+import math
+
 import jax
 
 from gjax import schema
@@ -33,8 +35,9 @@ def require_jetstream(what: str, otherwise: str = "") -> None:
 
 
 def check_config(config) -> None:
-    """A JetStream backend is importable: a hook of `gjax.config.validate`, before the model
-    loads."""
+    """A JetStream backend is importable, and paged KV (`rollout.kv_page_size`) is asked of
+    a decoder that has it: a hook of `gjax.config.validate`, before the model loads."""
+    check_paged(config)
     if config.rollout.backend != "local":
         require_jetstream(
             f"config.rollout.backend={config.rollout.backend!r}",
@@ -42,6 +45,34 @@ def check_config(config) -> None:
         )
     if config.rollout.backend == "jetstream_grpc":
         schema.server_addresses(config.rollout)  # HOST:PORT each, once each
+
+
+def check_paged(config) -> None:
+    """`rollout.kv_page_size` > 0: the local continuous decoder, a page size dividing
+    max_new_tokens, whole prefill; else one ConfigError paragraph."""
+    r, page = config.rollout, config.rollout.kv_page_size
+    if not page:
+        return
+    where = f"config.rollout.kv_page_size={page} (paged KV)"
+    if r.backend != "local" or local_decoder(r.decoder) != "continuous":
+        raise ConfigError(
+            f"{where} pages the local continuous decoder's KV, but this run samples with "
+            f"rollout.backend={r.backend!r}, rollout.decoder={r.decoder!r}. Use "
+            "--config.rollout.backend=local with decoder auto or continuous, or leave "
+            "kv_page_size=0."
+        )
+    if r.max_new_tokens % page:
+        raise ConfigError(
+            f"{where} must divide config.rollout.max_new_tokens={r.max_new_tokens}: a row's "
+            f"own tokens fill whole pages. Choose a page size that divides it (e.g. "
+            f"{math.gcd(page, r.max_new_tokens)}), or leave kv_page_size=0."
+        )
+    if r.prefill_chunk:
+        raise ConfigError(
+            f"{where} prefills each prompt whole; config.rollout.prefill_chunk="
+            f"{r.prefill_chunk} (chunked prefill) is for the contiguous slots. Set one of "
+            "them to 0."
+        )
 
 
 def local_decoder(decoder: str) -> str:
@@ -63,6 +94,7 @@ def make_backend(
             slots=r.decode_slots,
             tokens_per_dispatch=r.tokens_per_dispatch,
             prefill_chunk=r.prefill_chunk,
+            kv_page_size=r.kv_page_size,
         )
         return LocalSampler(model_cfg, decoder=decoder, quantize=r.quantize)
     if r.backend == "local":

@@ -25,7 +25,8 @@ Limits (each truncates the episode and marks the row with its name in `limit_B`)
   'env'          the environment itself ended the episode truncated (`Step.truncated`)
 The trajectory's reward is the sum of its steps' rewards (a turn without one adds nothing;
 NaN, not computable, makes it NaN: the sample is invalid); an episode cut before any reward
-has reward 0.
+has reward 0. Training discounts it by `env.discount` (`trajectory_rewards`: turn t weighs
+discount**t; 1.0 is this sum).
 """
 
 from __future__ import annotations
@@ -58,6 +59,20 @@ def build_turns(config, runner: EnvRunner, rows: Sequence[Mapping[str, Any]], to
         max_turns=config.env.max_turns,
         turn_tokens=config.env.turn_tokens,
     )
+
+
+def trajectory_rewards(rewards: Sequence[Sequence[float | None]], discount: float) -> np.ndarray:
+    """[B] float32: each row's sum over its steps t = 0, 1, ... of discount**t * r_t (`env.
+    discount`; 1.0 is the plain sum, bit for bit: 1.0**t * r == r). A step without a reward
+    (None) adds nothing but still counts as a turn; NaN makes the row NaN (invalid); a row
+    without any reward gets 0 (module docstring)."""
+    if not 0.0 < discount <= 1.0:
+        raise ValueError(f"discount must be in (0, 1], got {discount}")
+    out = np.zeros((len(rewards),), np.float32)
+    for b, rs in enumerate(rewards):
+        given = [discount**t * r for t, r in enumerate(rs) if r is not None]
+        out[b] = math.fsum(given) if given else 0.0
+    return out
 
 
 class OneTurn:
@@ -239,17 +254,13 @@ class EnvTurns:
 
     def reward_B(self) -> np.ndarray:
         """Each row's reward: the sum of its steps' rewards (module docstring)."""
-        out = np.zeros((len(self.rewards),), np.float32)
-        for b, rs in enumerate(self.rewards):
-            given = [r for r in rs if r is not None]
-            out[b] = math.fsum(given) if given else 0.0
-        return out
+        return trajectory_rewards(self.rewards, 1.0)
 
     def stats(self) -> dict[str, float]:
         inserted = sum(len(x) for obs in self.observations for x in obs)
         prompts = float(self.prompt_len_B.sum())
         episodes = max(len(self.episodes), 1)
-        return {
+        own = {
             "env/turns_per_episode": float(self.turns_B.mean()) if len(self.turns_B) else 0.0,
             "env/truncated": float(sum(x != "" for x in self.limit_B)),
             **{f"env/truncated_{k}": float(self.limit_B.count(k)) for k in LIMITS if k},
@@ -262,5 +273,8 @@ class EnvTurns:
             # seconds in environment steps (summed over episodes; they overlap each other and
             # decoding: the decoder's `env_wait_s` is the part no slot decoded through)
             "env/step_s": self.runner.stats()["env/step_s_sum"] - self._step_s0,
-            **{k: v for k, v in self.metrics.items() if k != "env/turns"},
         }
+        # The steps' own counts (tools/calls, tools/errors/<kind>, ...); a name this batch's
+        # figures already have keeps the batch's (a `tool` step's `env/truncated` counts
+        # steps the environment truncated, not trajectories: those are `env/truncated_env`).
+        return {**{k: v for k, v in self.metrics.items() if k != "env/turns"}, **own}

@@ -1,0 +1,166 @@
+"""Multi-turn training rollouts: the rollout's rows as episodes of `config.env`'s environment.
+
+`EpisodeRollout` is `gjax.rollout.collect.Rollout` with its sampling and scoring steps
+replaced: each data row's G rows are episodes (`LocalSampler.generate_episodes`, the
+continuous decoder with KV kept across turns, `gjax.rollout.turns`), and the environment's
+rewards replace the reward pipeline's. The rest is the single-turn rollout's:
+
+  * the learner's rows are `Trajectories.groups`: prompt ++ every token after it, as sampled
+    or as the environment inserted it (token-exact); the loss mask is the policy's tokens
+    only (`Groups.policy_mask_PxGxN`); old log-probs are the behaviour log-probs of those
+    tokens, so the old-logp / TIS machinery reads them as it reads the sampler's;
+  * a trajectory's reward is sum_t env.discount**t * r_t over its steps (1.0: the sum; NaN,
+    not computable, makes the sample invalid, as the pipeline's invalid rewards do), then
+    DAPO's soft overlong shaping on the trajectory's length (every token after the prompt:
+    what rollout.max_new_tokens bounds);
+  * a row is truncated when a limit cut its episode (`turns`, `tokens`, `turn_tokens`, `env`).
+
+On the one-step `math` environment this is today's single-turn rollout bit for bit: the same
+tokens, log-probs, rewards, validity and truncation, so the same metrics and updates
+(tests/test_train_episodes.py). Metrics added per step (`env/...`): turns per episode, tool
+calls and tool errors by kind, truncations by limit, tokens inserted, prefill tokens per
+episode (KV kept vs re-prefilled), environment step seconds (summed over episodes) and how
+much of it decoding hid (`env/wait_s`: wall seconds the decoder had nothing to decode but
+waited for steps; `env/step_overlap_frac` = 1 - wait_s / step_s).
+
+`make_rollout` is what `gjax.train` calls: the single-turn `Rollout` for env.name = '', this
+one otherwise (with the environment's runner closed by the run's exit stack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import jax
+import numpy as np
+
+from gjax.envs import tools as tools_lib
+from gjax.envs.environments import build_env
+from gjax.envs.runner import EnvRunner
+from gjax.errors import ConfigError
+from gjax.experience import Groups
+from gjax.rollout.backend import LocalSampler
+from gjax.rollout.collect import Rollout, RolloutResult
+from gjax.rollout.turns import Trajectories, build_turns, trajectory_rewards
+
+log = logging.getLogger("gjax")
+
+# Tool counts as the environments name them (gjax.envs.environments) -> the step's metric name.
+TOOL_METRICS = {
+    "tools/calls": "env/tool_calls",
+    "tools/errors": "env/tool_errors",
+    **{f"tools/errors/{k}": f"env/tool_errors/{k}" for k in tools_lib.ERROR_KINDS},
+}
+
+
+class EpisodeRollout(Rollout):
+    """A `Rollout` whose rows are episodes of an environment (see the module docstring)."""
+
+    def __init__(self, *, runner: EnvRunner, **kwargs):
+        super().__init__(**kwargs)
+        config = kwargs["config"]
+        backend = self.backend
+        if not isinstance(backend, LocalSampler) or backend.decoder is None:
+            raise ConfigError(
+                f"config.env.name={config.env.name!r}: episodes are rolled out by the local "
+                "backend's continuous decoder; use --config.rollout.backend=local and "
+                "--config.rollout.decoder=continuous"
+            )
+        self.runner = runner
+        self.config = config
+        self.discount = float(config.env.discount)
+
+    def __call__(self, params, prompts, rng) -> RolloutResult:
+        t0 = time.perf_counter()
+        traj = self._episodes(params, prompts, rng)
+        t_sample = time.perf_counter() - t0
+        groups = self.groups(traj, prompts)
+        lengths = traj.lengths_B
+        accuracy = groups.rewards_PxG.copy()
+        self._shape_overlong(groups, lengths)
+        metrics = {
+            **self._metrics(groups, accuracy, lengths),
+            # the policy's tokens only (the environment's are inserted, not sampled)
+            "response/sampled_tokens": float(traj.policy_mask_BxN.sum()),
+            "time/sample_s": t_sample,
+            **self.backend.metrics(self.transfer.allgather),
+            **reward_metrics(groups, accuracy),
+            **env_metrics(self.backend.decoder.stats),
+        }
+        metrics["time/rollout_s"] = time.perf_counter() - t0
+        return RolloutResult(groups, metrics)
+
+    def process_local(self, transfer):
+        raise NotImplementedError("episodes run on the loop's thread only (rollout k = 0)")
+
+    def _episodes(self, params, prompts, rng) -> Trajectories:
+        rows = [
+            {"problem": q, "answer": a, "prompt": p}
+            for q, a, p in zip(prompts.problems, prompts.answers, prompts.prompts, strict=True)
+        ]
+        turns = build_turns(self.config, self.runner, rows, self.tok)
+        return self.backend.generate_episodes(
+            params,
+            np.asarray(prompts.prompt_ids_PxS),
+            np.asarray(prompts.prompt_mask_PxS),
+            rng,
+            num_samples=self.G,
+            sampling=self.sampling,
+            turns=turns,
+        )
+
+    def groups(self, traj: Trajectories, prompts) -> Groups:
+        """The learner's rows, each trajectory's reward discounted by `env.discount`."""
+        traj = traj._replace(reward_B=trajectory_rewards(traj.rewards, self.discount))
+        return traj.groups(prompts.prompt_ids_PxS, prompts.prompt_mask_PxS)
+
+
+def reward_metrics(groups: Groups, accuracy_PxG: np.ndarray) -> dict[str, float]:
+    """The reward pipeline's batch figures for the environment's rewards (before shaping):
+    `rewards/mean` over the valid samples, `rewards/valid_fraction`, `rewards/nonfinite`."""
+    valid = groups.valid_PxG.reshape(-1)
+    rewards = accuracy_PxG.reshape(-1)
+    return {
+        "rewards/valid_fraction": float(valid.mean()) if valid.size else 0.0,
+        "rewards/nonfinite": float((~valid).sum()),
+        "rewards/mean": float(rewards[valid].mean()) if valid.any() else 0.0,
+    }
+
+
+def env_metrics(stats) -> dict[str, float]:
+    """A batch's `env/...` figures from the decoder's stats of its `generate_episodes` (which
+    carry `EnvTurns.stats()`): the environment's tool counts renamed (every error kind, 0
+    where none), the rest of the episode figures as they are, and the overlap of environment
+    steps with decoding."""
+    out = {k: float(v) for k, v in stats.items() if k.startswith("env/")}
+    out.update({new: float(stats.get(old, 0.0)) for old, new in TOOL_METRICS.items()})
+    step_s, wait_s = out.get("env/step_s", 0.0), float(stats.get("env_wait_s", 0.0))
+    out["env/wait_s"] = wait_s
+    out["env/step_overlap_frac"] = max(0.0, 1.0 - wait_s / step_s) if step_s > 0 else 1.0
+    return out
+
+
+def make_rollout(config, scope: contextlib.ExitStack, *, rewards, **kwargs) -> Rollout:
+    """The run's rollout: `Rollout` (single-turn, env.name = '') or `EpisodeRollout` on the
+    environment `config.env` names, built with the run's reward function (the reward
+    pipeline's `CombinedReward`: the `math` environment scores a turn as the pipeline scores
+    the same completion). kwargs: `Rollout`'s."""
+    if not config.env.name:
+        return Rollout(rewards=rewards, config=config, **kwargs)
+    if jax.process_count() > 1:
+        raise ConfigError(
+            f"config.env.name={config.env.name!r}: multi-turn training runs in one process "
+            "(several processes' episodes are not wired yet); run it without jax.distributed"
+        )
+    if config.env.name != "math":  # math is one step: its held-out evaluation is the same
+        log.warning(
+            "env.name=%r: held-out evaluation stays single-turn (one completion per prompt, "
+            "no environment steps); multi-turn held-out evaluation does not exist yet",
+            config.env.name,
+        )
+    env = build_env(config, reward_fn=rewards.reward_fns["reward"])
+    runner = EnvRunner(env, max_in_flight=config.env.max_in_flight)
+    scope.callback(runner.close)
+    return EpisodeRollout(runner=runner, rewards=rewards, config=config, **kwargs)

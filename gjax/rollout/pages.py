@@ -1,0 +1,346 @@
+"""Paged KV for the continuous decoder (`rollout.kv_page_size` > 0; 0, the default, keeps
+gjax.rollout.decoder's contiguous slots).
+
+Instead of N cache columns per slot and a prompt region per group, every layer's KV lives in
+one pool of fixed-size pages and each slot reads its row's through a page table:
+
+    pages_k/pages_v  L x [Pg, page, K, Dh]   the pool (page 0: the null page, never allocated:
+                                             free table entries and finished slots' writes)
+    table_SxP        int32 [S, Q + N/page]   a row's pages: its group's Q = ceil(Sp / page)
+                                             prompt pages (shared by the group's rows), then
+                                             its own, allocated as it grows
+    prompt_mask_RxSp, prompt_len_R, prompt_logits_RxV, region_S, n_S, limit_S, logits_SxV,
+    done_S, keys_S   as in `SlotState` (a region here holds a group's prompt mask, length and
+                     logits only: its KV is in its prompt pages)
+
+A row's token n sits at page table[Q + n // page], offset n % page, so the row's logical
+sequence is its prompt's Q pages (Sp columns used, masked) then its own tokens. `PagePool` is
+the host allocator: the scheduler (gjax.rollout.decoder._Schedule) gives each live row, before
+a dispatch, enough pages for `tokens_per_dispatch` more tokens, frees a row's own pages when it
+ends, and frees a group's prompt pages (refcounted: one reference per row holding them, one
+for the group) after the group's last row. A multi-turn row's observation (`paged_reenter`)
+goes into pages allocated for it before the call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gjax.models.config import ModelConfig
+from gjax.models.transformer import (
+    _MASK_VALUE,
+    decode_layer_out,
+    decode_qkv,
+    logits_from_hidden,
+    prefill,
+    rms_norm,
+    rope_cos_sin,
+)
+
+NULL_PAGE = 0  # never allocated: what a free table entry and a finished slot's write point at
+
+
+class PagedState(NamedTuple):
+    """The paged decode state (see the module docstring)."""
+
+    pages_k: list
+    pages_v: list
+    table_SxP: jax.Array
+    prompt_mask_RxSp: jax.Array
+    prompt_len_R: jax.Array
+    prompt_logits_RxV: jax.Array
+    region_S: jax.Array
+    n_S: jax.Array
+    limit_S: jax.Array
+    logits_SxV: jax.Array
+    done_S: jax.Array
+    keys_S: jax.Array
+
+
+def prompt_pages(prompt_len: int, page_size: int) -> int:
+    """Q: pages of one prompt of `prompt_len` columns."""
+    return -(-prompt_len // page_size)
+
+
+def init_paged_state(
+    cfg: ModelConfig, slots: int, regions: int, prompt_len: int, max_new: int, *, pages, page_size
+) -> PagedState:
+    """Empty state: every slot done (free), every table entry the null page, pages zero."""
+    dtype, kv, dh = cfg.jnp_dtype, cfg.num_kv_heads, cfg.head_dim
+    pool = lambda: [jnp.zeros((pages, page_size, kv, dh), dtype) for _ in range(cfg.num_layers)]
+    width = prompt_pages(prompt_len, page_size) + max_new // page_size
+    key_shape = jax.random.key_data(jax.random.key(0)).shape
+    return PagedState(
+        pages_k=pool(),
+        pages_v=pool(),
+        table_SxP=jnp.full((slots, width), NULL_PAGE, jnp.int32),
+        prompt_mask_RxSp=jnp.zeros((regions, prompt_len), jnp.int32),
+        prompt_len_R=jnp.zeros((regions,), jnp.int32),
+        prompt_logits_RxV=jnp.zeros((regions, cfg.vocab_size), jnp.float32),
+        region_S=jnp.zeros((slots,), jnp.int32),
+        n_S=jnp.zeros((slots,), jnp.int32),
+        limit_S=jnp.zeros((slots,), jnp.int32),
+        logits_SxV=jnp.zeros((slots, cfg.vocab_size), jnp.float32),
+        done_S=jnp.ones((slots,), bool),
+        keys_S=jnp.zeros((slots, *key_shape), jnp.uint32),
+    )
+
+
+class PagePool:
+    """Host-side page allocator with reference counts. Page 0 (`NULL_PAGE`) is never handed
+    out. `on_free(pages)`: called with the pages that a release frees (a debug hook: the tests
+    write NaN into them)."""
+
+    def __init__(self, num_pages: int, on_free: Callable[[list[int]], None] | None = None):
+        if num_pages < 2:
+            raise ValueError(
+                f"a page pool needs >= 2 pages (one is the null page), got {num_pages}"
+            )
+        self.num_pages = num_pages
+        self.refs = np.zeros((num_pages,), np.int32)
+        self.free = list(range(1, num_pages))
+        self.on_free = on_free
+        self.peak_used = 0
+        self.allocated = 0  # pages handed out, over the pool's life
+
+    def available(self) -> int:
+        return len(self.free)
+
+    def alloc(self, n: int) -> list[int]:
+        """`n` free pages, each with one reference (the caller checks `available` first)."""
+        if n > len(self.free):
+            raise RuntimeError(f"page pool: {n} pages asked, {len(self.free)} free")
+        got, self.free = self.free[:n], self.free[n:]
+        self.refs[got] = 1
+        self.allocated += n
+        self.peak_used = max(self.peak_used, self.num_pages - 1 - len(self.free))
+        return got
+
+    def ref(self, pages) -> None:
+        """One more reference to each of `pages` (a row reading its group's prompt pages)."""
+        pages = list(pages)
+        if pages and (self.refs[pages] <= 0).any():
+            raise RuntimeError(f"page pool: referencing a free page in {pages}")
+        self.refs[pages] += 1
+
+    def release(self, pages) -> None:
+        """One reference fewer to each of `pages`; those left with none are free again."""
+        pages = list(pages)
+        if not pages:
+            return
+        if (self.refs[pages] <= 0).any():
+            raise RuntimeError(f"page pool: releasing a free page in {pages}")
+        self.refs[pages] -= 1
+        freed = [p for p in pages if self.refs[p] == 0]
+        if freed:
+            self.free.extend(freed)
+            self.free.sort()
+            if self.on_free is not None:
+                self.on_free(freed)
+
+
+def paged_prefill(params, cfg, state: PagedState, tokens_AxSp, mask_AxSp, region_A, pages_AxQ):
+    """Prefills A prompts: their KV into pages `pages_AxQ` (a padding entry's pages: the
+    null page), their mask, length and next-token logits into regions `region_A` (index R:
+    padding, dropped)."""
+    mask = mask_AxSp.astype(jnp.int32)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0)
+    hidden_AxSpxD, k, v = prefill(params, cfg, tokens_AxSp.astype(jnp.int32), positions, mask)
+    last_A = tokens_AxSp.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
+    hidden_AxD = jnp.take_along_axis(hidden_AxSpxD, last_A[:, None, None], axis=1)[:, 0]
+    logits_AxV = logits_from_hidden(params, cfg, hidden_AxD)
+    page = state.pages_k[0].shape[1]
+    a_, q_ = pages_AxQ.shape
+    sp_ = mask.shape[1]
+
+    def to_pages(x_AxKxSpxDh):  # -> [A*Q, page, K, Dh], the prompt's columns page by page
+        _, kv_, _, dh = x_AxKxSpxDh.shape
+        x = jnp.pad(x_AxKxSpxDh, ((0, 0), (0, 0), (0, q_ * page - sp_), (0, 0)))
+        return x.transpose(0, 2, 1, 3).reshape(a_ * q_, page, kv_, dh)
+
+    ids = pages_AxQ.reshape(-1)
+    put = lambda dst, src: dst.at[ids].set(to_pages(src).astype(dst.dtype))
+    reg = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
+    return state._replace(
+        pages_k=[put(d, k[i]) for i, d in enumerate(state.pages_k)],
+        pages_v=[put(d, v[i]) for i, d in enumerate(state.pages_v)],
+        prompt_mask_RxSp=reg(state.prompt_mask_RxSp, mask),
+        prompt_len_R=reg(state.prompt_len_R, mask.sum(-1)),
+        prompt_logits_RxV=reg(state.prompt_logits_RxV, logits_AxV),
+    )
+
+
+def paged_insert(state: PagedState, rng, slot_M, region_M, row_M, limit_M) -> PagedState:
+    """Starts rows `row_M` (key fold_in(rng, row)) in slots `slot_M` (index S: padding) from
+    their region's logits. Their pages are not zeroed: what a row has not written is masked
+    out of both the scores and the values it reads (`paged_slot_step`)."""
+    keys_M = jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(rng, r)))(row_M)
+    put = lambda dst, src: dst.at[slot_M].set(src, mode="drop")
+    return state._replace(
+        region_S=put(state.region_S, region_M),
+        n_S=put(state.n_S, jnp.zeros_like(region_M)),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, state.prompt_logits_RxV[region_M]),
+        done_S=put(state.done_S, jnp.zeros(region_M.shape, bool)),
+        keys_S=put(state.keys_S, keys_M),
+    )
+
+
+def paged_attention(q_SxKxRxDh, pages_k, pages_v, table_SxP, valid_SxC, dtype):
+    """One query per slot against its row's pages, gathered through the page table (an XLA
+    gather: the CPU path). The place for a Pallas paged-attention kernel on TPU / GPU
+    (jax.experimental.pallas.ops.tpu.paged_attention reads the same [pages, page, K, Dh]-per-
+    layer pool through the same table, without materialising the gather); not used here.
+    Columns not `valid` weigh 0 and their values are zeroed, so a page's stale or NaN
+    entries never reach the output."""
+    s_, p_ = table_SxP.shape
+    k_SxCxKxDh = jnp.take(pages_k, table_SxP, axis=0).reshape(s_, -1, *pages_k.shape[2:])
+    v_SxCxKxDh = jnp.take(pages_v, table_SxP, axis=0).reshape(s_, -1, *pages_v.shape[2:])
+    v_SxCxKxDh = jnp.where(valid_SxC[:, :, None, None], v_SxCxKxDh, 0)
+    scores = jnp.einsum(
+        "skrd,sckd->skrc", q_SxKxRxDh, k_SxCxKxDh, preferred_element_type=jnp.float32
+    )
+    scale = 1.0 / math.sqrt(q_SxKxRxDh.shape[-1])
+    scores = jnp.where(valid_SxC[:, None, None, :], scores * scale, _MASK_VALUE)
+    m = scores.max(-1, keepdims=True)
+    e = jnp.exp(scores - m)
+    out = jnp.einsum("skrc,sckd->skrd", e.astype(dtype), v_SxCxKxDh)
+    return out / e.sum(-1)[..., None].astype(dtype)
+
+
+def paged_slot_step(params, cfg: ModelConfig, layers, state: PagedState, tokens_S):
+    """`decoder._slot_step` on pages: token n_S of each live slot is written at its page
+    table[Q + n // page], offset n % page (a done slot writes the null page) and every slot
+    attends its prompt's pages and its own tokens n' <= n under one softmax. Returns the next
+    logits (a done slot keeps its own: a slot paused for pages resumes from them) and the
+    state with the new pages."""
+    dtype, eps = cfg.jnp_dtype, cfg.rms_norm_eps
+    s_, p_ = state.table_SxP.shape
+    page = state.pages_k[0].shape[1]
+    sp_ = state.prompt_mask_RxSp.shape[1]
+    q_ = prompt_pages(sp_, page)
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    n_S = state.n_S
+    own_S = jnp.minimum(q_ + n_S // page, p_ - 1)
+    write_page_S = jnp.where(
+        state.done_S, NULL_PAGE, jnp.take_along_axis(state.table_SxP, own_S[:, None], 1)[:, 0]
+    )
+    write_off_S = n_S % page
+    cols = jnp.arange(p_ * page)
+    prompt_mask = jnp.pad(state.prompt_mask_RxSp, ((0, 0), (0, q_ * page - sp_)))
+    pre_valid = jnp.pad(prompt_mask[state.region_S], ((0, 0), (0, (p_ - q_) * page))).astype(bool)
+    own_valid = (cols[None, :] >= q_ * page) & (cols[None, :] - q_ * page <= n_S[:, None])
+    valid_SxC = pre_valid | own_valid
+    x = jnp.take(params["embed"]["embedding"], tokens_S, axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(state.prompt_len_R[state.region_S] + n_S, cfg)
+    pages_k, pages_v = list(state.pages_k), list(state.pages_v)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)
+        pages_k[i] = pages_k[i].at[write_page_S, write_off_S].set(k.astype(dtype))
+        pages_v[i] = pages_v[i].at[write_page_S, write_off_S].set(v.astype(dtype))
+        out = paged_attention(
+            q.reshape(s_, kv_, h_ // kv_, dh),
+            pages_k[i],
+            pages_v[i],
+            state.table_SxP,
+            valid_SxC,
+            dtype,
+        )
+        x = decode_layer_out(lp, x, out.reshape(s_, h_ * dh), cfg)
+    hidden = rms_norm(x, params["final_norm"]["scale"], eps)
+    logits_SxV = logits_from_hidden(params, cfg, hidden).astype(jnp.float32)
+    logits_SxV = jnp.where(state.done_S[:, None], state.logits_SxV, logits_SxV)
+    return logits_SxV, state._replace(pages_k=pages_k, pages_v=pages_v)
+
+
+def _poison(state: PagedState, pages_M) -> PagedState:
+    nan = lambda pool: [p.at[pages_M].set(jnp.nan) for p in pool]
+    return state._replace(pages_k=nan(state.pages_k), pages_v=nan(state.pages_v))
+
+
+paged_prefill_jit = jax.jit(paged_prefill, static_argnames=("cfg",), donate_argnames=("state",))
+paged_insert_jit = jax.jit(paged_insert, donate_argnames=("state",))
+poison_jit = jax.jit(_poison, donate_argnames=("state",))
+
+
+def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, count_M, limit_M):
+    """`decoder._reenter` on pages: the first `count_M` of `tokens_MxC` (an environment's
+    tokens) are appended to the rows in slots `slot_M` (index S: padding, dropped) at own
+    indices n_S .. n_S + count - 1, into the pages their table already holds for them; each
+    column attends the row's prompt pages, its own tokens and the chunk's earlier columns
+    under one softmax. A row with count > 0 takes the logits after its last column,
+    n_S += count, the limit `limit_M`, and is live again."""
+    dtype, f32 = cfg.jnp_dtype, jnp.float32
+    m_, c_ = tokens_MxC.shape
+    s_, p_ = state.table_SxP.shape
+    page = state.pages_k[0].shape[1]
+    sp_ = state.prompt_mask_RxSp.shape[1]
+    q_ = prompt_pages(sp_, page)
+    h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    r_ = h_ // kv_
+    slot_c = jnp.minimum(slot_M, s_ - 1)  # padding entries read slot S-1, write nothing
+    region_M = state.region_S[slot_c]
+    table_MxP = state.table_SxP[slot_c]
+    n0_M = state.n_S[slot_c]
+    own_MxC = n0_M[:, None] + jnp.arange(c_)[None, :]  # own indices of the chunk's columns
+    real_MxC = (jnp.arange(c_)[None, :] < count_M[:, None]) & (slot_M[:, None] < s_)
+    at_MxC = jnp.minimum(q_ + own_MxC // page, p_ - 1)
+    page_MxC = jnp.where(real_MxC, jnp.take_along_axis(table_MxP, at_MxC, 1), NULL_PAGE)
+    off_MxC = own_MxC % page
+    pos_MxC = state.prompt_len_R[region_M][:, None] + own_MxC
+    cols = jnp.arange(p_ * page)
+    prompt_mask = jnp.pad(state.prompt_mask_RxSp, ((0, 0), (0, p_ * page - sp_)))[region_M]
+    own_col = cols[None, None, :] - q_ * page  # [1, 1, P*page]: own index of each column
+    # a column is read if written: the row's history and the chunk's real columns up to the
+    # query's (a padding query reads the real ones only: no unwritten column is ever valid)
+    last_MxC = jnp.minimum(own_MxC, (n0_M + count_M - 1)[:, None])
+    valid_MxCxW = prompt_mask.astype(bool)[:, None, :] | (
+        (own_col >= 0) & (own_col <= jnp.maximum(last_MxC, n0_M[:, None] - 1)[..., None])
+    )
+    x = jnp.take(params["embed"]["embedding"], tokens_MxC.reshape(-1), axis=0).astype(dtype)
+    cos, sin = rope_cos_sin(pos_MxC.reshape(-1), cfg)
+    pages_k, pages_v = list(state.pages_k), list(state.pages_v)
+    scale = 1.0 / math.sqrt(dh)
+    for i, lp in enumerate(layers):
+        q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [M*C, H|K, Dh]
+        put = lambda pool, new: pool.at[page_MxC, off_MxC].set(
+            new.reshape(m_, c_, kv_, dh).astype(dtype)
+        )
+        pages_k[i], pages_v[i] = put(pages_k[i], k), put(pages_v[i], v)
+        k_MxWxKxDh = jnp.take(pages_k[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
+        v_MxWxKxDh = jnp.take(pages_v[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
+        q_MxKxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        scores = jnp.einsum(
+            "mkrcd,mwkd->mkrcw", q_MxKxRxCxDh, k_MxWxKxDh, preferred_element_type=f32
+        )
+        valid = valid_MxCxW[:, None, None]
+        scores = jnp.where(valid, scores * scale, _MASK_VALUE)
+        e = jnp.exp(scores - scores.max(-1, keepdims=True))
+        e = jnp.where(valid, e, 0.0)  # a stale column's value never meets a nonzero weight
+        v_MxWxKxDh = jnp.where(valid_MxCxW.any(1)[:, :, None, None], v_MxWxKxDh, 0)
+        out = jnp.einsum("mkrcw,mwkd->mkrcd", e.astype(dtype), v_MxWxKxDh)
+        out = out / e.sum(-1)[..., None].astype(dtype)
+        x = decode_layer_out(lp, x, out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh), cfg)
+    hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
+    last_M = jnp.clip(count_M - 1, 0, c_ - 1)
+    hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
+    logits_MxV = logits_from_hidden(params, cfg, hidden_MxD).astype(jnp.float32)
+    slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
+    put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
+    return state._replace(
+        pages_k=pages_k,
+        pages_v=pages_v,
+        n_S=put(state.n_S, n0_M + count_M),
+        limit_S=put(state.limit_S, limit_M),
+        logits_SxV=put(state.logits_SxV, logits_MxV),
+        done_S=put(state.done_S, jnp.zeros(slot_M.shape, bool)),
+    )
+
+
+paged_reenter_jit = jax.jit(paged_reenter, static_argnames=("cfg",), donate_argnames=("state",))

@@ -1,0 +1,196 @@
+"""Multi-turn training end to end (gjax.rollout.episodes), in this process on the embedded
+policy: the one-step `math` environment trains bit for bit as the single-turn run; a `tool`
+run and a two-step environment's run train for 2 steps, the loss reading the policy's tokens
+only. Slow (each run compiles what a run compiles; later runs here reuse it)."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from gjax.envs.base import ENVIRONMENTS, Step
+from gjax.envs.environments import score_turn
+from gjax.experience import to_model_inputs
+from gjax.rollout import episodes as episodes_lib
+from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not __import__("os").path.isdir(EMBEDDED), reason="no embedded policy"),
+]
+
+# The reward pipeline's own figures (its reward function's terms, its failure counters): a
+# multi-turn run scores inside its episodes and has `rewards/mean`, `rewards/valid_fraction`
+# and `rewards/nonfinite` of its own; the rest of the row is the same series.
+PIPELINE_ONLY = {
+    "rewards/accuracy/failed",
+    "rewards/accuracy/invalid_items",
+    "rewards/accuracy/mean",
+    "rewards/batch_errors",
+    "rewards/consecutive_failures",
+    "rewards/failed_batches",
+    "rewards/fn_failures",
+    "rewards/judge_failures",
+}
+ENV_SERIES = {
+    "env/turns_per_episode",
+    "env/tool_calls",
+    "env/tool_errors",
+    *(f"env/tool_errors/{k}" for k in ("malformed", "unknown_tool", "timeout", "memory")),
+    "env/truncated",
+    "env/truncated_turns",
+    "env/truncated_tokens",
+    "env/truncated_turn_tokens",
+    "env/truncated_env",
+    "env/step_s",
+    "env/wait_s",
+    "env/step_overlap_frac",
+    "env/tokens_inserted",
+    "env/prefill_tokens_per_episode_kept",
+    "env/prefill_tokens_per_episode_reprefill",
+}
+
+
+def tiny(**env):
+    c = small_config("grpo")
+    c.train.steps = 2
+    c.eval.num_samples = 0  # greedy held-out only: its compile is the run's sampler's
+    c.env.update(env)
+    return c
+
+
+def summary(wd):
+    return json.loads((wd / "summary.json").read_text())
+
+
+def test_one_step_math_env_trains_bit_for_bit_as_the_single_turn_run(tmp_path, capsys):
+    from gjax.train import train
+
+    assert train(tiny(), str(tmp_path / "single")) is None
+    assert train(tiny(name="math"), str(tmp_path / "math")) is None
+    single, multi = rows(tmp_path / "single"), rows(tmp_path / "math")
+    assert [r["step"] for r in single] == [r["step"] for r in multi] == [1, 2]
+    for a, b in zip(single, multi, strict=True):
+        a, b = stable(a), stable(b)
+        assert set(a) - set(b) == PIPELINE_ONLY
+        assert set(b) - set(a) >= ENV_SERIES and all(k.startswith("env/") for k in set(b) - set(a))
+        same = sorted(set(a) & set(b))
+        assert len(same) > 40
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}  # exact, not approximate
+        assert b["env/turns_per_episode"] == 1.0 and b["env/tokens_inserted"] == 0.0
+        assert (
+            b["env/truncated"]
+            == b["env/truncated_tokens"]
+            == round(16 * a["response/clipped_frac"])
+        )
+    s1, s2 = summary(tmp_path / "single"), summary(tmp_path / "math")
+    assert s1["heldout_accuracy_after"] == s2["heldout_accuracy_after"]
+
+
+class TwoStepEnv:
+    """Every episode: the first turn gets an observation (" Check."),
+    the second is scored by the run's reward and ends it; 0.5 for the first turn. The
+    observation is short: trajectories are the embedded config's 32 tokens."""
+
+    name = "two_step"
+
+    def __init__(self, reward_fn):
+        self.reward_fn = reward_fn
+
+    def system_prompt(self):
+        return ""
+
+    def start(self, row):
+        env = self
+
+        class Episode:
+            turn = 0
+
+            async def step(self, text, *, length=None):
+                self.turn += 1
+                if self.turn == 1:
+                    return Step(" Check.", 0.5, False)
+                return Step("", await score_turn(env.reward_fn, row, text, length), True)
+
+        return Episode()
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def two_step(monkeypatch):
+    """`two_step` in the registry for one test only (the registry has no removal; other tests
+    list its names)."""
+    factory = lambda config, *, reward_fn: TwoStepEnv(reward_fn)  # noqa: E731
+    monkeypatch.setitem(ENVIRONMENTS._items, "two_step", factory)
+    return "two_step"
+
+
+def _recorded(monkeypatch):
+    """The groups every EpisodeRollout call returns, in order."""
+    seen = []
+    call = episodes_lib.EpisodeRollout.__call__
+
+    def record(self, *args):
+        out = call(self, *args)
+        seen.append(out.groups)
+        return out
+
+    monkeypatch.setattr(episodes_lib.EpisodeRollout, "__call__", record)
+    return seen
+
+
+def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch, two_step):
+    """Observations are in the learner's rows (attended) and out of its loss mask; the
+    trajectory's reward is the turns' rewards, discounted by env.discount."""
+    from gjax.train import train
+
+    seen = _recorded(monkeypatch)
+    c = tiny(name=two_step, max_turns=2, discount=0.5)
+    assert train(c, str(tmp_path / "two")) is None
+    got = rows(tmp_path / "two")
+    assert [r["step"] for r in got] == [1, 2]
+    assert all(math.isfinite(r["loss/total"]) for r in got)
+    assert len(seen) == 2
+    for groups, r in zip(seen, got, strict=True):
+        host = to_model_inputs(groups)
+        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
+        inserted = groups.completion_mask_PxGxN.reshape(policy.shape) & ~policy
+        np.testing.assert_array_equal(
+            host["loss_mask_BxT"], policy & groups.valid_PxG.reshape(-1, 1)
+        )
+        assert inserted.sum() == r["env/tokens_inserted"] > 0
+        assert (host["old_logps_BxT"][inserted] == 0).all()
+        behaviour = host["old_logps_BxT"][policy]  # the sampler's log-probs, kept
+        assert (behaviour <= 0).all() and (behaviour < 0).any()
+        assert policy.sum() == r["response/sampled_tokens"]
+        # 0.5 at turn 0, the answer's reward (0 or 1) at turn 1 weighed 0.5: 0.5 or 1.0
+        episodes = r["env/turns_per_episode"]
+        assert 1.0 <= episodes <= 2.0
+        assert set(np.unique(groups.rewards_PxG[groups.valid_PxG])) <= {0.5, 1.0}
+
+
+def test_tool_env_trains_two_steps(tmp_path, monkeypatch):
+    """`tool` with the calculator: the run completes, its rows' loss masks cover the policy's
+    tokens only, and the multi-turn metrics are in every row."""
+    from gjax.train import train
+
+    seen = _recorded(monkeypatch)
+    assert train(tiny(name="tool", tools="calculator"), str(tmp_path / "tool")) is None
+    got = rows(tmp_path / "tool")
+    assert [r["step"] for r in got] == [1, 2]
+    for groups, r in zip(seen, got, strict=True):
+        assert math.isfinite(r["loss/total"]) and math.isfinite(r["optim/grad_norm"])
+        assert set(r) >= ENV_SERIES
+        assert r["env/tool_errors"] == sum(
+            v for k, v in r.items() if k.startswith("env/tool_errors/")
+        )
+        host = to_model_inputs(groups)
+        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
+        assert not (host["loss_mask_BxT"] & ~policy).any()
+        assert (policy <= groups.completion_mask_PxGxN.reshape(policy.shape)).all()
