@@ -316,20 +316,8 @@ def _reenter(params, cfg, layers, state: SlotState, slot_M, tokens_MxC, count_M,
         out = out / denom[..., None].astype(dtype)
         out = out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh)
         x = decode_layer_out(lp, x, out, cfg)
-    hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
-    last_M = jnp.clip(count_M - 1, 0, c_ - 1)
-    hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
-    logits_MxV = logits_from_hidden(params, cfg, hidden_MxD).astype(jnp.float32)
-    slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
-    put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
-    return state._replace(
-        cache_k=cache_k,
-        cache_v=cache_v,
-        n_S=put(state.n_S, n0_M + count_M),
-        limit_S=put(state.limit_S, limit_M),
-        logits_SxV=put(state.logits_SxV, logits_MxV),
-        done_S=put(state.done_S, jnp.zeros(slot_M.shape, bool)),
-    )
+    state = state._replace(cache_k=cache_k, cache_v=cache_v)
+    return pages.reentry_result(params, cfg, state, x, slot_M, count_M, n0_M, limit_M)
 
 
 def _dispatch(

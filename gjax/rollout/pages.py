@@ -327,6 +327,17 @@ def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, co
         out = jnp.einsum("mkrcw,mwkd->mkrcd", e.astype(dtype), v_MxWxKxDh)
         out = out / e.sum(-1)[..., None].astype(dtype)
         x = decode_layer_out(lp, x, out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh), cfg)
+    state = state._replace(pages_k=pages_k, pages_v=pages_v)
+    return reentry_result(params, cfg, state, x, slot_M, count_M, n0_M, limit_M)
+
+
+def reentry_result(params, cfg, state, x, slot_M, count_M, n0_M, limit_M):
+    """The end of a re-entry chunk (`decoder._reenter`, `paged_reenter`), on either state
+    (its K/V already written): `x` [M*C, D] the chunk's last hidden states; a row with
+    count > 0 takes the logits after its last column, n_S = n0 + count, its limit, and is
+    live again; a row with count 0 (or slot S: padding) is left as it was."""
+    m_, s_ = slot_M.shape[0], state.n_S.shape[0]
+    c_ = x.shape[0] // m_
     hidden_MxCxD = rms_norm(x, params["final_norm"]["scale"], cfg.rms_norm_eps).reshape(m_, c_, -1)
     last_M = jnp.clip(count_M - 1, 0, c_ - 1)
     hidden_MxD = jnp.take_along_axis(hidden_MxCxD, last_M[:, None, None], axis=1)[:, 0]
@@ -334,8 +345,6 @@ def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, co
     slot_w = jnp.where(count_M > 0, slot_M, s_)  # a row with no tokens this call: unchanged
     put = lambda dst, src: dst.at[slot_w].set(src, mode="drop")
     return state._replace(
-        pages_k=pages_k,
-        pages_v=pages_v,
         n_S=put(state.n_S, n0_M + count_M),
         limit_S=put(state.limit_S, limit_M),
         logits_SxV=put(state.logits_SxV, logits_MxV),
