@@ -350,6 +350,8 @@ def build_config(
         c.data.heldout_size = 16
         c.eval.num_samples = 0
         c.checkpoint.async_save = False
+    # As validation resolves it, so a run's recorded config.json compares equal (run.plan).
+    schema.resolve_behaviour_correction(c)
     return c
 
 
