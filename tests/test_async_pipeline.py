@@ -31,6 +31,7 @@ from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, collect, producer
 from tests.test_experience import make_groups
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -248,7 +249,7 @@ def _cli(workdir, *extra, steps):
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     # Later runs reuse the first one's compiled programs (the session's cache, conftest.py).
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=USER_PATH)  # no torch: tests/user_env.py
     cmd = [
         sys.executable,
         "-m",

@@ -17,6 +17,7 @@ import pytest
 from gjax import integrity
 from gjax.checkpoint import Checkpointer, CheckpointError
 from gjax.health import Diverged
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -182,7 +183,7 @@ FAILING_SAVE = textwrap.dedent(
 
 
 def test_failed_async_save_stops_the_run_at_once(tmp_path):
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "XLA_FLAGS": ""}
     proc = subprocess.run(
         [sys.executable, "-c", FAILING_SAVE, str(tmp_path / "ckpt")],
         env=env,

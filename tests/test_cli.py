@@ -10,6 +10,7 @@ import pytest
 
 from gjax import cli, schema
 from gjax.errors import ConfigError, run_cli
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runs gjax.train as `python -m` would, on a machine without torch (as a fresh `pip install
@@ -23,7 +24,7 @@ NO_TORCH = (
 def gjax_train(*args, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.pop("TRANSFORMERS_NO_ADVISORY_WARNINGS", None)
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = USER_PATH
     return subprocess.run(
         [sys.executable, "-c", NO_TORCH, *args, f"--workdir={tmp_path / 'wd'}"],
         env=env,
@@ -128,7 +129,7 @@ def test_run_quiets_library_info_after_absl_sets_its_verbosity():
         "    raise cli.UserError('config.x: bad; set it to y')\n"
         "cli.run(main)\n"
     )
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = {**os.environ, "PYTHONPATH": USER_PATH}
     proc = subprocess.run(
         [sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60
     )
@@ -157,7 +158,7 @@ def test_gs_paths_without_the_gcs_extra_name_the_install_line(module, args, tmp_
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = USER_PATH
     proc = subprocess.run(
         [sys.executable, "-c", no_gcsfs, *args],
         env=env,
@@ -187,7 +188,7 @@ def test_jetstream_missing_fails_before_the_model_loads(module, args, tmp_path):
         f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = USER_PATH
     t0 = time.perf_counter()
     proc = subprocess.run(
         [

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 from gjax import compile_cache
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -44,7 +45,7 @@ def _env(tmp_path):
         for k, v in os.environ.items()
         if not k.startswith(("JAX_COMPILATION", "JAX_PERSISTENT"))
     }
-    return {**env, "PYTHONPATH": ROOT, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
+    return {**env, "PYTHONPATH": USER_PATH, "XDG_CACHE_HOME": str(tmp_path / "xdg")}
 
 
 def test_gjax_train_turns_the_cache_on_by_default(tmp_path):

@@ -22,6 +22,7 @@ from gjax.evaluation.heldout import HeldoutEval, heldout_metrics
 from gjax.evaluation.metrics import EvalError, summarize
 from gjax.evaluation.sampling import sample_and_score
 from gjax.rollout import SampleOutput, SamplingParams
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
@@ -213,7 +214,7 @@ def test_cli_on_a_checkpoint_and_a_local_benchmark(workdir, tmp_path):
     wd, _, _ = workdir
     path, _ = write_benchmark("amc23", str(tmp_path), n=8)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [
@@ -515,7 +516,7 @@ def test_cli_on_a_run_trained_on_own_data_without_demonstrations(tmp_path):
     wd = str(tmp_path / "run")
     _own_data_run(wd)
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     proc = subprocess.run(
         [

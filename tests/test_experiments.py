@@ -25,6 +25,7 @@ from gjax.config import validate
 from gjax.errors import ConfigError, UserError
 from gjax.metrics import MetricsWriter
 from gjax.objective.advantages import ADVANTAGES
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -430,7 +431,7 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     """The real thing: 2 variants x 1 seed x 1 step, 2 workers; a second invocation skips
     both; aggregation reads what the trainer and the worker wrote."""
     out = str(tmp_path / "runs")
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "XLA_FLAGS": ""}
     cmd = [sys.executable, "-m", "experiments.run", "smoke", "--seeds", "1", "--steps", "1",
            "--smoke", "--workers", "2", "--out", out]  # fmt: skip
     first = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -462,7 +463,7 @@ def test_sigterm_to_the_runner_stops_its_workers_with_a_checkpoint(tmp_path):
     ignored): it passes SIGTERM on, the worker's trainer saves a checkpoint at the end of its
     step and exits 143, no further run starts, and nothing is left running."""
     out = str(tmp_path / "runs")
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "XLA_FLAGS": ""}
     cmd = [sys.executable, "-m", "experiments.run", "smoke", "--seeds", "2", "--steps", "500",
            "--smoke", "--workers", "1", "--variants", "grpo", "--out", out]  # fmt: skip
     runner = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True)

@@ -29,6 +29,7 @@ from gjax.data import builders, templates  # noqa: E402
 from gjax.learner import TrainState, make_optimizer  # noqa: E402
 from gjax.models import hf_export, hf_format, hf_import  # noqa: E402
 from gjax.models import transformer as T  # noqa: E402
+from tests.user_env import PYTHONPATH as USER_PATH  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
@@ -119,7 +120,7 @@ def assert_logits_match(out_dir, params, cfg):
 
 
 def run_export(cwd, *args):
-    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "-m", "gjax.export", *args],

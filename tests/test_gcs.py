@@ -29,13 +29,14 @@ from gjax.checkpoint import Checkpointer, CheckpointSaveError  # noqa: E402
 from gjax.data.sources import load_rows  # noqa: E402
 from gjax.models import hf_format, hf_import  # noqa: E402
 from tests.test_export import assert_logits_match  # noqa: E402
+from tests.user_env import PYTHONPATH as USER_PATH  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = "gs://bucket/run"
 
 
 def _child_env(gcs_env):
-    env = {**os.environ, **gcs_env, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, **gcs_env, "PYTHONPATH": USER_PATH, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)  # (the compilation cache: the session's, tests/conftest.py)
     return env
 

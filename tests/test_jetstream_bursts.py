@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests.user_env import PYTHONPATH as USER_PATH
+
 pytest.importorskip("gjax.rollout.jetstream_compat")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,7 +22,7 @@ ASSERTION = "At this point we must have some requests inserted into the slots"
 
 def bursts(*args, timeout):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = USER_PATH
     return subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "jetstream_bursts.py"), *args],
         env=env,

@@ -21,6 +21,7 @@ from tests.test_train_e2e import env  # noqa: F401 - shared fixture
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 from gjax.rollout.weight_push import WeightPusher  # noqa: E402
+from tests.user_env import PYTHONPATH as USER_PATH  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def _start_server(port: int, workdir) -> subprocess.Popen:
     """A server on 127.0.0.1:port; `proc.ready_at` is when its ready line was read."""
     proc = subprocess.Popen(
         _server_cmd(port, workdir),
-        env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+        env={**os.environ, "PYTHONPATH": USER_PATH, **_ENV},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -254,7 +255,7 @@ def test_no_request_poisons_the_server(policy, tmp_path):  # noqa: F811
         # A second server on the same port: one paragraph, a nonzero exit, no traceback.
         second = subprocess.run(
             _server_cmd(port, tmp_path / "second"),
-            env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+            env={**os.environ, "PYTHONPATH": USER_PATH, **_ENV},
             capture_output=True,
             text=True,
             timeout=300,
@@ -281,7 +282,7 @@ def test_a_server_on_a_taken_port_is_refused_before_loading_and_writes_nothing(t
         t0 = time.monotonic()
         proc = subprocess.run(
             [*_server_cmd(port, tmp_path), f"--config.rollout.push_dir={push}"],
-            env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+            env={**os.environ, "PYTHONPATH": USER_PATH, **_ENV},
             capture_output=True,
             text=True,
             timeout=300,

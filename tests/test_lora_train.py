@@ -21,6 +21,7 @@ from gjax.checkpoint import CheckpointError
 from gjax.errors import ConfigError
 from gjax.models import lora
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
+from tests.user_env import PYTHONPATH as USER_PATH
 
 pytestmark = [
     pytest.mark.slow,
@@ -201,7 +202,7 @@ def test_lora_run_pushes_only_adapters_to_a_gjax_serve_replica(tmp_path, transfe
             f"--config.rollout.server_address=127.0.0.1:{port}",
             f"--workdir={wd}",
         ],
-        env={**os.environ, "PYTHONPATH": os.getcwd(), **_ENV},
+        env={**os.environ, "PYTHONPATH": USER_PATH, **_ENV},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,

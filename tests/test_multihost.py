@@ -23,6 +23,7 @@ import pytest
 
 from gjax import multihost, sharding
 from gjax.experience import Groups, select_groups
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
@@ -254,7 +255,7 @@ def _env(devices):
     e.update(
         JAX_PLATFORMS="cpu",
         XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        PYTHONPATH=ROOT,
+        PYTHONPATH=USER_PATH,  # no torch, as a user's install (tests/user_env.py)
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
     )

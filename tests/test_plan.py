@@ -12,6 +12,7 @@ import pytest
 from configs import grpo
 from gjax import plan
 from gjax.models import lora, quant, transformer
+from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -130,7 +131,7 @@ def test_static_sampler_kv_shards_by_batch(tiny_plan):
 def _cli(*args):
     # without the suite's 8 fake devices: the command asks jax for the slice's own count
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env["PYTHONPATH"] = ROOT
+    env["PYTHONPATH"] = USER_PATH
     return subprocess.run(
         [sys.executable, "-m", "gjax.plan", *args],
         cwd=ROOT,

@@ -20,6 +20,8 @@ import time
 
 import pytest
 
+from tests.user_env import PYTHONPATH as USER_PATH
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
 # Small shapes: a handful of prompts per step, short held-out set.
@@ -63,7 +65,7 @@ def env():
     e = dict(os.environ)
     e.pop("XLA_FLAGS", None)  # one CPU device, as a user's laptop
     e["JAX_PLATFORMS"] = "cpu"
-    e["PYTHONPATH"] = ROOT  # (the compilation cache: the session's, from tests/conftest.py)
+    e["PYTHONPATH"] = USER_PATH  # no torch (tests/user_env.py); the session's compile cache
     return e
 
 
