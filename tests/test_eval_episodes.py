@@ -1,0 +1,174 @@
+"""Held-out evaluation over episodes (gjax.evaluation.episodes) on the embedded policy, in this
+process: on the one-step `math` environment it equals the single-turn evaluation sample for
+sample; on `tool` it runs episodes of the environment (its figures present, pass@k in range).
+A small held-out set (6 problems, 4 samples each) on the local continuous decoder."""
+
+import os
+
+import ml_collections
+import numpy as np
+import pytest
+
+from gjax.evaluation.episodes import FIGURES, EpisodeSampler, final_turn
+from gjax.evaluation.heldout import HeldoutEval, SingleTurn, heldout_metrics
+from gjax.rollout.turns import build_turns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED = os.path.join(ROOT, "gjax", "assets", "tiny_qwen2")
+
+needs_policy = pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="no embedded policy")
+
+SETTINGS = HeldoutEval.from_config(
+    ml_collections.ConfigDict(
+        dict(num_samples=4, temperature=0.7, top_p=1.0, pass_k="1,4", max_rows=256)
+    )
+)
+
+
+def config(**env):
+    from configs import grpo
+
+    c = grpo.get_config("tiny")
+    c.data.heldout_size = 6
+    c.rollout.prompts_per_step = 2
+    c.rollout.num_samples = 4
+    c.env.update(env)
+    return c
+
+
+@pytest.fixture(scope="module")
+def run():
+    """The pieces of a run that the held-out evaluation uses: the policy, its tokenizer, the
+    held-out set, the verifier and reward function, the continuous decoder's backend."""
+    from gjax.data.builders import build_prompt_data
+    from gjax.models import hf_import
+    from gjax.rewards.pipeline import build_rewards, build_verifier
+    from gjax.rollout.factory import make_backend
+
+    c = config()
+    cfg, params = hf_import.load_pretrained(EMBEDDED)
+    tok = hf_import.load_tokenizer(EMBEDDED)
+    data = build_prompt_data(c.data, tok, heldout=True)
+    with build_verifier(c) as verifier, build_rewards(c, verifier) as rewards:
+        backend = make_backend(c, cfg, params)
+        yield dict(
+            cfg=cfg,
+            params=params,
+            tok=tok,
+            data=data,
+            verifier=verifier,
+            reward_fn=rewards.reward_fns["reward"],
+            backend=backend,
+        )
+        backend.close()
+
+
+@pytest.fixture
+def episodes(run):
+    """An EpisodeSampler on `config(**env)`'s environment, with the run's reward function."""
+    from gjax.envs import EnvRunner, build_env
+
+    runners = []
+
+    def make(**env):
+        c = config(**env)
+        runner = EnvRunner(build_env(c, reward_fn=run["reward_fn"]))
+        runners.append(runner)
+        return EpisodeSampler(lambda rows: build_turns(c, runner, rows, run["tok"]))
+
+    yield make
+    for r in runners:
+        r.close()
+
+
+def evaluate(run, sampler, **kw):
+    from gjax.rollout.backend import stop_and_pad
+
+    eos, pad_id = stop_and_pad(run["cfg"], run["tok"])
+    return heldout_metrics(
+        run["backend"], run["params"], run["tok"], run["data"], run["verifier"], SETTINGS,
+        max_new_tokens=config().rollout.max_new_tokens, eos=eos, pad_id=pad_id,
+        sampler=sampler, **kw,
+    )  # fmt: skip
+
+
+def test_final_turn_is_the_last_run_of_policy_tokens():
+    tokens = np.arange(10, 20)
+    mask = np.array([1, 1, 0, 0, 1, 1, 1, 0, 0, 0])
+    np.testing.assert_array_equal(final_turn(tokens, mask, 7), [14, 15, 16])
+    np.testing.assert_array_equal(final_turn(tokens, mask, 5), [14])  # its length bounds it
+    np.testing.assert_array_equal(final_turn(tokens, np.ones(10), 4), [10, 11, 12, 13])
+    assert final_turn(tokens, np.zeros(10), 10).size == 0
+
+
+@needs_policy
+def test_math_env_episodes_equal_the_single_turn_evaluation(run, episodes, monkeypatch):
+    """Same prompts, same keys -> the same samples, scores and pass@k, greedy and sampled,
+    in the evaluation's own batch shape and in the rollout's."""
+    from gjax.evaluation import episodes as episodes_lib
+    from gjax.evaluation import heldout as heldout_lib
+
+    drawn = {"single": [], "episodes": []}
+    for name, module, fn in (
+        ("single", heldout_lib, "sample_and_score"),
+        ("episodes", episodes_lib, "sample_episodes"),
+    ):
+        real = getattr(module, fn)
+
+        def record(*a, _real=real, _name=name, **kw):
+            out = _real(*a, **kw)
+            drawn[_name].append(out)
+            return out
+
+        monkeypatch.setattr(module, fn, record)
+    math_env = episodes(name="math")
+    rollout = _sampled(run)
+    for kw in ({}, dict(rollout_sampling=rollout, rollout_shape=(2, 4))):
+        single = evaluate(run, SingleTurn(), **kw)
+        multi = evaluate(run, math_env, **kw)
+        assert {k: multi[k] for k in single} == single  # exact, not approximate
+        assert set(multi) - set(single) == {
+            f"eval/heldout_{p}{k}" for p in ("", "sampled_") for k in FIGURES
+        }
+        assert multi["eval/heldout_turns_mean"] == multi["eval/heldout_sampled_turns_mean"] == 1
+        assert multi["eval/heldout_tool_calls_mean"] == 0
+        assert 0 < single["eval/heldout_pass@1"] < single["eval/heldout_pass@4"] < 1
+    assert len(drawn["single"]) == len(drawn["episodes"]) == 4  # greedy, sampled; twice
+    for a, b in zip(drawn["single"], drawn["episodes"], strict=True):
+        assert a.texts == b.texts
+        for field in ("correct_PxN", "lengths_PxN", "truncated_PxN"):
+            np.testing.assert_array_equal(getattr(a, field), getattr(b, field))
+        assert a.keys == b.keys
+        np.testing.assert_array_equal(b.turns_PxN, 1)
+
+
+def _sampled(run):
+    """The sampling a rollout of `config()` draws with (rollout.temperature 0.7, top-p 1)."""
+    from gjax.rollout.backend import stop_and_pad
+    from gjax.rollout.sampler import SamplingParams
+
+    eos, pad_id = stop_and_pad(run["cfg"], run["tok"])
+    return SamplingParams(
+        max_new_tokens=config().rollout.max_new_tokens,
+        temperature=SETTINGS.temperature,
+        top_p=SETTINGS.top_p,
+        stop_token_ids=eos,
+        pad_token_id=pad_id,
+    )
+
+
+@needs_policy
+def test_tool_env_evaluation_runs_episodes(run, episodes):
+    """The `tool` environment with the calculator: every figure is there and in range; the
+    embedded policy was never taught tool calls, so its episodes answer in one turn and
+    score as its single completions do (the tool env's final turn is verified alike)."""
+    tool = episodes(name="tool", tools="calculator")
+    m = evaluate(run, tool)
+    single = evaluate(run, SingleTurn())
+    for p in ("", "sampled_"):
+        assert 1 <= m[f"eval/heldout_{p}turns_mean"] <= config().env.max_turns
+        assert m[f"eval/heldout_{p}tool_calls_mean"] >= 0
+        assert 0 <= m[f"eval/heldout_{p}truncated_frac"] <= 1
+    assert 0 <= m["eval/heldout_pass@1"] <= m["eval/heldout_pass@4"] <= 1
+    assert 0 <= m["eval/heldout_accuracy"] <= 1
+    assert m["eval/heldout_accuracy"] == single["eval/heldout_accuracy"]
