@@ -172,3 +172,34 @@ def test_tool_env_evaluation_runs_episodes(run, episodes):
     assert 0 <= m["eval/heldout_pass@1"] <= m["eval/heldout_pass@4"] <= 1
     assert 0 <= m["eval/heldout_accuracy"] <= 1
     assert m["eval/heldout_accuracy"] == single["eval/heldout_accuracy"]
+
+
+@pytest.mark.parametrize("name", ["tool", "math", ""])
+def test_gjax_eval_refuses_checkpoints_of_multi_turn_runs(tmp_path, name):
+    """gjax.eval samples single completions: a run on a multi-turn environment is refused in
+    one paragraph (its CLI prints it, exit 2); the one-step `math` and single-turn runs pass."""
+    import json
+
+    from gjax import eval as ev
+    from gjax.errors import format_user_error
+    from gjax.evaluation.metrics import EvalError
+
+    wd = tmp_path / "run"
+    (wd / "checkpoints").mkdir(parents=True)
+    run = config(name=name).to_dict()
+    run["model"]["path"] = EMBEDDED
+    (wd / "config.json").write_text(json.dumps(run))
+    for flag in ("--checkpoint", "--write_lm_eval_task"):
+        if name in ("math", ""):
+            assert ev._model_and_run(str(wd), None)[1]["env"]["name"] == name
+            continue
+        with pytest.raises(EvalError) as err:
+            if flag == "--checkpoint":
+                ev._model_and_run(str(wd), None)
+            else:
+                ev.write_lm_eval_tasks(str(tmp_path / "tasks"), checkpoint=str(wd))
+        msg = str(err.value)
+        assert "'tool' environment" in msg and "--model=DIR" in msg and "\n" not in msg
+        printed = format_user_error(err.value).strip()  # what the CLI prints: one paragraph
+        assert printed.startswith("gjax: --checkpoint=") and "\n\n" not in printed
+    assert not (tmp_path / "tasks").exists()
