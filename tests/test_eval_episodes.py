@@ -5,6 +5,7 @@ A small held-out set (6 problems, 4 samples each) on the local continuous decode
 
 import os
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -37,19 +38,27 @@ def config(**env):
 
 
 @pytest.fixture(scope="module")
-def run():
+def verifier():
+    from gjax.rewards.pipeline import build_verifier
+
+    with build_verifier(config()) as v:
+        yield v
+
+
+@pytest.fixture(scope="module")
+def run(verifier):
     """The pieces of a run that the held-out evaluation uses: the policy, its tokenizer, the
     held-out set, the verifier and reward function, the continuous decoder's backend."""
     from gjax.data.builders import build_prompt_data
     from gjax.models import hf_import
-    from gjax.rewards.pipeline import build_rewards, build_verifier
+    from gjax.rewards.pipeline import build_rewards
     from gjax.rollout.factory import make_backend
 
     c = config()
     cfg, params = hf_import.load_pretrained(EMBEDDED)
     tok = hf_import.load_tokenizer(EMBEDDED)
     data = build_prompt_data(c.data, tok, heldout=True)
-    with build_verifier(c) as verifier, build_rewards(c, verifier) as rewards:
+    with build_rewards(c, verifier) as rewards:
         backend = make_backend(c, cfg, params)
         yield dict(
             cfg=cfg,
@@ -203,3 +212,85 @@ def test_gjax_eval_refuses_checkpoints_of_multi_turn_runs(tmp_path, name):
         printed = format_user_error(err.value).strip()  # what the CLI prints: one paragraph
         assert printed.startswith("gjax: --checkpoint=") and "\n\n" not in printed
     assert not (tmp_path / "tasks").exists()
+
+
+CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
+
+
+class CallOrAnswer:
+    """A test tokenizer for a random policy: a turn whose first id is even reads as a
+    calculator call (6*7), one whose first id is odd as the answer \\boxed{42}; every
+    observation encodes as [20, 22] (and is recorded). With every odd id a stop id, a turn
+    ends at its first odd id, so the random policy's episodes mix calls and answers."""
+
+    def __init__(self):
+        self.observations = []
+
+    def decode(self, ids, skip_special_tokens=True):
+        ids = [int(i) for i in ids]
+        return "" if not ids else CALL if ids[0] % 2 == 0 else "\\boxed{42}"
+
+    def batch_decode(self, seqs, skip_special_tokens=True):
+        return [self.decode(s) for s in seqs]
+
+    def __call__(self, text, add_special_tokens=False):
+        self.observations.append(text)
+        return {"input_ids": [20, 22]}
+
+
+def test_tool_episodes_count_calls_and_score_the_final_turn(verifier):
+    """Multi-turn episodes of the real `tool` environment (calculator in its sandbox) on a
+    random policy: turns and tool calls are counted per episode, and an episode is scored by
+    its final turn (a call-then-answer episode is correct; one that ran out of turns while
+    calling, env.max_turns, is truncated and wrong)."""
+    from gjax.data.prompts import PromptData
+    from gjax.envs import EnvRunner, ToolEnv, build_tool
+    from gjax.evaluation.episodes import sample_episodes
+    from gjax.rollout import LocalSampler, SamplingParams
+    from gjax.rollout.decoder import ContinuousDecoder
+    from gjax.rollout.turns import EnvTurns
+    from tests.test_sampler import CFG, PARAMS, PROMPTS
+
+    tok = CallOrAnswer()
+    data = PromptData(
+        prompt_ids=[np.asarray(p, np.int32) for p in PROMPTS],
+        prompts=[f"p{i}" for i in range(3)],
+        problems=[f"p{i}" for i in range(3)],
+        answers=["42"] * 3,
+        demonstrations=[""] * 3,
+        row_index=np.arange(3),
+        max_prompt_length=8,
+        pad_id=0,
+        stats={},
+    )
+    reward = lambda prompts, completions, answers, **_: [  # noqa: E731
+        float("42" in c) for c in completions
+    ]
+    env = ToolEnv(reward, [build_tool("calculator", config().env)], max_turns=3)
+    backend = LocalSampler(CFG, decoder=ContinuousDecoder(CFG, slots=4, tokens_per_dispatch=4))
+    sampling = SamplingParams(
+        max_new_tokens=32, temperature=1.0, stop_token_ids=tuple(range(1, 64, 2)), pad_token_id=0
+    )
+    n = 4
+    with EnvRunner(env) as runner:
+        s = sample_episodes(
+            backend, PARAMS, tok, data, verifier, num_samples=n, sampling=sampling,
+            rng=jax.random.key(0), max_rows=8,
+            make_turns=lambda rows: EnvTurns(
+                runner, rows, encode=lambda t: tok(t)["input_ids"], decode=tok.decode, max_turns=3
+            ),
+        )  # fmt: skip
+    assert s.correct_PxN.shape == s.turns_PxN.shape == (3, n)
+    assert (s.tool_errors_PxN == 0).all()
+    assert any("<tool_response>\n42\n</tool_response>" in o for o in tok.observations)
+    answered = s.correct_PxN == 1
+    # A call-then-answer episode: correct, one call per turn before its last.
+    np.testing.assert_array_equal(answered, ~s.truncated_PxN)
+    np.testing.assert_array_equal(s.tool_calls_PxN[answered], s.turns_PxN[answered] - 1)
+    # Calling to the end: env.max_turns ended it (truncated), its last turn's call not run.
+    assert (s.turns_PxN[~answered] == 3).all() and (s.tool_calls_PxN[~answered] == 2).all()
+    assert [t == "\\boxed{42}" for row in s.texts for t in row] == list(answered.reshape(-1))
+    assert (s.turns_PxN > 1).any() and answered.any()  # multi-turn episodes, some correct
+    figures = EpisodeSampler(None).figures(s)
+    assert figures["turns_mean"] == s.turns_PxN.mean() > 1
+    assert figures["tool_calls_mean"] == s.tool_calls_PxN.mean() > 0
