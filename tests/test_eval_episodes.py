@@ -294,3 +294,20 @@ def test_tool_episodes_count_calls_and_score_the_final_turn(verifier):
     figures = EpisodeSampler(None).figures(s)
     assert figures["turns_mean"] == s.turns_PxN.mean() > 1
     assert figures["tool_calls_mean"] == s.tool_calls_PxN.mean() > 0
+
+
+def test_quantized_multi_turn_run_evaluates_on_a_float_continuous_decoder():
+    """rollout.quantize: held-out evaluation samples the float policy (a static sampler for a
+    single-turn run); a multi-turn run's episodes need a continuous decoder: it gets its own."""
+    from gjax.rollout import LocalSampler
+    from gjax.rollout.factory import evaluation_backend, make_backend
+    from tests.test_sampler import CFG
+
+    for name in ("", "math"):
+        c = config(name=name)
+        c.rollout.quantize = "int8"
+        backend = make_backend(c, CFG, None)
+        assert backend.quantize == "int8" and backend.decoder is not None
+        got = evaluation_backend(c, backend, CFG)
+        assert isinstance(got, LocalSampler) and got.quantize == "none"
+        assert (got.decoder is not None) == bool(name)
