@@ -11,7 +11,9 @@
     python -m gjax.eval --checkpoint=workdirs/a_grae --write_lm_eval_task=DIR
 
 `--checkpoint` is a training `--workdir` (or its `checkpoints` dir, or one step dir in it);
-only the policy parameters are restored. `--model` is a Hugging Face checkpoint dir (local,
+only the policy parameters are restored. A run trained on a multi-turn environment
+(config.env.name other than `math`) is refused: its held-out evaluation is over episodes,
+training's own (`gjax.evaluation.episodes`, summary.json). `--model` is a Hugging Face checkpoint dir (local,
 gs:// or hub id). Benchmarks: `gjax.data.benchmarks` (MATH-500, AIME 2024/2025, AMC23,
 Minerva, OlympiadBench, and `heldout`: the embedded task's held-out split, offline).
 
@@ -145,12 +147,31 @@ def _model_and_run(checkpoint: str | None, model: str | None) -> tuple[str, dict
     task's)."""
     if checkpoint:
         workdir, _, _ = split_checkpoint_path(checkpoint, None)
-        return run_model_source(workdir)
+        model_path, run = run_model_source(workdir)
+        check_single_turn(checkpoint, run)
+        return model_path, run
     tiny = common.tiny(common.base())
     return resolve_model_path(model), {
         "data": tiny.data.to_dict(),
         "rollout": tiny.rollout.to_dict(),
     }
+
+
+def check_single_turn(checkpoint: str, run: dict[str, Any]) -> None:
+    """This command samples single completions: a run trained on episodes of a multi-turn
+    environment (config.env.name, other than the one-step `math`, whose episode is one
+    completion scored alike) is refused in one paragraph naming where its figures are."""
+    name = (run.get("env") or {}).get("name", "")
+    if not name or name == "math":
+        return
+    raise EvalError(
+        f"--checkpoint={checkpoint}: this run trained on episodes of the {name!r} environment "
+        "(config.env.name); gjax.eval samples single completions, without the environment's "
+        "turns or tools, so its figures would not measure what the run learned. The run's "
+        "held-out evaluation is over episodes: see its summary.json (heldout_*) and, with "
+        "--config.log.eval_every=N, its metrics.jsonl. To score single completions anyway, "
+        "export the policy (python -m gjax.export --workdir=RUN --out=DIR) and pass --model=DIR."
+    )
 
 
 def _load_policy(F, mesh_for) -> _Policy:

@@ -65,6 +65,7 @@ from gjax.data.iterator import PromptIterator
 from gjax.embedded import resolve_model_path
 from gjax.envs import environments as envs_environments
 from gjax.errors import ConfigError, format_user_error
+from gjax.evaluation import episodes as eval_episodes
 from gjax.evaluation import heldout as eval_lib
 from gjax.health import CollapseWatch, Diverged
 from gjax.learner import build_learner
@@ -251,9 +252,11 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         transfer=learner.transfer,
     )
     eval_backend = rollout_factory.evaluation_backend(config, backend, model_cfg)
+    eval_sampler = eval_episodes.heldout_sampler(config, rollout, tok)  # env.name: episodes
     evaluate = functools.partial(
-        _evaluate, config, eval_settings, eval_backend, tok, heldout, verifier, rollout, learner
-    )
+        _evaluate, config, eval_settings, eval_backend, tok, heldout, verifier, rollout, learner,
+        eval_sampler,
+    )  # fmt: skip
 
     # From here on SIGTERM / Ctrl-C stop the run at the end of a step, with a checkpoint.
     stop = {"signal": None}
@@ -434,9 +437,10 @@ def _restore(config, workdir: str, checkpointer, state, run_fingerprint: dict):
     return state, meta
 
 
-def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, params):
+def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learner, sampler, params):
     """Greedy held-out accuracy and pass@k (gjax.eval), with its own progress bar (on a
-    terminal)."""
+    terminal); a multi-turn run's over episodes of its environment (`sampler`,
+    gjax.evaluation.episodes)."""
     return eval_lib.heldout_metrics(
         backend,
         params,
@@ -453,6 +457,7 @@ def _evaluate(config, settings, backend, tok, heldout, verifier, rollout, learne
         rollout_shape=(config.rollout.prompts_per_step, rollout.G - rollout.A),
         progress=config.log.progress and multihost.is_primary(),
         transfer=learner.transfer,
+        sampler=sampler,
     )
 
 
@@ -523,6 +528,8 @@ def _finish(
             "heldout_accuracy_after": after["eval/heldout_accuracy"],
             **_pass_at_k(_before(meta), "before"),
             **_pass_at_k(after, "after"),
+            **_episode_figures(_before(meta), "before"),  # a multi-turn run's only
+            **_episode_figures(after, "after"),
             # Which rows were held out, from where, and what left training for it
             # (gjax.data.builders: the held-out PromptData's origin).
             "heldout": heldout.origin,
@@ -616,6 +623,13 @@ def _pass_at_k(metrics: dict[str, float], when: str) -> dict[str, float]:
         for k, v in metrics.items()
         if k.startswith("eval/heldout_pass@")
     }
+
+
+def _episode_figures(metrics: dict[str, float], when: str) -> dict[str, float]:
+    """A multi-turn run's episode figures (gjax.evaluation.episodes: `eval/heldout_turns_mean`,
+    ...; none in a single-turn run) -> summary keys `heldout_turns_mean_<when>`, ..."""
+    names = {f"eval/heldout_{p}{k}" for p in ("", "sampled_") for k in eval_episodes.FIGURES}
+    return {f"{k.removeprefix('eval/')}_{when}": v for k, v in metrics.items() if k in names}
 
 
 class Recorder:

@@ -52,6 +52,15 @@ ENV_SERIES = {
 }
 
 
+# A multi-turn run's summary.json keys beside the single-turn ones (greedy episodes only:
+# eval.num_samples = 0 here).
+EPISODE_SUMMARY = {
+    f"heldout_{k}_{when}"
+    for k in ("turns_mean", "tool_calls_mean", "tool_errors_mean", "truncated_frac")
+    for when in ("before", "after")
+}
+
+
 def tiny(**env):
     c = small_config("grpo")
     c.train.steps = 2
@@ -84,8 +93,13 @@ def test_one_step_math_env_trains_bit_for_bit_as_the_single_turn_run(tmp_path, c
             == b["env/truncated_tokens"]
             == round(16 * a["response/clipped_frac"])
         )
+    # Held-out evaluation over episodes (gjax.evaluation.episodes): the single-turn run's
+    # figures exactly, plus the episodes' own (one turn each, no tool calls).
     s1, s2 = summary(tmp_path / "single"), summary(tmp_path / "math")
-    assert s1["heldout_accuracy_after"] == s2["heldout_accuracy_after"]
+    assert {k: s2[k] for k in s1} == s1
+    assert set(s2) - set(s1) == EPISODE_SUMMARY
+    assert s2["heldout_turns_mean_before"] == s2["heldout_turns_mean_after"] == 1.0
+    assert s2["heldout_tool_calls_mean_after"] == 0.0
 
 
 class TwoStepEnv:
@@ -182,6 +196,10 @@ def test_tool_env_trains_two_steps(tmp_path, monkeypatch):
 
     seen = _recorded(monkeypatch)
     assert train(tiny(name="tool", tools="calculator"), str(tmp_path / "tool")) is None
+    s = summary(tmp_path / "tool")  # the held-out evaluation ran episodes, before and after
+    assert set(s) >= EPISODE_SUMMARY
+    assert 1.0 <= s["heldout_turns_mean_after"] <= tiny().env.max_turns
+    assert 0.0 <= s["heldout_accuracy_after"] <= 1.0
     got = rows(tmp_path / "tool")
     assert [r["step"] for r in got] == [1, 2]
     for groups, r in zip(seen, got, strict=True):

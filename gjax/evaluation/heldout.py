@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Protocol
 
 import jax
 
 from gjax.data.prompts import PromptData
 from gjax.errors import ConfigError
-from gjax.evaluation.metrics import EvalError, parse_ks, summarize
+from gjax.evaluation.metrics import EvalError, Samples, parse_ks, summarize
 from gjax.evaluation.sampling import Transfer, sample_and_score
 from gjax.rollout import RolloutBackend, SamplingParams
 
@@ -45,6 +46,27 @@ class HeldoutEval:
         return cls(n, float(eval_cfg.temperature), float(eval_cfg.top_p), ks, eval_cfg.max_rows)
 
 
+class HeldoutSampler(Protocol):
+    """What a held-out evaluation draws and scores its samples with, declared whole:
+    `sample` has `sample_and_score`'s signature and contract (n scored samples per problem,
+    the same batching and keys), `figures` are the extra figures of a call's samples, named
+    without a prefix (`turns_mean`, ...; {} for single completions)."""
+
+    def sample(self, backend, params, tokenizer, data, verifier, **kwargs) -> Samples: ...
+
+    def figures(self, samples: Samples) -> dict[str, float]: ...
+
+
+class SingleTurn:
+    """Single completions (`sample_and_score`): a run without an environment (env.name '')."""
+
+    def sample(self, backend, params, tokenizer, data, verifier, **kwargs) -> Samples:
+        return sample_and_score(backend, params, tokenizer, data, verifier, **kwargs)
+
+    def figures(self, samples: Samples) -> dict[str, float]:
+        return {}
+
+
 def check_config(config) -> None:
     """`config.eval` can work (pass@k against num_samples, the sampling): a hook of
     `gjax.config.validate`; raises ConfigError naming the field."""
@@ -68,6 +90,7 @@ def heldout_metrics(
     rollout_shape: tuple[int, int] | None = None,
     progress: bool = False,
     transfer: Transfer | None = None,
+    sampler: HeldoutSampler | None = None,
 ) -> dict[str, float]:
     """Training's held-out figures: ``eval/heldout_accuracy`` (one completion per problem at
     `greedy_temperature`, 0 = greedy) and, when ``settings.num_samples`` > 0,
@@ -81,7 +104,13 @@ def heldout_metrics(
     A serving backend's dropped requests count as wrong answers and are reported:
     ``eval/heldout_dropped`` (greedy completions) and ``eval/heldout_sampled_dropped``
     (pass@k samples), present only when some were dropped, and a warning; a batch whose
-    requests were all dropped raises ServingFailed (`sample_and_score`)."""
+    requests were all dropped raises ServingFailed (`sample_and_score`).
+
+    `sampler` draws and scores the samples: single completions (`SingleTurn`, the default),
+    or a multi-turn run's episodes (`gjax.evaluation.episodes.EpisodeSampler`), whose
+    figures are added as ``eval/heldout_<name>`` (greedy) and ``eval/heldout_sampled_<name>``
+    (the pass@k samples)."""
+    sampler = sampler if sampler is not None else SingleTurn()
     rng = jax.random.fold_in(jax.random.key(seed), 0xE7A1)
     greedy = SamplingParams(
         max_new_tokens=max_new_tokens,
@@ -89,7 +118,7 @@ def heldout_metrics(
         stop_token_ids=eos,
         pad_token_id=pad_id,
     )
-    s = sample_and_score(
+    s = sampler.sample(
         backend,
         params,
         tokenizer,
@@ -104,12 +133,13 @@ def heldout_metrics(
     )
     out = {"eval/heldout_accuracy": float(s.correct_PxN.mean())}
     _count_dropped(out, "eval/heldout_dropped", s, "greedy completions")
+    out.update({f"eval/heldout_{k}": v for k, v in sampler.figures(s).items()})
     if settings.num_samples:
         sampled = dataclasses.replace(
             greedy, temperature=settings.temperature, top_p=settings.top_p
         )
         shared = rollout_shape is not None and sampled == rollout_sampling
-        s = sample_and_score(
+        s = sampler.sample(
             backend,
             params,
             tokenizer,
@@ -128,6 +158,7 @@ def heldout_metrics(
             if k.startswith("pass@"):
                 out[f"eval/heldout_{k}"] = v
         _count_dropped(out, "eval/heldout_sampled_dropped", s, "pass@k samples")
+        out.update({f"eval/heldout_sampled_{k}": v for k, v in sampler.figures(s).items()})
     return out
 
 

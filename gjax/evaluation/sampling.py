@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import jax
@@ -65,6 +66,96 @@ def sample_and_score(
     put = transfer.put_full if transfer is not None else (lambda x: x)
     pull = transfer.pull_full if transfer is not None else np.asarray
     n_problems, n = len(data), num_samples
+    plan = plan_batches(data, n, max_rows=max_rows, batch_shape=batch_shape, width=width)
+    g = plan.g
+    texts: list[list[str]] = [[] for _ in range(n_problems)]
+    lengths = np.zeros((n_problems, plan.samples), np.int32)
+    truncated = np.zeros((n_problems, plan.samples), bool)
+    dropped = np.zeros((n_problems, plan.samples), bool)
+    bar = progress_bar(progress, n_problems * n)
+    stop = set(sampling.stop_token_ids)
+    for rows, ids_PxS, mask_PxS, call, key in plan.batches(data, rng):
+        out = backend.generate(
+            params, put(ids_PxS), put(mask_PxS), key, num_samples=g, sampling=sampling
+        )
+        tokens_BxN, lengths_B = pull(out.tokens_BxN), pull(out.lengths_B)
+        dropped_B = _dropped(out.valid_B, len(lengths_B), transfer)
+        if dropped_B.all():
+            if bar is not None:
+                bar.close()
+            failure = getattr(backend, "failure", lambda: "")()
+            raise ServingFailed(
+                f"every request of a held-out evaluation batch was dropped "
+                f"({len(dropped_B)} requests{'; ' + failure if failure else ''}): its "
+                "figures would count every sample as a wrong answer, so none is reported. "
+                "Start the server again (or fix config.rollout.server_address), then rerun."
+            )
+        decoded = tokenizer.batch_decode(
+            [t[:m] for t, m in zip(tokens_BxN[: len(rows) * g], lengths_B)],
+            skip_special_tokens=True,
+        )
+        for j, r in enumerate(rows):
+            texts[r].extend(decoded[j * g : (j + 1) * g])
+            cols = slice(call * g, (call + 1) * g)
+            lengths[r, cols] = lengths_B[j * g : (j + 1) * g]
+            last = tokens_BxN[j * g : (j + 1) * g][
+                np.arange(g), np.maximum(lengths_B[j * g : (j + 1) * g] - 1, 0)
+            ]
+            truncated[r, cols] = ~np.isin(last, list(stop)) if stop else False
+            dropped[r, cols] = dropped_B[j * g : (j + 1) * g]
+        if bar is not None:
+            bar.update(len(rows) * min(g, n - call * g))
+    close_bar(bar)
+    texts = [t[:n] for t in texts]
+    lengths, truncated, dropped = lengths[:, :n], truncated[:, :n], dropped[:, :n]
+    correct, keys = score_texts(texts, data, verifier)
+    return Samples(texts, correct, lengths, truncated, keys, dropped)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchPlan:
+    """How n samples of every problem are drawn: calls of P prompts x G samples (P a
+    multiple of the device count), `calls_per_problem` calls per batch of prompts, prompts
+    left-padded to `width`. The one batching of every held-out sampler (single completions
+    here, episodes in `gjax.evaluation.episodes`): the same plan and rng give the same
+    prompts, rows and keys."""
+
+    p: int
+    g: int
+    calls_per_problem: int
+    width: int
+
+    @property
+    def samples(self) -> int:
+        """Columns drawn per problem (>= n: the last call's extra samples are dropped)."""
+        return self.calls_per_problem * self.g
+
+    def batches(self, data: PromptData, rng: jax.Array):
+        """(rows, prompt ids_PxS, mask_PxS, call, key) of every sampler call, in order: `rows`
+        the problems it answers (the batch padded with repeats of the last), `call` which of
+        a batch's calls, key fold_in(fold_in(rng, first row), call)."""
+        n_problems = len(data)
+        for start in range(0, n_problems, self.p):
+            rows = list(range(start, min(start + self.p, n_problems)))
+            padded = rows + [rows[-1]] * (self.p - len(rows))
+            ids_PxS, mask_PxS = left_pad(
+                [data.prompt_ids[r] for r in padded], self.width, data.pad_id
+            )
+            for call in range(self.calls_per_problem):
+                key = jax.random.fold_in(jax.random.fold_in(rng, start), call)
+                yield rows, ids_PxS, mask_PxS, call, key
+
+
+def plan_batches(
+    data: PromptData,
+    num_samples: int,
+    *,
+    max_rows: int = 256,
+    batch_shape: tuple[int, int] | None = None,
+    width: int | None = None,
+) -> BatchPlan:
+    """`sample_and_score`'s batching of `num_samples` per problem of `data` (its docstring)."""
+    n_problems, n = len(data), num_samples
     devices = jax.device_count()
     if batch_shape is not None:
         p, g = batch_shape
@@ -72,68 +163,42 @@ def sample_and_score(
         g = min(n, max(1, max_rows))
         p = min(max(1, max_rows // g), n_problems)  # prompts per call
     p = -(-p // devices) * devices  # the batch axis is sharded over the devices
-    calls_per_problem = -(-n // g)
     longest = max(len(x) for x in data.prompt_ids)
     width = width or -(-longest // 8) * 8
     if width < longest:
         raise ValueError(f"width {width} < the longest prompt ({longest} tokens)")
-    texts: list[list[str]] = [[] for _ in range(n_problems)]
-    lengths = np.zeros((n_problems, calls_per_problem * g), np.int32)
-    truncated = np.zeros((n_problems, calls_per_problem * g), bool)
-    dropped = np.zeros((n_problems, calls_per_problem * g), bool)
-    bar = None
-    if progress and interactive():
-        from tqdm import tqdm  # optional: the progress bar
+    return BatchPlan(p, g, -(-n // g), width)
 
-        bar = tqdm(
-            total=n_problems * n,
-            desc=progress if isinstance(progress, str) else "eval",
-            unit="sample",
-            dynamic_ncols=True,
-            leave=False,
-        )
-    stop = set(sampling.stop_token_ids)
-    for start in range(0, n_problems, p):
-        rows = list(range(start, min(start + p, n_problems)))
-        padded = rows + [rows[-1]] * (p - len(rows))
-        ids_PxS, mask_PxS = left_pad([data.prompt_ids[r] for r in padded], width, data.pad_id)
-        for call in range(calls_per_problem):
-            key = jax.random.fold_in(jax.random.fold_in(rng, start), call)
-            out = backend.generate(
-                params, put(ids_PxS), put(mask_PxS), key, num_samples=g, sampling=sampling
-            )
-            tokens_BxN, lengths_B = pull(out.tokens_BxN), pull(out.lengths_B)
-            dropped_B = _dropped(out.valid_B, len(lengths_B), transfer)
-            if dropped_B.all():
-                if bar is not None:
-                    bar.close()
-                failure = getattr(backend, "failure", lambda: "")()
-                raise ServingFailed(
-                    f"every request of a held-out evaluation batch was dropped "
-                    f"({len(dropped_B)} requests{'; ' + failure if failure else ''}): its "
-                    "figures would count every sample as a wrong answer, so none is reported. "
-                    "Start the server again (or fix config.rollout.server_address), then rerun."
-                )
-            decoded = tokenizer.batch_decode(
-                [t[:m] for t, m in zip(tokens_BxN[: len(rows) * g], lengths_B)],
-                skip_special_tokens=True,
-            )
-            for j, r in enumerate(rows):
-                texts[r].extend(decoded[j * g : (j + 1) * g])
-                cols = slice(call * g, (call + 1) * g)
-                lengths[r, cols] = lengths_B[j * g : (j + 1) * g]
-                last = tokens_BxN[j * g : (j + 1) * g][
-                    np.arange(g), np.maximum(lengths_B[j * g : (j + 1) * g] - 1, 0)
-                ]
-                truncated[r, cols] = ~np.isin(last, list(stop)) if stop else False
-                dropped[r, cols] = dropped_B[j * g : (j + 1) * g]
-            if bar is not None:
-                bar.update(len(rows) * min(g, n - call * g))
+
+def progress_bar(progress: bool | str, total: int):
+    """A tqdm bar of `total` samples (described by `progress`, if a string), or None when
+    `progress` is off or stderr is not a terminal."""
+    if not (progress and interactive()):
+        return None
+    from tqdm import tqdm  # optional: the progress bar
+
+    return tqdm(
+        total=total,
+        desc=progress if isinstance(progress, str) else "eval",
+        unit="sample",
+        dynamic_ncols=True,
+        leave=False,
+    )
+
+
+def close_bar(bar) -> None:
     if bar is not None:
         bar.refresh()  # the last update may fall inside tqdm's redraw interval
         bar.close()
-    texts = [t[:n] for t in texts]
-    lengths, truncated, dropped = lengths[:, :n], truncated[:, :n], dropped[:, :n]
+
+
+def score_texts(
+    texts: list[list[str]], data: PromptData, verifier
+) -> tuple[np.ndarray, list[list[str | None]]]:
+    """(correct_PxN, answer keys) of n texts per problem of `data`: the verifier's score
+    against each problem's answer, and each text's maj@k vote (`answer_key`)."""
+    n_problems = len(texts)
+    n = len(texts[0]) if texts else 0
     flat = [t for row in texts for t in row]
     golds = [a for a in data.answers for _ in range(n)]
     # Every process holds every text; each verifies its 1/H and the scores are all-gathered,
@@ -143,7 +208,7 @@ def sample_and_score(
     ).reshape(n_problems, n)
     extractors = getattr(getattr(verifier, "config", None), "extractors", ("boxed", "answer_tag"))
     keys = [[answer_key(t, extractors) for t in row] for row in texts]
-    return Samples(texts, correct, lengths, truncated, keys, dropped)
+    return correct, keys
 
 
 def _dropped(valid_B, rows: int, transfer: Transfer | None) -> np.ndarray:

@@ -30,7 +30,6 @@ one otherwise (with the environment's runner closed by the run's exit stack).
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 
 import jax
@@ -44,8 +43,6 @@ from gjax.experience import Groups
 from gjax.rollout.backend import LocalSampler
 from gjax.rollout.collect import Rollout, RolloutResult
 from gjax.rollout.turns import Trajectories, build_turns, trajectory_rewards
-
-log = logging.getLogger("gjax")
 
 # Tool counts as the environments name them (gjax.envs.environments) -> the step's metric name.
 TOOL_METRICS = {
@@ -153,12 +150,6 @@ def make_rollout(config, scope: contextlib.ExitStack, *, rewards, **kwargs) -> R
         raise ConfigError(
             f"config.env.name={config.env.name!r}: multi-turn training runs in one process "
             "(several processes' episodes are not wired yet); run it without jax.distributed"
-        )
-    if config.env.name != "math":  # math is one step: its held-out evaluation is the same
-        log.warning(
-            "env.name=%r: held-out evaluation stays single-turn (one completion per prompt, "
-            "no environment steps); multi-turn held-out evaluation does not exist yet",
-            config.env.name,
         )
     env = build_env(config, reward_fn=rewards.reward_fns["reward"])
     runner = EnvRunner(env, max_in_flight=config.env.max_in_flight)

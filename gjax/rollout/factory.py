@@ -89,14 +89,7 @@ def make_backend(
     jetstream_grpc."""
     r = config.rollout
     if r.backend == "local" and local_decoder(r.decoder) == "continuous":
-        decoder = ContinuousDecoder(
-            model_cfg,
-            slots=r.decode_slots,
-            tokens_per_dispatch=r.tokens_per_dispatch,
-            prefill_chunk=r.prefill_chunk,
-            kv_page_size=r.kv_page_size,
-        )
-        return LocalSampler(model_cfg, decoder=decoder, quantize=r.quantize)
+        return LocalSampler(model_cfg, decoder=_decoder(r, model_cfg), quantize=r.quantize)
     if r.backend == "local":
         return LocalSampler(model_cfg, quantize=r.quantize)
     if config.rollout.backend == "jetstream" and jax.process_count() > 1:
@@ -113,6 +106,17 @@ def make_backend(
     )
 
 
+def _decoder(r, model_cfg: ModelConfig) -> ContinuousDecoder:
+    """The continuous decoder `config.rollout` describes."""
+    return ContinuousDecoder(
+        model_cfg,
+        slots=r.decode_slots,
+        tokens_per_dispatch=r.tokens_per_dispatch,
+        prefill_chunk=r.prefill_chunk,
+        kv_page_size=r.kv_page_size,
+    )
+
+
 def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) -> RolloutBackend:
     """What held-out evaluations sample with: `backend`, except where a mid-run evaluation
     (`log.eval_every`, on the loop's thread) would push the learner's newest params to a
@@ -121,9 +125,12 @@ def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) 
     are not tagged with. Such runs evaluate with the in-process static sampler (greedy tokens
     equal to the servers', tests/test_jetstream.py), before, during and after training alike.
     Quantized rollouts (`rollout.quantize`) evaluate the learner's float policy, with the
-    static sampler (the quantized sampler's copy stays the producer's alone)."""
+    static sampler (the quantized sampler's copy stays the producer's alone); a multi-turn
+    run's (env.name set) with a float continuous decoder of its own, as its held-out
+    episodes need one (gjax.evaluation.episodes)."""
     if config.rollout.max_staleness > 0 and not isinstance(backend, LocalSampler):
         return LocalSampler(model_cfg)
     if isinstance(backend, LocalSampler) and backend.quantize != "none":
-        return LocalSampler(model_cfg)
+        decoder = _decoder(config.rollout, model_cfg) if config.env.name else None
+        return LocalSampler(model_cfg, decoder=decoder)
     return backend

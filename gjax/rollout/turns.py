@@ -183,10 +183,13 @@ class EnvTurns:
         self.turns_B = np.zeros((b_,), np.int32)
         self.rewards: list[list] = [[] for _ in range(b_)]
         self.limit_B = [""] * b_
+        self.done_B = np.zeros((b_,), bool)  # the environment ended the episode (Step.done)
         self.observations: list[list] = [[] for _ in range(b_)]
         self.cut_B = np.zeros((b_,), bool)  # the turn in flight ended without a stop id
         self.in_flight: dict[concurrent.futures.Future, int] = {}
         self.metrics: collections.Counter = collections.Counter()
+        # each row's own step counts (tools/calls, tools/errors/<kind>, ...): per episode
+        self.row_metrics = [collections.Counter() for _ in range(b_)]
         self.reprefill_tokens = 0  # what re-prefilling each re-entry's history would cost
         self._step_s0 = self.runner.stats()["env/step_s_sum"]
 
@@ -225,8 +228,11 @@ class EnvTurns:
     def _answer(self, b: int, step: Step, length: int):
         """The ids to insert after row b's turn, or None where its episode ends here."""
         self.rewards[b].append(step.reward)
-        self.metrics.update({k: float(v) for k, v in step.metrics.items()})
+        counts = {k: float(v) for k, v in step.metrics.items()}
+        self.metrics.update(counts)
+        self.row_metrics[b].update(counts)
         full = length >= self.n_
+        self.done_B[b] = step.done
         if step.done:
             if step.truncated:
                 self.limit_B[b] = "env"
