@@ -356,3 +356,34 @@ def test_trajectory_rewards_sum_or_discount_the_turns():
     np.testing.assert_array_equal(trajectory_rewards(many, 1.0), want)
     with pytest.raises(ValueError, match="discount must be in"):
         trajectory_rewards(rewards, 0.0)
+
+
+def test_each_thread_reads_the_stats_of_its_own_last_call():
+    """An asynchronous run decodes on one decoder from two threads: the producer's rollout
+    (its `env/...` and `rollout/...` figures come from `dec.stats` after its call) and the
+    loop thread's mid-run held-out evaluation. A call on one thread leaves the other's
+    figures as they were."""
+    import threading
+
+    dec = ContinuousDecoder(CFG, slots=3, tokens_per_dispatch=4)
+    key = jax.random.key(3)
+    first, second = threading.Event(), threading.Event()
+    seen = {}
+
+    def producer():
+        dec.generate(PARAMS, TOKENS, MASK, key, num_samples=G, sampling=GREEDY)
+        seen["own"] = dict(dec.stats)
+        first.set()
+        second.wait(timeout=60)
+        seen["after"] = dict(dec.stats)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    assert first.wait(timeout=60)
+    dec.generate(PARAMS, TOKENS[:1], MASK[:1], key, num_samples=1, sampling=GREEDY)
+    mine = dict(dec.stats)
+    second.set()
+    t.join(timeout=60)
+    assert seen["own"]["prompts_prefilled"] == len(PROMPTS)
+    assert mine["prompts_prefilled"] == 1
+    assert seen["after"] == seen["own"]
