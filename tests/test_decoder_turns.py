@@ -6,6 +6,7 @@ row's history; trajectories are token-exact with a policy-only mask; limits trun
 Token ids and text: the tests' "tokenizer" writes ids as decimal words ("12 30 5"), so the
 environment reads exactly the ids the policy sampled and its observations are exact ids."""
 
+import asyncio
 import dataclasses
 import math
 
@@ -387,3 +388,43 @@ def test_each_thread_reads_the_stats_of_its_own_last_call():
     assert seen["own"]["prompts_prefilled"] == len(PROMPTS)
     assert mine["prompts_prefilled"] == 1
     assert seen["after"] == seen["own"]
+
+
+class SleepEnv:
+    """One step per episode, done at once with reward 1; rows with `sleep` wait that long."""
+
+    name = "sleep"
+
+    def system_prompt(self):
+        return ""
+
+    def start(self, row):
+        class Episode:
+            async def step(self, text, *, length=None):
+                await asyncio.sleep(row.get("sleep", 0.0))
+                return Step("", 1.0, True)
+
+        return Episode()
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_a_batchs_env_step_seconds_count_its_own_steps_only():
+    """Another caller's step on the same runner (an asynchronous run's held-out episodes on
+    the loop thread beside the producer's batch) is not in the batch's `env/step_s`."""
+    rows = [{"problem": f"p{i}", "answer": "7"} for i in range(len(PROMPTS))]
+    with EnvRunner(SleepEnv(), max_in_flight=4) as runner:
+        turns = EnvTurns(runner, rows, encode=encode, decode=decode, max_turns=1)
+        turns.bind(MASK, G, GREEDY)
+        other = runner.start({"problem": "q", "answer": "7", "sleep": 0.5})
+        runner.submit(other, "1 2").result(timeout=30)  # not this batch's
+        turns.end_turn(0, np.array([1, STOPS[0]]))
+        assert [b for b, _ in turns.answers(np.full(len(rows) * G, 2), block=True)] == [0]
+        total = runner.stats()["env/step_s_sum"]
+        own = turns.stats()["env/step_s"]
+    assert total >= 0.5 > own
+    assert own == sum(turns.step_seconds) and len(turns.step_seconds) == 1
