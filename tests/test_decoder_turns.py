@@ -6,6 +6,7 @@ row's history; trajectories are token-exact with a policy-only mask; limits trun
 Token ids and text: the tests' "tokenizer" writes ids as decimal words ("12 30 5"), so the
 environment reads exactly the ids the policy sampled and its observations are exact ids."""
 
+import asyncio
 import dataclasses
 import math
 
@@ -356,3 +357,74 @@ def test_trajectory_rewards_sum_or_discount_the_turns():
     np.testing.assert_array_equal(trajectory_rewards(many, 1.0), want)
     with pytest.raises(ValueError, match="discount must be in"):
         trajectory_rewards(rewards, 0.0)
+
+
+def test_each_thread_reads_the_stats_of_its_own_last_call():
+    """An asynchronous run decodes on one decoder from two threads: the producer's rollout
+    (its `env/...` and `rollout/...` figures come from `dec.stats` after its call) and the
+    loop thread's mid-run held-out evaluation. A call on one thread leaves the other's
+    figures as they were."""
+    import threading
+
+    dec = ContinuousDecoder(CFG, slots=3, tokens_per_dispatch=4)
+    key = jax.random.key(3)
+    first, second = threading.Event(), threading.Event()
+    seen = {}
+
+    def producer():
+        dec.generate(PARAMS, TOKENS, MASK, key, num_samples=G, sampling=GREEDY)
+        seen["own"] = dict(dec.stats)
+        first.set()
+        second.wait(timeout=60)
+        seen["after"] = dict(dec.stats)
+
+    t = threading.Thread(target=producer)
+    t.start()
+    assert first.wait(timeout=60)
+    dec.generate(PARAMS, TOKENS[:1], MASK[:1], key, num_samples=1, sampling=GREEDY)
+    mine = dict(dec.stats)
+    second.set()
+    t.join(timeout=60)
+    assert seen["own"]["prompts_prefilled"] == len(PROMPTS)
+    assert mine["prompts_prefilled"] == 1
+    assert seen["after"] == seen["own"]
+
+
+class SleepEnv:
+    """One step per episode, done at once with reward 1; rows with `sleep` wait that long."""
+
+    name = "sleep"
+
+    def system_prompt(self):
+        return ""
+
+    def start(self, row):
+        class Episode:
+            async def step(self, text, *, length=None):
+                await asyncio.sleep(row.get("sleep", 0.0))
+                return Step("", 1.0, True)
+
+        return Episode()
+
+    def stats(self):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_a_batchs_env_step_seconds_count_its_own_steps_only():
+    """Another caller's step on the same runner (an asynchronous run's held-out episodes on
+    the loop thread beside the producer's batch) is not in the batch's `env/step_s`."""
+    rows = [{"problem": f"p{i}", "answer": "7"} for i in range(len(PROMPTS))]
+    with EnvRunner(SleepEnv(), max_in_flight=4) as runner:
+        turns = EnvTurns(runner, rows, encode=encode, decode=decode, max_turns=1)
+        turns.bind(MASK, G, GREEDY)
+        other = runner.start({"problem": "q", "answer": "7", "sleep": 0.5})
+        runner.submit(other, "1 2").result(timeout=30)  # not this batch's
+        turns.end_turn(0, np.array([1, STOPS[0]]))
+        assert [b for b, _ in turns.answers(np.full(len(rows) * G, 2), block=True)] == [0]
+        total = runner.stats()["env/step_s_sum"]
+        own = turns.stats()["env/step_s"]
+    assert total >= 0.5 > own
+    assert own == sum(turns.step_seconds) and len(turns.step_seconds) == 1

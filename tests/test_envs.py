@@ -474,7 +474,6 @@ def test_default_config_is_single_turn_and_validates():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"rollout.max_staleness": 1}, r"asynchronous rollouts \(rollout.max_staleness > 0\)"),
         ({"rollout.decoder": "static"}, "the static sampler has no turns"),
         ({"rollout.backend": "jetstream"}, "the jetstream backend does not drive environments"),
         ({"anchors.per_group": 1}, "DaGRPO's anchors"),
@@ -498,11 +497,26 @@ def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, m
 
 
 @pytest.mark.parametrize("name", ["math", "tool"])
-def test_env_name_trains_on_the_local_continuous_synchronous_path(name):
-    """The path gjax.rollout.episodes trains on: the defaults (local, continuous, k = 0)."""
+@pytest.mark.parametrize("k, rollout_devices", [(0, 0), (1, 0), (2, 0), (1, 4)])
+def test_env_name_trains_on_the_local_continuous_path_sync_or_async(name, k, rollout_devices):
+    """The path gjax.rollout.episodes trains on: local, continuous, k = 0 (the defaults) or
+    k > 0 (the producer thread rolls the episodes out), on the train mesh or on rollout
+    devices of their own."""
     cfg = _env_cfg(name=name)
+    cfg.rollout.max_staleness = k
+    cfg.mesh.rollout_devices = rollout_devices
     envs_environments.check_config(cfg)
-    validate(cfg, 1, checks=CONFIG_CHECKS)
+    validate(cfg, 8 if rollout_devices else 1, checks=CONFIG_CHECKS)
+
+
+def test_async_env_run_is_still_refused_where_its_path_lacks_a_piece():
+    """k > 0 lifts no other refusal: the message names the missing piece, not staleness."""
+    cfg = _env_cfg(name="tool")
+    cfg.rollout.max_staleness = 1
+    cfg.rollout.decoder = "static"
+    with pytest.raises(ConfigError, match="the static sampler has no turns") as e:
+        envs_environments.check_config(cfg)
+    assert "max_staleness" not in str(e.value)
 
 
 def test_turn_tokens_beyond_the_trajectory_budget_is_a_config_error():

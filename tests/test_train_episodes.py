@@ -1,7 +1,7 @@
 """Multi-turn training end to end (gjax.rollout.episodes), in this process on the embedded
-policy: the one-step `math` environment trains bit for bit as the single-turn run; a `tool`
-run and a two-step environment's run train for 2 steps, the loss reading the policy's tokens
-only. Slow (each run compiles what a run compiles; later runs here reuse it)."""
+policy: the one-step `math` environment trains bit for bit as the single-turn run (k = 0 and
+k = 1); a `tool` run and a two-step environment's run (k = 0, and k = 1 on split meshes) train
+for 2 steps, the loss reading the policy's tokens only. Slow (each run compiles what a run compiles; later runs here reuse it)."""
 
 import json
 import math
@@ -212,3 +212,58 @@ def test_tool_env_trains_two_steps(tmp_path, monkeypatch):
         policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
         assert not (host["loss_mask_BxT"] & ~policy).any()
         assert (policy <= groups.completion_mask_PxGxN.reshape(policy.shape)).all()
+
+
+def test_one_step_math_env_at_k1_trains_as_the_single_turn_k1_run(tmp_path):
+    """Asynchronous (rollout.max_staleness = 1): the producer thread rolls the episodes out
+    with the version the schedule names, as it samples single completions, so the one-step
+    `math` run's series equal the single-turn k = 1 run's exactly, version lags included."""
+    from gjax.train import train
+
+    runs = {}
+    for name in ("", "math"):
+        c = tiny(name=name)
+        c.rollout.max_staleness = 1
+        assert train(c, str(tmp_path / (name or "single"))) is None
+        runs[name] = rows(tmp_path / (name or "single"))
+    single, multi = runs[""], runs["math"]
+    assert [r["async/version_lag_max"] for r in single] == [0.0, 1.0]
+    for a, b in zip(single, multi, strict=True):
+        a, b = stable(a), stable(b)
+        assert set(a) - set(b) == PIPELINE_ONLY
+        same = sorted(set(a) & set(b))
+        assert {"async/version_lag_max", "async/version_lag_mean"} <= set(same)
+        assert {k: a[k] for k in same} == {k: b[k] for k in same}  # exact, not approximate
+
+
+def test_two_step_env_at_k1_on_rollout_devices_of_their_own(tmp_path, monkeypatch, two_step):
+    """k = 1 with split meshes (mesh.rollout_devices = 4 of the suite's 8): the episodes run
+    on the producer thread, one behind the learner, and their rows are what k = 0 makes:
+    observations attended but out of the loss mask, behaviour log-probs on policy tokens,
+    every row tagged with the one version its whole episode was decoded with."""
+    from gjax.train import train
+
+    seen = _recorded(monkeypatch)
+    c = tiny(name=two_step, max_turns=2, discount=0.5)
+    c.rollout.max_staleness = 1
+    c.mesh.rollout_devices = 4
+    assert train(c, str(tmp_path / "two")) is None
+    got = rows(tmp_path / "two")
+    assert [r["step"] for r in got] == [1, 2]
+    assert [r["async/version_lag_max"] for r in got] == [0.0, 1.0]
+    assert [r["async/version_lag_mean"] for r in got] == [0.0, 1.0]  # one version per step
+    assert all(math.isfinite(r["loss/total"]) for r in got)
+    assert len(seen) == 2
+    for groups, r in zip(seen, got, strict=True):
+        host = to_model_inputs(groups)
+        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
+        inserted = groups.completion_mask_PxGxN.reshape(policy.shape) & ~policy
+        np.testing.assert_array_equal(
+            host["loss_mask_BxT"], policy & groups.valid_PxG.reshape(-1, 1)
+        )
+        assert inserted.sum() == r["env/tokens_inserted"] > 0
+        assert (host["old_logps_BxT"][inserted] == 0).all()
+        behaviour = host["old_logps_BxT"][policy]
+        assert (behaviour <= 0).all() and (behaviour < 0).any()
+        assert policy.sum() == r["response/sampled_tokens"]
+        assert set(np.unique(groups.rewards_PxG[groups.valid_PxG])) <= {0.5, 1.0}

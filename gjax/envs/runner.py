@@ -59,7 +59,9 @@ class EnvRunner:
         """A new episode of the environment for `row`."""
         return self.env.start(row)
 
-    async def _step(self, episode: Episode, text: str, length: int | None) -> Step:
+    async def _step(
+        self, episode: Episode, text: str, length: int | None, seconds: list | None
+    ) -> Step:
         async with self._slots:
             with self._lock:
                 self._counts["in_flight"] += 1
@@ -70,19 +72,30 @@ class EnvRunner:
             try:
                 return await episode.step(text, length=length)
             finally:
+                dt = time.perf_counter() - t0
                 with self._lock:
                     self._counts["in_flight"] -= 1
                     self._counts["steps"] += 1
-                    self._counts["step_s_sum"] += time.perf_counter() - t0
+                    self._counts["step_s_sum"] += dt
+                    if seconds is not None:
+                        seconds.append(dt)
 
     def submit(
-        self, episode: Episode, text: str, *, length: int | None = None
+        self,
+        episode: Episode,
+        text: str,
+        *,
+        length: int | None = None,
+        seconds: list[float] | None = None,
     ) -> concurrent.futures.Future:
         """Schedules `episode.step(text, length=length)`; a future of its `Step` (it raises
-        only for a bug)."""
+        only for a bug). `seconds`: the caller's list, which gets the step's seconds when it
+        ends (a caller's own figure; `stats()` sums every caller's steps: an asynchronous
+        run's producer thread and the loop thread's held-out evaluation share a runner)."""
         if self._closed:
             raise RuntimeError("EnvRunner is closed")
-        future = asyncio.run_coroutine_threadsafe(self._step(episode, text, length), self._loop)
+        step = self._step(episode, text, length, seconds)
+        future = asyncio.run_coroutine_threadsafe(step, self._loop)
         with self._lock:
             self._pending.add(future)
         future.add_done_callback(self._forget)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import threading
 import time
 from typing import NamedTuple
 
@@ -418,6 +419,10 @@ class ContinuousDecoder:
         of tokens and its default regions' prompt pages, plus the null page).
       poison_freed_pages: a debug hook: every page freed is filled with NaN (tests: no row
         reads a page after it is freed).
+
+    `stats`: the counters of this thread's last `generate` / `generate_episodes` call (per
+    thread: an asynchronous run's producer thread and the loop thread's mid-run held-out
+    evaluation decode on one decoder, and each reads its own call's figures).
     """
 
     def __init__(
@@ -461,7 +466,15 @@ class ContinuousDecoder:
         self.observation_chunk = observation_chunk
         self.kv_page_size, self.kv_pages = kv_page_size, kv_pages
         self.poison_freed_pages = poison_freed_pages
-        self.stats: dict[str, float] = {}
+        self._local = threading.local()
+
+    @property
+    def stats(self) -> dict[str, float]:
+        return getattr(self._local, "stats", {})
+
+    @stats.setter
+    def stats(self, value: dict[str, float]) -> None:
+        self._local.stats = value
 
     def regions_for(self, num_samples: int) -> int:
         """R for groups of `num_samples` rows."""

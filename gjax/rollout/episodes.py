@@ -23,6 +23,17 @@ episode (KV kept vs re-prefilled), environment step seconds (summed over episode
 much of it decoding hid (`env/wait_s`: wall seconds the decoder had nothing to decode but
 waited for steps; `env/step_overlap_frac` = 1 - wait_s / step_s).
 
+Asynchronous runs (rollout.max_staleness = k > 0, on the train mesh or on mesh.rollout_devices)
+call this rollout on the producer thread (gjax.rollout.producer) as they call the single-turn
+one: step j's episodes are all decoded with the one version v(j) = max(j - k, start) the
+schedule names, since the decoder takes its params once per `generate_episodes` call and the
+producer pushes nothing into a call in flight. So an episode never spans versions: every token
+of a trajectory, in every turn, comes from v(j), and the row's `policy_version_PxG` (set by the
+producer, as for single completions) is the version of each of its policy tokens. The
+environment's runner is driven from that thread (`EnvRunner.submit` hands the step to its
+own event loop, thread-safe), and the held-out evaluation's episodes on the loop's thread use
+the same runner concurrently (its counters are locked; each call's `EnvTurns` is its own).
+
 `make_rollout` is what `gjax.train` calls: the single-turn `Rollout` for env.name = '', this
 one otherwise (with the environment's runner closed by the run's exit stack).
 """
@@ -90,7 +101,7 @@ class EpisodeRollout(Rollout):
         return RolloutResult(groups, metrics)
 
     def process_local(self, transfer):
-        raise NotImplementedError("episodes run on the loop's thread only (rollout k = 0)")
+        raise NotImplementedError("episodes run in one process (make_rollout refuses several)")
 
     def _episodes(self, params, prompts, rng) -> Trajectories:
         rows = [

@@ -191,7 +191,7 @@ class EnvTurns:
         # each row's own step counts (tools/calls, tools/errors/<kind>, ...): per episode
         self.row_metrics = [collections.Counter() for _ in range(b_)]
         self.reprefill_tokens = 0  # what re-prefilling each re-entry's history would cost
-        self._step_s0 = self.runner.stats()["env/step_s_sum"]
+        self.step_seconds: list[float] = []  # this batch's steps' seconds (the runner's)
 
     def _budget(self) -> int:
         return self.turn_tokens or self.n_
@@ -207,7 +207,9 @@ class EnvTurns:
         ids = [int(i) for i in ids_T]
         self.turns_B[b] += 1
         self.cut_B[b] = not ids or ids[-1] not in self.stop_ids
-        future = self.runner.submit(self.episodes[b], self.decode(ids), length=len(ids))
+        future = self.runner.submit(
+            self.episodes[b], self.decode(ids), length=len(ids), seconds=self.step_seconds
+        )
         self.in_flight[future] = b
         return False
 
@@ -278,7 +280,7 @@ class EnvTurns:
             / episodes,
             # seconds in environment steps (summed over episodes; they overlap each other and
             # decoding: the decoder's `env_wait_s` is the part no slot decoded through)
-            "env/step_s": self.runner.stats()["env/step_s_sum"] - self._step_s0,
+            "env/step_s": float(sum(self.step_seconds)),
         }
         # The steps' own counts (tools/calls, tools/errors/<kind>, ...); a name this batch's
         # figures already have keeps the batch's (a `tool` step's `env/truncated` counts
