@@ -11,7 +11,14 @@ gjax.envs.sandbox       bounded child processes for untrusted tool code
 """
 
 from gjax.envs.base import ENVIRONMENTS, Environment, Episode, Step
-from gjax.envs.environments import MathEnv, ToolEnv, build_env, check_config, score_turn
+from gjax.envs.environments import (
+    MathEnv,
+    ToolEnv,
+    build_env,
+    check_config,
+    prompt_tools,
+    score_turn,
+)
 from gjax.envs.runner import EnvRunner
 from gjax.envs.sandbox import Sandbox, SandboxResult
 from gjax.envs.tool_calls import (
@@ -44,6 +51,7 @@ __all__ = [
     "build_tool",
     "check_config",
     "parse_tool_calls",
+    "prompt_tools",
     "score_turn",
     "tool_response",
     "tool_turn",
