@@ -185,3 +185,27 @@ def test_a_tool_block_longer_than_the_prompt_budget_is_refused(tmp_path):
     assert f"takes {full} prompt tokens" in msg and "max_prompt_len" in msg
     assert "env.tools" in msg and "tool_prompt='none'" in msg and "\n" not in msg
     assert builders.check_tool_prompt(data, tok, []) == 0
+
+
+def test_training_and_heldout_prompts_carry_the_same_block(tmp_path):
+    """What train._load_data builds for a tool run: both sets' prompts are the template's with
+    the tools' block, the held-out episodes' prompts rendered as the training ones."""
+    import importlib
+
+    c = importlib.import_module("configs.grpo").get_config("tiny")
+    c.env.name, c.data.max_prompt_len, c.data.heldout_size = "tool", 1024, 8
+    c.data.num_examples = 64
+    tok = build_tokenizer()
+    specs = prompt_tools(c.env)
+    data = builders.run_data_config(c)
+    train = builders.build_sharded_prompts(
+        data, tok, tools=specs, process_index=0, process_count=1, allgather=lambda x: x[None]
+    )
+    assert train.stats["skipped_too_long"] == 0
+    held = builders.build_prompt_data(data, tok, heldout=True, tools=specs)
+    plain = builders.build_prompt_data(data, tok, heldout=True)
+    block = f"<|im_start|>system\n{templates.tools_system_block(specs)}<|im_end|>\n"
+    assert held.prompts == [block + p for p in plain.prompts]
+    batch = train.take(np.arange(4), epoch=0)
+    assert [p.removeprefix(block) for p in batch.prompts] == [f"{q}\n" for q in batch.problems]
+    assert all(p.startswith(block) for p in batch.prompts)
