@@ -4,7 +4,8 @@ gjax.rollout.turns; not yet by training).
 gjax.envs.base          the seam: Step, Episode, Environment, the ENVIRONMENTS registry
 gjax.envs.runner        EnvRunner: many episodes' steps on a background asyncio loop
 gjax.envs.environments  `math` (one step) and `tool` (multi-step with tools), build_env,
-                        check_config (refuses env.name != '' until training drives it)
+                        check_config (refuses env.name != '' on paths that do not train it),
+                        prompt_tools (the function specs a run's prompts describe)
 gjax.envs.tool_calls    strict Qwen/Hermes `<tool_call>` parsing, `<tool_response>` turns
 gjax.envs.tools         the TOOLS registry: calculator, python, search (BM25)
 gjax.envs.sandbox       bounded child processes for untrusted tool code
