@@ -523,6 +523,11 @@ SCHEMA: dict[str, Any] = {
         "tools": Field(
             "calculator", "comma list of the tool environment's tools: calculator|python|search"
         ),
+        "tool_prompt": Field(
+            "auto",
+            "auto: a tool environment's prompts describe its tools (the chat template's "
+            "tools= where it takes them, else gjax's `# Tools` system block); none: they do not",
+        ),
         "tool_timeout_s": Field(
             5.0, "wall-clock limit of one sandboxed tool call, seconds", Range("(0, 600]")
         ),

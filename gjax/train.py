@@ -383,8 +383,13 @@ def _write_record(workdir: str, write, *args) -> None:
 def _load_data(config, tok):
     """The training prompts (each process templates its share) and the held-out set."""
     data_cfg = data_builders.run_data_config(config)
-    train_data = build_sharded_prompts(data_cfg, tok)
-    heldout = build_prompt_data(data_cfg, tok, heldout=True)
+    # A tool environment's prompts describe its tools; held-out episodes get the same prompts.
+    tools = envs_environments.prompt_tools(config.env)
+    if tools:
+        cost = data_builders.check_tool_prompt(data_cfg, tok, tools)
+        log.info("prompts describe the tools %s: %d prompt tokens", config.env.tools, cost)
+    train_data = build_sharded_prompts(data_cfg, tok, tools=tools)
+    heldout = build_prompt_data(data_cfg, tok, heldout=True, tools=tools)
     if config.anchors.per_group and not train_data.has_demonstrations:
         raise ConfigError(
             "config.anchors.per_group > 0 needs demonstrations: set "

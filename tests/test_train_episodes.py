@@ -11,6 +11,7 @@ import pytest
 
 from gjax.envs.base import ENVIRONMENTS, Step
 from gjax.envs.environments import score_turn
+from gjax.errors import ConfigError
 from gjax.experience import to_model_inputs
 from gjax.rollout import episodes as episodes_lib
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
@@ -189,13 +190,26 @@ def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch, tw
         assert set(np.unique(groups.rewards_PxG[groups.valid_PxG])) <= {0.5, 1.0}
 
 
+def test_a_tool_prompt_longer_than_the_prompt_budget_stops_the_run(tmp_path):
+    """env.tool_prompt='auto' (the default) on the embedded policy: the tools' block alone
+    is longer than data.max_prompt_len, and the run stops at its data, in one paragraph."""
+    from gjax.train import train
+
+    with pytest.raises(ConfigError, match=r"calculator\) takes \d+ prompt tokens") as e:
+        train(tiny(name="tool", tools="calculator"), str(tmp_path / "auto"))
+    assert "config.data.max_prompt_len=24" in str(e.value) and "tool_prompt='none'" in str(e.value)
+
+
 def test_tool_env_trains_two_steps(tmp_path, monkeypatch):
     """`tool` with the calculator: the run completes, its rows' loss masks cover the policy's
     tokens only, and the multi-turn metrics are in every row."""
     from gjax.train import train
 
     seen = _recorded(monkeypatch)
-    assert train(tiny(name="tool", tools="calculator"), str(tmp_path / "tool")) is None
+    # The calculator's description (~760 prompt tokens of the character-level tokenizer) does
+    # not fit the embedded policy's 24-token prompts: the run trains without it.
+    c = tiny(name="tool", tools="calculator", tool_prompt="none")
+    assert train(c, str(tmp_path / "tool")) is None
     s = summary(tmp_path / "tool")  # the held-out evaluation ran episodes, before and after
     assert set(s) >= EPISODE_SUMMARY
     assert 1.0 <= s["heldout_turns_mean_after"] <= tiny().env.max_turns

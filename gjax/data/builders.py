@@ -25,7 +25,7 @@ import functools
 import glob
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +41,7 @@ from gjax.data.prompts import (
     prepare_sharded_prompts,
 )
 from gjax.data.sources import SYNTHETIC, DataError, load_rows, looks_like_path
-from gjax.data.templates import TEMPLATES
+from gjax.data.templates import TEMPLATES, render_prompt
 from gjax.data.testsets import BENCHMARKS
 from gjax.errors import ConfigError
 
@@ -231,7 +231,7 @@ def data_config(cfg: Mapping[str, Any] | None = None) -> dict[str, Any]:
 
 
 def build_prompt_data(
-    cfg: Mapping[str, Any] | None, tokenizer, *, heldout: bool = False
+    cfg: Mapping[str, Any] | None, tokenizer, *, heldout: bool = False, tools: Sequence = ()
 ) -> PromptData:
     """``load_rows`` + ``prepare_prompts`` for ``config.data`` (keys of ``DATA_DEFAULTS``).
 
@@ -239,15 +239,47 @@ def build_prompt_data(
     ``heldout_source`` or ``heldout_split``; its first ``heldout_size`` rows, ``origin`` set)
     instead of the training set (first ``num_examples`` rows of ``split``, less the held-out
     rows). A held-out set of training rows raises unless ``allow_heldout_overlap``.
+    ``tools``: the function specs every prompt describes (a tool environment's,
+    gjax.envs.prompt_tools; `check_tool_prompt` first checks they leave room for a problem).
     """
-    return _build(prepare_prompts, cfg, tokenizer, heldout=heldout)
+    return _build(prepare_prompts, cfg, tokenizer, heldout=heldout, tools=tools)
 
 
-def build_sharded_prompts(cfg: Mapping[str, Any] | None, tokenizer, **hosts: Any) -> ShardedPrompts:
+def build_sharded_prompts(
+    cfg: Mapping[str, Any] | None, tokenizer, *, tools: Sequence = (), **hosts: Any
+) -> ShardedPrompts:
     """The training split of ``config.data`` as `ShardedPrompts`: each host templates its
-    share. ``hosts``: `prepare_sharded_prompts`' process_index / process_count / allgather."""
+    share. ``hosts``: `prepare_sharded_prompts`' process_index / process_count / allgather;
+    ``tools`` as in `build_prompt_data`."""
     prepare = functools.partial(prepare_sharded_prompts, **hosts)
-    return _build(prepare, cfg, tokenizer, heldout=False)
+    return _build(prepare, cfg, tokenizer, heldout=False, tools=tools)
+
+
+def check_tool_prompt(cfg: Mapping[str, Any], tokenizer, tools: Sequence) -> int:
+    """The prompt tokens the tools' description costs (the prompt of an empty problem with
+    `tools` less the one without); a ConfigError if that prompt alone does not fit in
+    ``data.max_prompt_len`` with room for a problem."""
+    if not tools:
+        return 0
+    cfg = data_config(cfg)
+    limit, template = cfg["max_prompt_len"], cfg["template"]
+
+    def length(specs) -> int:
+        text = render_prompt(template, "", tokenizer, specs)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    with_tools = length(tools)
+    if with_tools >= limit:
+        names = ", ".join(s.get("function", s).get("name", "?") for s in tools)
+        raise ConfigError(
+            f"the tools' description ({names}) takes {with_tools} prompt tokens with "
+            f"data.template={template!r}, leaving no room for a problem within "
+            f"config.data.max_prompt_len={limit}. Raise config.data.max_prompt_len (the model must "
+            "still fit data.max_prompt_len + rollout.max_new_tokens), use fewer "
+            "config.env.tools, or set config.env.tool_prompt='none' to leave the tools out of "
+            "the prompt."
+        )
+    return with_tools - length(())
 
 
 def _field_map(cfg: Mapping[str, Any]) -> FieldMap:
@@ -276,7 +308,7 @@ def _problems(rows, spec_text: str) -> list[str | None]:
     return [" ".join(v.split()) if isinstance(v, str) else None for v in values]
 
 
-def _build(prepare, cfg, tokenizer, *, heldout: bool):
+def _build(prepare, cfg, tokenizer, *, heldout: bool, tools: Sequence = ()):
     cfg = data_config(cfg)
     size_key = "heldout_size" if heldout else "num_examples"
     if cfg[size_key] is not None and cfg[size_key] <= 0:
@@ -297,6 +329,7 @@ def _build(prepare, cfg, tokenizer, *, heldout: bool):
         template=cfg["template"],
         max_prompt_length=cfg["max_prompt_len"],
         strict=cfg["strict"],
+        **({"tools": tuple(tools)} if tools else {}),
     )
     skipped = stats.get("skipped_malformed", 0)  # lines that never became rows
     data.stats["rows"] += skipped

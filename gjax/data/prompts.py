@@ -33,7 +33,7 @@ import numpy as np
 from gjax import multihost
 from gjax.data import fields as fields_lib
 from gjax.data.sources import DataError
-from gjax.data.templates import TEMPLATES
+from gjax.data.templates import TEMPLATES, render_prompt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,13 +166,25 @@ def _clean_row(row: Mapping, fields: FieldMap) -> tuple[str, str, str] | str:
     return problem, answer, demonstration
 
 
-def _check_inputs(rows, tokenizer, fields: FieldMap, template: str, max_prompt_length: int):
+def _renderer(template: str, tools: Sequence[Mapping[str, Any]]):
+    """`fn(problem, tokenizer) -> prompt`: the template, telling the policy about `tools`
+    (gjax.data.templates.render_prompt; none: the template itself)."""
+    if not tools:
+        return TEMPLATES.get(template)
+    specs = tuple(tools)
+    return lambda problem, tokenizer: render_prompt(template, problem, tokenizer, specs)
+
+
+def _check_inputs(
+    rows, tokenizer, fields: FieldMap, template: str, max_prompt_length: int, tools=()
+):
     """Fails fast on a bad length, tokenizer or field map; returns the template's renderer."""
     if max_prompt_length <= 0:
         raise DataError(f"data.max_prompt_len must be positive, got {max_prompt_length}")
     if tokenizer.pad_token_id is None:
         raise DataError("the tokenizer has no pad token; set tokenizer.pad_token")
-    render = TEMPLATES.get(template)
+    TEMPLATES.get(template)  # an unknown name lists the valid ones
+    render = _renderer(template, tools)
     if hasattr(rows, "column_names"):
         columns = rows.column_names
     else:
@@ -260,6 +272,7 @@ def prepare_prompts(
     max_prompt_length: int,
     strict: bool = False,
     add_special_tokens: bool = False,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> PromptData:
     """Maps fields, applies the template, tokenizes and filters (see the module docstring).
 
@@ -270,8 +283,10 @@ def prepare_prompts(
       strict: raise on a malformed row instead of skipping it.
       add_special_tokens: let the tokenizer add its BOS/EOS (the templates already hold
         whatever the model needs, so off by default).
+      tools: JSON-schema function specs the prompts describe to the policy (a tool
+        environment's; gjax.data.templates.render_prompt); empty: the template alone.
     """
-    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
+    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length, tools)
     entries = _encode(rows, tokenizer, fields, render, add_special_tokens)
     codes = np.asarray([_code(e) for e in entries], np.int64)
     keep, stats = _filter(codes, max_prompt_length, strict=strict, reason=entries.__getitem__)
@@ -312,6 +327,7 @@ class ShardedPrompts:
     max_prompt_length: int
     pad_id: int
     stats: dict[str, int]
+    tools: tuple = ()  # the function specs the prompts describe (render_prompt)
 
     def __len__(self) -> int:
         return len(self.row_index)
@@ -321,7 +337,7 @@ class ShardedPrompts:
         return self.fields.demonstration is not None
 
     def take(self, positions: np.ndarray, epoch: int) -> PromptBatch:
-        render = TEMPLATES.get(self.template)
+        render = _renderer(self.template, self.tools)
         index = self.row_index[positions]
         entries = _encode(
             _subset(self.rows, index), self.tokenizer, self.fields, render, self.add_special_tokens
@@ -344,6 +360,7 @@ def prepare_sharded_prompts(
     process_index: int | None = None,
     process_count: int | None = None,
     allgather=None,
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> ShardedPrompts:
     """`prepare_prompts`' filters and counts with each host templating only its share.
 
@@ -352,7 +369,7 @@ def prepare_sharded_prompts(
     this function). Errors (strict mode, nothing kept) are raised on every host alike,
     after the gather, so no host is left waiting in it.
     """
-    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length)
+    render = _check_inputs(rows, tokenizer, fields, template, max_prompt_length, tools)
 
     def codes_of(lo, hi):
         entries = _encode(
@@ -379,6 +396,7 @@ def prepare_sharded_prompts(
         max_prompt_length=max_prompt_length,
         pad_id=int(tokenizer.pad_token_id),
         stats=stats,
+        tools=tuple(tools),
     )
 
 

@@ -35,6 +35,8 @@ give your own template one to have its exports match.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from gjax.registry import Registry
 
@@ -106,18 +108,29 @@ def _apply_chat_template(name: str, tokenizer, messages: list[dict[str, str]]) -
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+def _chat_messages(problem: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": problem}]
+
+
+def _open_rs_messages(problem: str) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": OPEN_RS_SYSTEM},
+        {"role": "user", "content": problem},
+    ]
+
+
+# The templates that render through the tokenizer's own chat template: name -> messages.
+CHAT_MESSAGE_TEMPLATES = {"chat": _chat_messages, "open_rs": _open_rs_messages}
+
+
 @TEMPLATES.register("chat")
 def chat(problem: str, tokenizer=None) -> str:
-    return _apply_chat_template("chat", tokenizer, [{"role": "user", "content": problem}])
+    return _apply_chat_template("chat", tokenizer, _chat_messages(problem))
 
 
 @TEMPLATES.register("open_rs")
 def open_rs(problem: str, tokenizer=None) -> str:
-    messages = [
-        {"role": "system", "content": OPEN_RS_SYSTEM},
-        {"role": "user", "content": problem},
-    ]
-    return _apply_chat_template("open_rs", tokenizer, messages)
+    return _apply_chat_template("open_rs", tokenizer, _open_rs_messages(problem))
 
 
 @TEMPLATES.register("plain")
@@ -129,6 +142,85 @@ def plain(problem: str, tokenizer=None) -> str:
 def apply_template(name: str, problem: str, tokenizer=None) -> str:
     """``TEMPLATES.get(name)(problem, tokenizer)``; unknown names list the valid ones."""
     return TEMPLATES.get(name)(problem, tokenizer)
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def tools_system_block(specs: Sequence[Mapping[str, Any]]) -> str:
+    """The `# Tools` part Qwen2.5's and Qwen3's templates append to the system message when
+    tools are given: the function signatures inside `<tools></tools>`, one JSON per line (as
+    the templates' `tojson` writes them), and how to call them."""
+    sigs = "".join("\n" + json.dumps(s, ensure_ascii=False) for s in specs)
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+        f"{sigs}\n</tools>\n\nFor each function call, return a json object with function name "
+        "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
+
+
+def template_accepts_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads a `tools` variable (Qwen2.5's and Qwen3's
+    do: they render the `# Tools` block themselves); False without a chat template."""
+    source = getattr(tokenizer, "chat_template", None)
+    if not isinstance(source, str) or not source:
+        return False
+    import jinja2  # noqa: PLC0415 (transformers' dependency; only a tool prompt needs it)
+    from jinja2 import meta  # noqa: PLC0415
+
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return "tools" in meta.find_undeclared_variables(env.parse(source))
+    except jinja2.TemplateSyntaxError:
+        return "tools" in source  # transformers' own extensions (generation tags): by name
+
+
+def _with_system(messages: list[dict[str, str]], block: str) -> list[dict[str, str]]:
+    """`block` at the end of the system message (as Qwen's templates place `# Tools`), or as
+    the system message where there is none."""
+    if messages and messages[0]["role"] == "system":
+        head = {"role": "system", "content": messages[0]["content"] + "\n\n" + block}
+        return [head, *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
+_SYSTEM_OPEN, _TURN_END = "<|im_start|>system\n", "<|im_end|>\n"
+
+
+def render_prompt(
+    name: str, problem: str, tokenizer=None, tools: Sequence[Mapping[str, Any]] = ()
+) -> str:
+    """The template `name`'s prompt for `problem`, telling the policy about `tools` (JSON-schema
+    function specs; none: exactly `apply_template`).
+
+    * `chat` / `open_rs` with a chat template that reads `tools` (Qwen2.5, Qwen3): the
+      tokenizer renders them, ``apply_chat_template(messages, tools=specs)``;
+    * `chat` / `open_rs` with a template that does not (the embedded ChatML one): the system
+      message carries `tools_system_block(specs)` (after the template's own system text);
+    * a text template (`plain`, `qwen_boxed`, `dapo`, `r1`, your own): the same block goes at
+      the end of the prompt's leading ChatML system turn, or before the prompt as a ChatML
+      system turn ``<|im_start|>system\n{block}<|im_end|>\n`` where it has none.
+    """
+    if not tools:
+        return apply_template(name, problem, tokenizer)
+    specs = [dict(s) for s in tools]
+    if name in CHAT_MESSAGE_TEMPLATES:
+        messages = CHAT_MESSAGE_TEMPLATES[name](problem)
+        if template_accepts_tools(tokenizer):
+            return tokenizer.apply_chat_template(
+                messages, tools=specs, tokenize=False, add_generation_prompt=True
+            )
+        return _apply_chat_template(
+            name, tokenizer, _with_system(messages, tools_system_block(specs))
+        )
+    text = apply_template(name, problem, tokenizer)
+    block = tools_system_block(specs)
+    if text.startswith(_SYSTEM_OPEN) and _TURN_END in text:
+        end = text.index(_TURN_END)
+        return f"{text[:end]}\n\n{block}{text[end:]}"
+    return f"{_SYSTEM_OPEN}{block}{_TURN_END}{text}"
 
 
 def _jinja(text: str) -> str:

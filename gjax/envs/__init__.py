@@ -4,14 +4,22 @@ gjax.rollout.turns; not yet by training).
 gjax.envs.base          the seam: Step, Episode, Environment, the ENVIRONMENTS registry
 gjax.envs.runner        EnvRunner: many episodes' steps on a background asyncio loop
 gjax.envs.environments  `math` (one step) and `tool` (multi-step with tools), build_env,
-                        check_config (refuses env.name != '' until training drives it)
+                        check_config (refuses env.name != '' on paths that do not train it),
+                        prompt_tools (the function specs a run's prompts describe)
 gjax.envs.tool_calls    strict Qwen/Hermes `<tool_call>` parsing, `<tool_response>` turns
 gjax.envs.tools         the TOOLS registry: calculator, python, search (BM25)
 gjax.envs.sandbox       bounded child processes for untrusted tool code
 """
 
 from gjax.envs.base import ENVIRONMENTS, Environment, Episode, Step
-from gjax.envs.environments import MathEnv, ToolEnv, build_env, check_config, score_turn
+from gjax.envs.environments import (
+    MathEnv,
+    ToolEnv,
+    build_env,
+    check_config,
+    prompt_tools,
+    score_turn,
+)
 from gjax.envs.runner import EnvRunner
 from gjax.envs.sandbox import Sandbox, SandboxResult
 from gjax.envs.tool_calls import (
@@ -44,6 +52,7 @@ __all__ = [
     "build_tool",
     "check_config",
     "parse_tool_calls",
+    "prompt_tools",
     "score_turn",
     "tool_response",
     "tool_turn",

@@ -265,6 +265,26 @@ def tool_env(config, *, reward_fn: RewardFn) -> Environment:
 # --------------------------------------------------------------------------- config
 
 
+TOOL_PROMPTS = ("auto", "none")  # env.tool_prompt
+
+
+def prompt_tools(env_cfg) -> list[dict[str, Any]]:
+    """The JSON-schema function specs a run's prompts describe (gjax.data.templates
+    render_prompt): the tools of the `tool` environment with env.tool_prompt='auto'; none for
+    single-turn runs, the `math` environment and env.tool_prompt='none'."""
+    check_fields(env_cfg)
+    if env_cfg.name != "tool" or env_cfg.tool_prompt == "none":
+        return []
+    specs = []
+    for name in tools_lib.tool_names(env_cfg.tools):
+        tool = tools_lib.build_tool(name, env_cfg)  # a sandbox starts no process until a call
+        try:
+            specs.append(tool.schema())
+        finally:
+            tool.close()
+    return specs
+
+
 def check_fields(env_cfg) -> None:
     """`config.env` names an environment and tools that exist (ConfigError otherwise)."""
     name = env_cfg.name
@@ -272,6 +292,12 @@ def check_fields(env_cfg) -> None:
         raise ConfigError(
             f"config.env.name={name!r} is not an environment; valid names: "
             f"{ENVIRONMENTS.names()} ('' for single-turn rollouts)"
+        )
+    if env_cfg.tool_prompt not in TOOL_PROMPTS:
+        raise ConfigError(
+            f"config.env.tool_prompt={env_cfg.tool_prompt!r} is not a choice; valid: "
+            f"{', '.join(TOOL_PROMPTS)} (auto: a tool environment's prompts describe its tools; "
+            "none: they do not)"
         )
     if name == "tool":
         names = tools_lib.tool_names(env_cfg.tools)

@@ -30,6 +30,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from gjax.data import templates
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _TAG_RE = re.compile(r"</?tool_call>")
 
@@ -113,15 +115,5 @@ def tool_turn(responses: Sequence[str]) -> str:
     return f"\n<|im_start|>user{body}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def tools_system_block(schemas: Sequence[Mapping[str, Any]]) -> str:
-    """The `# Tools` part Qwen2.5's template appends to the system message when tools are
-    given: the function signatures inside `<tools></tools>`, one JSON per line, and how to call
-    them."""
-    sigs = "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas)
-    return (
-        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-        f"{sigs}\n</tools>\n\nFor each function call, return a json object with function name "
-        "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
-    )
+# The system prompt's `# Tools` block: gjax.data.templates renders prompts, so it lives there.
+tools_system_block = templates.tools_system_block
