@@ -137,6 +137,23 @@ class TwoStepEnv:
         pass
 
 
+def _assert_trained_on_policy_tokens(seen, got):
+    """Each step's learner rows (`seen`) against its metrics row (`got`): the loss mask is the
+    policy mask of valid samples, the inserted tokens are counted and carry old log-prob 0,
+    and the policy tokens keep the sampler's log-probs."""
+    for groups, r in zip(seen, got, strict=True):
+        host = to_model_inputs(groups)
+        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
+        inserted = groups.completion_mask_PxGxN.reshape(policy.shape) & ~policy
+        np.testing.assert_array_equal(
+            host["loss_mask_BxT"], policy & groups.valid_PxG.reshape(-1, 1)
+        )
+        assert inserted.sum() == r["env/tokens_inserted"] > 0
+        assert (host["old_logps_BxT"][inserted] == 0).all()
+        behaviour = host["old_logps_BxT"][policy]  # the sampler's log-probs, kept
+        assert (behaviour <= 0).all() and (behaviour < 0).any()
+
+
 @pytest.fixture
 def two_step(monkeypatch):
     """`two_step` in the registry for one test only (the registry has no removal; other tests
@@ -172,18 +189,9 @@ def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch, tw
     assert [r["step"] for r in got] == [1, 2]
     assert all(math.isfinite(r["loss/total"]) for r in got)
     assert len(seen) == 2
+    _assert_trained_on_policy_tokens(seen, got)
     for groups, r in zip(seen, got, strict=True):
-        host = to_model_inputs(groups)
-        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
-        inserted = groups.completion_mask_PxGxN.reshape(policy.shape) & ~policy
-        np.testing.assert_array_equal(
-            host["loss_mask_BxT"], policy & groups.valid_PxG.reshape(-1, 1)
-        )
-        assert inserted.sum() == r["env/tokens_inserted"] > 0
-        assert (host["old_logps_BxT"][inserted] == 0).all()
-        behaviour = host["old_logps_BxT"][policy]  # the sampler's log-probs, kept
-        assert (behaviour <= 0).all() and (behaviour < 0).any()
-        assert policy.sum() == r["response/sampled_tokens"]
+        assert groups.policy_mask_PxGxN.sum() == r["response/sampled_tokens"]
         # 0.5 at turn 0, the answer's reward (0 or 1) at turn 1 weighed 0.5: 0.5 or 1.0
         episodes = r["env/turns_per_episode"]
         assert 1.0 <= episodes <= 2.0
@@ -268,16 +276,7 @@ def test_two_step_env_at_k1_on_rollout_devices_of_their_own(tmp_path, monkeypatc
     assert [r["async/version_lag_mean"] for r in got] == [0.0, 1.0]  # one version per step
     assert all(math.isfinite(r["loss/total"]) for r in got)
     assert len(seen) == 2
+    _assert_trained_on_policy_tokens(seen, got)
     for groups, r in zip(seen, got, strict=True):
-        host = to_model_inputs(groups)
-        policy = groups.policy_mask_PxGxN.reshape(host["loss_mask_BxT"].shape)
-        inserted = groups.completion_mask_PxGxN.reshape(policy.shape) & ~policy
-        np.testing.assert_array_equal(
-            host["loss_mask_BxT"], policy & groups.valid_PxG.reshape(-1, 1)
-        )
-        assert inserted.sum() == r["env/tokens_inserted"] > 0
-        assert (host["old_logps_BxT"][inserted] == 0).all()
-        behaviour = host["old_logps_BxT"][policy]
-        assert (behaviour <= 0).all() and (behaviour < 0).any()
-        assert policy.sum() == r["response/sampled_tokens"]
+        assert groups.policy_mask_PxGxN.sum() == r["response/sampled_tokens"]
         assert set(np.unique(groups.rewards_PxG[groups.valid_PxG])) <= {0.5, 1.0}
