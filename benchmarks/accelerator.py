@@ -646,17 +646,22 @@ def stage_decode(child: Child) -> None:
             "static_roofline": roofline(secs / n_),
         }
 
-    def continuous():
+    def decode(weights):
+        """(seconds a call, the decoder's counters, seconds a decode step) of the continuous
+        decoder on `weights` (float params or the int8 codes)."""
         dec = ContinuousDecoder(cfg, slots=b_, tokens_per_dispatch=8)
 
         def run():
             return dec.generate(
-                params, tokens, mask, jax.random.key(1), num_samples=g_, sampling=sp
+                weights, tokens, mask, jax.random.key(1), num_samples=g_, sampling=sp
             )
 
         _, secs = rollout_backends.timed(run, repeats)
         st = dec.stats
-        step_s = st["dispatch_s"] / st["decode_steps"]
+        return secs, st, st["dispatch_s"] / st["decode_steps"]
+
+    def continuous():
+        secs, st, step_s = decode(params)
         return {
             "continuous_s": secs,
             "continuous_tokens_per_s": b_ * n_ / secs,
@@ -671,16 +676,7 @@ def stage_decode(child: Child) -> None:
         qparams = jax.jit(quant.quantize_policy, static_argnums=1)(params, QUANT)
         q_weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(qparams))
         q_step_bytes = q_weights + rollout_backends.kv_token_bytes(cfg) * live
-        dec = ContinuousDecoder(cfg, slots=b_, tokens_per_dispatch=8)
-
-        def run():
-            return dec.generate(
-                qparams, tokens, mask, jax.random.key(1), num_samples=g_, sampling=sp
-            )
-
-        _, secs = rollout_backends.timed(run, repeats)
-        st = dec.stats
-        step_s = st["dispatch_s"] / st["decode_steps"]
+        secs, _, step_s = decode(qparams)
         float_tps = child.figures.get("continuous_tokens_per_s")
         return {
             "quantize": QUANT,
