@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 
 import jax
 import numpy as np
@@ -458,6 +458,37 @@ def combine_metrics(metrics: Mapping[str, float], *, gather=allgather) -> dict[s
     return out
 
 
+def pool_counts(
+    metrics: Mapping[str, float], *, means: Collection[str] = (), gather=allgather
+) -> dict[str, float]:
+    """Per-process counts -> their sums over the processes (`means`: the mean, for per-row
+    figures over equal numbers of rows), the same on every process. Unlike `combine_metrics`
+    the processes may report different keys (counts of events some of them never saw): the
+    result has every process's, a key a process lacks counting 0 there. One process: the
+    figures as they are. Three small gathers."""
+    if jax.process_count() == 1:
+        return {k: float(v) for k, v in metrics.items()}
+    keys = union_keys(metrics, gather=gather)
+    values = gather(np.asarray([float(metrics.get(k, 0.0)) for k in keys], np.float64))
+    return {
+        k: float(values[:, i].mean() if k in means else values[:, i].sum())
+        for i, k in enumerate(keys)
+    }
+
+
+def union_keys(keys: Iterable[str], *, gather=allgather) -> list[str]:
+    """Every process's `keys` merged, sorted: the same list on every process (two gathers:
+    the longest encoding's length, then every process's names padded to it)."""
+    blob = "\n".join(sorted(keys)).encode()
+    width = int(np.asarray(gather(np.asarray(len(blob), np.int64))).max())
+    padded = np.zeros(width, np.uint8)
+    padded[: len(blob)] = np.frombuffer(blob, np.uint8)
+    names = set()
+    for row in np.asarray(gather(padded)):
+        names.update(k for k in bytes(row).rstrip(b"\0").decode().split("\n") if k)
+    return sorted(names)
+
+
 def put_rows(x: np.ndarray, layout: RowLayout) -> jax.Array:
     """This process's rows (block `layout.block`) -> the global array, sharded by rows."""
     global_shape = (x.shape[0] * layout.count, *x.shape[1:])
@@ -535,8 +566,12 @@ class RowTransfer:
         """A whole batch every process holds (held-out prompts) -> the global array."""
         if self.layout.count == 1:
             return x
-        per = x.shape[0] // self.layout.count
-        return self.put_rows(x[self.layout.block * per : (self.layout.block + 1) * per])
+        return self.put_rows(x[self.block_of(x.shape[0])])
+
+    def block_of(self, n: int) -> slice:
+        """This process's rows of a whole batch of `n` rows (`put_full`'s share)."""
+        per = n // self.layout.count
+        return slice(self.layout.block * per, (self.layout.block + 1) * per)
 
     def pull_full(self, x: jax.Array) -> np.ndarray:
         """A global row-sharded array -> all of its rows on every process's host."""

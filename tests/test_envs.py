@@ -622,16 +622,3 @@ def test_a_sandbox_child_dies_with_its_trainer(tmp_path):
         trainer.wait()
         if child is not None and _alive(child):  # only after a failure: leave nothing behind
             os.kill(child, signal.SIGKILL)
-
-
-def test_multi_turn_training_in_several_processes_is_refused_at_set_up(monkeypatch):
-    """Episodes decode one process's rows: a jax.distributed run with env.name set stops with
-    one paragraph before any environment starts."""
-    import contextlib
-
-    from gjax.rollout import episodes
-
-    monkeypatch.setattr(episodes.jax, "process_count", lambda: 2)
-    match = "multi-turn training runs in one process"
-    with contextlib.ExitStack() as scope, pytest.raises(ConfigError, match=match):
-        episodes.make_rollout(_env_cfg(name="math"), scope, rewards=None)

@@ -47,7 +47,8 @@ ARGS = [
 GREEDY_EVAL = ["--config.eval.num_samples=0"]
 # Timings (the reward counters are checked below), and the continuous decoder's slot
 # occupancy: each process schedules its own rows on its own slots.
-VOLATILE = ("time/", "throughput/", "rewards/", "rollout/slot_occupancy")
+# A multi-turn run's environment seconds (env/step_s, env/wait_s, env/step_overlap_frac) too.
+VOLATILE = ("time/", "throughput/", "rewards/", "rollout/slot_occupancy", "env/step_", "env/wait_s")
 
 
 def _groups(rewards_PxG):
@@ -183,6 +184,46 @@ def test_split_work_gives_every_process_all_values_from_its_own_share(n):
     assert multihost.split_work(n, lambda lo, hi: np.arange(lo, hi)).tolist() == list(range(n))
 
 
+def test_pooled_counts_take_every_process_keys_summed_or_averaged(monkeypatch):
+    """Two threads stand in for processes that saw different events (a key only one has):
+    every process gets the union of the keys, a missing count as 0, sums, and the mean of
+    the per-row figures named in `means`."""
+    import concurrent.futures
+    import threading
+
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
+    barrier, slots = threading.Barrier(2, timeout=30), [None, None]
+    mine = [
+        {"env/turns_per_episode": 1.0, "env/tool_calls": 3.0, "env/step_s": 0.25},
+        {"env/turns_per_episode": 2.0, "env/tool_calls": 1.0, "env/truncated_tool_calls": 2.0},
+    ]
+
+    def host(h):
+        def gather(x):
+            slots[h] = np.asarray(x)
+            barrier.wait()
+            out = np.stack(slots)
+            barrier.wait()
+            return out
+
+        return multihost.pool_counts(mine[h], means=("env/turns_per_episode",), gather=gather)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(host, range(2))
+    assert (
+        a
+        == b
+        == {
+            "env/step_s": 0.25,
+            "env/tool_calls": 4.0,
+            "env/truncated_tool_calls": 2.0,
+            "env/turns_per_episode": 1.5,
+        }
+    )
+    monkeypatch.setattr(multihost.jax, "process_count", lambda: 1)
+    assert multihost.pool_counts(mine[1], gather=None) == mine[1]  # one process: as they are
+
+
 def test_failed_gloo_collectives_are_recognized_and_the_timeout_set_once(monkeypatch):
     """jax raises a failed gloo collective as a ValueError (not a JaxRuntimeError): it is a
     failed collective, which `train.collective_faults` reports as a paragraph. The collective
@@ -294,17 +335,23 @@ def _two_processes(script: str, *, devices: int, logs, timeout: float) -> list[s
     return outs
 
 
-def _train(workdir, steps, *, processes, extra=(), decoder="static"):
-    return _wait(_launch(workdir, steps, processes=processes, extra=extra, decoder=decoder))
+def _train(workdir, steps, *, processes, extra=(), decoder="static", module="gjax.train"):
+    procs = _launch(
+        workdir, steps, processes=processes, extra=extra, decoder=decoder, module=module
+    )
+    return _wait(procs)
 
 
-def _launch(workdir, steps, *, processes, extra=(), decoder="static") -> list[subprocess.Popen]:
-    """gjax.train on one process of 8 devices or two of 4. The comparisons default to the
-    static sampler, the reference; the continuous decoder (gjax's default) draws other
-    samples (per-row keys), and its two-process rollouts equal one process's bit for bit too
+def _launch(
+    workdir, steps, *, processes, extra=(), decoder="static", module="gjax.train"
+) -> list[subprocess.Popen]:
+    """`module` (gjax.train, or tests.two_step_env: gjax.train with a test environment) on one
+    process of 8 devices or two of 4. The comparisons default to the static sampler, the
+    reference; the continuous decoder (gjax's default) draws other samples (per-row keys), and
+    its two-process rollouts equal one process's bit for bit too
     (test_two_processes_decode_continuously_as_one); test_two_processes_train_as_one_and_resume
     trains on it."""
-    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *extra]
+    cmd = [sys.executable, "-m", module, f"--workdir={workdir}", *ARGS, *extra]
     cmd.append(f"--config.train.steps={steps}")
     cmd.append(f"--config.rollout.decoder={decoder}")
     if processes == 1:
@@ -423,8 +470,12 @@ def _assert_same_run(ref_rows, got_rows, ref_state, got_state, updates):
                 assert ref[k] == got[k], k
             else:
                 np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-7, err_msg=k)
-        for k in ("rewards/accuracy/mean", "rewards/valid_fraction", "rewards/batch_errors"):
-            assert got[k] == pytest.approx(ref[k], rel=1e-6), k
+        # the reward pipeline's counters (a multi-turn run's episodes have their own three)
+        counters = ("accuracy/mean", "valid_fraction", "batch_errors", "mean", "nonfinite")
+        for k in (f"rewards/{c}" for c in counters):
+            assert (k in got) == (k in ref), k
+            if k in ref:
+                assert got[k] == pytest.approx(ref[k], rel=1e-6), k
     (ref_params, _), (got_params, _) = ref_state, got_state
     every = 2 * LR * adam_step_bound(updates) * (1 + 1e-3)  # (1e-3: float32 arithmetic)
     close = np.zeros(2)
@@ -473,6 +524,37 @@ def test_two_processes_with_sequence_shards_train_as_one(tmp_path):
     _train(ref, 2, processes=1, extra=seq)
     _train(two, 2, processes=2, extra=seq)
     _assert_same_run(_rows(ref), _rows(two), _state(ref, 2), _state(two, 2), updates=2)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir(EMBEDDED), reason="embedded policy not built")
+@pytest.mark.parametrize("k", [0, 1])
+def test_two_processes_train_episodes_as_one(tmp_path, k):
+    """Multi-turn (tests/two_step_env.py: every episode two turns, an observation inserted
+    after the first), synchronously (k = 0: the prompts as the global batch, each process
+    decoding its block) and at k = 1 (the producer's process-local rollout): two processes of
+    4 devices train as one of 8 to `_assert_same_run`, the env/ series and the held-out
+    episodes (greedy, and pass@k at k = 0; every process's rows gathered) included."""
+    ref, two = tmp_path / "one_process", tmp_path / "two_processes"
+    extra = (
+        "--config.env.name=two_step",
+        "--config.env.max_turns=2",
+        "--config.env.discount=0.5",
+        f"--config.rollout.max_staleness={k}",
+        *(GREEDY_EVAL if k else ()),  # pass@k's episodes: at k = 0 (the same code at k = 1)
+    )
+    run = functools.partial(_train, extra=extra, decoder="continuous", module="tests.two_step_env")
+    run(ref, 2, processes=1)
+    run(two, 2, processes=2)
+    ref_rows, got_rows = _rows(ref), _rows(two)
+    _assert_same_run(ref_rows, got_rows, _state(ref, 2), _state(two, 2), updates=2)
+    for r in got_rows:  # pooled: episodes of two turns (a few cut by the 32-token budget)
+        assert 1.5 < r["env/turns_per_episode"] <= 2.0 and r["env/tokens_inserted"] > 0
+    if k:  # one version behind from the second step (a synchronous run has no async/ series)
+        assert [r["async/version_lag_max"] for r in got_rows] == [0.0, 1.0]
+    summary = lambda wd: json.loads((wd / "summary.json").read_text())  # noqa: E731
+    assert summary(two) == summary(ref)
+    assert 1.5 < summary(two)["heldout_turns_mean_after"] <= 2.0
 
 
 _GATHER = """

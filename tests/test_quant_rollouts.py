@@ -154,6 +154,21 @@ def test_local_sampler_quantizes_once_per_version():
     assert LocalSampler(CFG)._served(PARAMS) is PARAMS
 
 
+def test_episodes_decode_the_quantized_copy_as_single_completions_do():
+    """A multi-turn rollout's decoder gets the same int8 copy `generate` would decode."""
+    seen = []
+
+    class Decoder:
+        def generate_episodes(self, params, *args, **kwargs):
+            seen.append(params)
+
+    sampler = LocalSampler(CFG, decoder=Decoder(), quantize="int8")
+    ids = np.zeros((1, 4), np.int32)
+    sampler.generate_episodes(PARAMS, ids, ids > -1, None, num_samples=1, sampling=None, turns=None)
+    q = seen[0]["layers"]["attn"]["q"]["kernel"]
+    assert q.dtype == jnp.int8 and q is sampler._served(PARAMS)["layers"]["attn"]["q"]["kernel"]
+
+
 # --------------------------------------------------------------------------------- config
 
 

@@ -9,11 +9,11 @@ import math
 import numpy as np
 import pytest
 
-from gjax.envs.base import ENVIRONMENTS, Step
-from gjax.envs.environments import score_turn
+from gjax.envs.base import ENVIRONMENTS
 from gjax.errors import ConfigError
 from gjax.experience import to_model_inputs
 from gjax.rollout import episodes as episodes_lib
+from tests import two_step_env
 from tests.test_train_e2e import EMBEDDED, rows, small_config, stable
 
 pytestmark = [
@@ -103,40 +103,6 @@ def test_one_step_math_env_trains_bit_for_bit_as_the_single_turn_run(tmp_path, c
     assert s2["heldout_tool_calls_mean_after"] == 0.0
 
 
-class TwoStepEnv:
-    """Every episode: the first turn gets an observation (" Check."),
-    the second is scored by the run's reward and ends it; 0.5 for the first turn. The
-    observation is short: trajectories are the embedded config's 32 tokens."""
-
-    name = "two_step"
-
-    def __init__(self, reward_fn):
-        self.reward_fn = reward_fn
-
-    def system_prompt(self):
-        return ""
-
-    def start(self, row):
-        env = self
-
-        class Episode:
-            turn = 0
-
-            async def step(self, text, *, length=None):
-                self.turn += 1
-                if self.turn == 1:
-                    return Step(" Check.", 0.5, False)
-                return Step("", await score_turn(env.reward_fn, row, text, length), True)
-
-        return Episode()
-
-    def stats(self):
-        return {}
-
-    def close(self):
-        pass
-
-
 def _assert_trained_on_policy_tokens(seen, got):
     """Each step's learner rows (`seen`) against its metrics row (`got`): the loss mask is the
     policy mask of valid samples, the inserted tokens are counted and carry old log-prob 0,
@@ -158,9 +124,8 @@ def _assert_trained_on_policy_tokens(seen, got):
 def two_step(monkeypatch):
     """`two_step` in the registry for one test only (the registry has no removal; other tests
     list its names)."""
-    factory = lambda config, *, reward_fn: TwoStepEnv(reward_fn)  # noqa: E731
-    monkeypatch.setitem(ENVIRONMENTS._items, "two_step", factory)
-    return "two_step"
+    monkeypatch.setitem(ENVIRONMENTS._items, two_step_env.NAME, two_step_env.factory)
+    return two_step_env.NAME
 
 
 def _recorded(monkeypatch):

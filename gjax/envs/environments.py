@@ -312,11 +312,12 @@ def check_config(config) -> None:
     """A hook of `gjax.config.validate`: `config.env` can work, on a path that trains on it.
 
     Multi-turn training (gjax.rollout.episodes) runs on the local backend's continuous
-    decoder, in one process, synchronously or asynchronously (rollout.max_staleness >= 0, on
-    the train mesh or on mesh.rollout_devices: the producer thread rolls the episodes out); a
-    run with env.name set on another path is refused rather than silently trained single-turn,
-    and the message names the missing piece of the run's own path. Not part of an episode either: DaGRPO's
-    anchors (demonstrations are single completions) and a judge's scores."""
+    decoder, in one process or several, synchronously or asynchronously (rollout.max_staleness
+    >= 0, on the train mesh or on mesh.rollout_devices: the producer thread rolls the episodes
+    out); a run with env.name set on another path is refused rather than silently trained
+    single-turn, and the message names the missing piece of the run's own path. Not part of
+    an episode either: DaGRPO's anchors (demonstrations are single completions) and a judge's
+    scores."""
     check_fields(config.env)
     e, r = config.env, config.rollout
     if e.turn_tokens > r.max_new_tokens:
@@ -341,7 +342,7 @@ def check_config(config) -> None:
     raise ConfigError(
         f"config.env.name={e.name!r}: multi-turn training is not available on this path: "
         f"{missing}. Multi-turn training runs on --config.rollout.backend=local with the "
-        "continuous decoder (--config.rollout.decoder=continuous), in one process; or leave "
+        "continuous decoder (--config.rollout.decoder=continuous); or leave "
         "config.env.name='' (the default) for single-turn runs."
     )
 

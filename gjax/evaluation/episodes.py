@@ -108,14 +108,16 @@ def sample_episodes(
 ) -> EpisodeSamples:
     """`num_samples` episodes of every problem of `data`, scored (the module docstring): the
     batching, keys and progress bar of `sample_and_score`, each call
-    `backend.generate_episodes` (the local backend's continuous decoder). One process: a
-    multi-turn run has one (gjax.rollout.episodes.make_rollout), so `transfer` is unused."""
-    del transfer  # one process: the batches are host arrays as they are
-    if jax.process_count() > 1:
-        raise ValueError("episodes are evaluated in one process (multi-turn runs have one)")
+    `backend.generate_episodes` (the local backend's continuous decoder). `transfer`: several
+    processes (every process holds every batch, as `sample_and_score`'s): each process runs
+    the episodes of its block of the batch's prompts on its own devices with the whole
+    batch's row keys (its rows equal one process's), then every process gathers every row."""
+    put = transfer.put_full if transfer is not None else (lambda x: x)
+    gather = transfer.gather_rows if transfer is not None else np.asarray
     n_problems, n = len(data), num_samples
     plan = plan_batches(data, n, max_rows=max_rows, batch_shape=batch_shape, width=width)
     g = plan.g
+    mine = transfer.block_of(plan.p) if transfer is not None else slice(None)
     finals: list[list[np.ndarray]] = [[] for _ in range(n_problems)]
     shape = (n_problems, plan.samples)
     lengths, turns = np.zeros(shape, np.int32), np.zeros(shape, np.int32)
@@ -126,25 +128,36 @@ def sample_episodes(
         padded = rows + [rows[-1]] * (plan.p - len(rows))
         episode_rows = [
             {"problem": data.problems[r], "answer": data.answers[r], "prompt": data.prompts[r]}
-            for r in padded
+            for r in padded[mine]
         ]
-        bound = make_turns(episode_rows)
+        bound = make_turns(episode_rows)  # this process's block of the batch
         traj = backend.generate_episodes(
-            params, ids_PxS, mask_PxS, key, num_samples=g, sampling=sampling, turns=bound
+            params, put(ids_PxS), put(mask_PxS), key, num_samples=g, sampling=sampling, turns=bound
         )
+        per_row = {  # every process's rows, in batch order
+            "tokens": traj.tokens_BxN,
+            "policy": traj.policy_mask_BxN,
+            "lengths": traj.lengths_B,
+            "turns": traj.turns_B,
+            "truncated": traj.truncated_B,
+            "done": bound.done_B,
+            "calls": np.asarray([m["tools/calls"] for m in bound.row_metrics], np.float32),
+            "errors": np.asarray([m["tools/errors"] for m in bound.row_metrics], np.float32),
+        }
+        b = {k: np.asarray(gather(np.asarray(v))) for k, v in per_row.items()}
         for j, r in enumerate(rows):
             cols = slice(call * g, (call + 1) * g)
-            batch_rows = range(j * g, (j + 1) * g)
+            rows_g = slice(j * g, (j + 1) * g)
             finals[r].extend(
-                final_turn(traj.tokens_BxN[b], traj.policy_mask_BxN[b], traj.lengths_B[b])
-                for b in batch_rows
+                final_turn(b["tokens"][i], b["policy"][i], b["lengths"][i])
+                for i in range(j * g, (j + 1) * g)
             )
-            lengths[r, cols] = traj.lengths_B[j * g : (j + 1) * g]
-            turns[r, cols] = traj.turns_B[j * g : (j + 1) * g]
-            truncated[r, cols] = traj.truncated_B[j * g : (j + 1) * g]
-            done[r, cols] = bound.done_B[j * g : (j + 1) * g]
-            calls[r, cols] = [bound.row_metrics[b]["tools/calls"] for b in batch_rows]
-            errors[r, cols] = [bound.row_metrics[b]["tools/errors"] for b in batch_rows]
+            lengths[r, cols] = b["lengths"][rows_g]
+            turns[r, cols] = b["turns"][rows_g]
+            truncated[r, cols] = b["truncated"][rows_g]
+            done[r, cols] = b["done"][rows_g]
+            calls[r, cols] = b["calls"][rows_g]
+            errors[r, cols] = b["errors"][rows_g]
         if bar is not None:
             bar.update(len(rows) * min(g, n - call * g))
     close_bar(bar)

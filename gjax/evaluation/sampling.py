@@ -19,14 +19,17 @@ from gjax.rollout.collect import ServingFailed
 class Transfer(Protocol):
     """Whole batches between the host and the devices when several processes share a mesh:
     `put_full` takes the batch every process holds in full and returns the global array,
-    `pull_full` returns a global row-sharded array in full on every process
-    (`gjax.multihost.RowTransfer` implements it)."""
+    `pull_full` returns a global row-sharded array in full on every process, `gather_rows`
+    every process's rows of a host array, `block_of(n)` this process's rows of a whole batch
+    of n (`gjax.multihost.RowTransfer` implements it)."""
 
     def put_full(self, x: np.ndarray) -> jax.Array: ...
 
     def pull_full(self, x: jax.Array) -> np.ndarray: ...
 
     def gather_rows(self, x: np.ndarray) -> np.ndarray: ...
+
+    def block_of(self, n: int) -> slice: ...
 
 
 def sample_and_score(

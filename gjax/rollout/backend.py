@@ -14,6 +14,7 @@ id and sampling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Protocol, runtime_checkable
 
 import jax
@@ -134,45 +135,54 @@ class LocalSampler:
         self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, turns
     ):
         """Multi-turn rows (`gjax.rollout.turns.Trajectories`): each row an episode of
-        `turns`' environment on the continuous decoder, one process's rows
-        (`ContinuousDecoder.generate_episodes`). Only this backend has it, and only with the
-        continuous decoder: `gjax.envs.check_config` refuses env.name != '' elsewhere."""
+        `turns`' environment on the continuous decoder (`ContinuousDecoder.generate_episodes`),
+        on the served (possibly quantized) params, as `generate`. Host prompts: this process's
+        rows. Global row-sharded prompts (several processes, the loop's thread): each process
+        decodes its own block on its own devices (`_on_process_devices`), and `turns` are that
+        block's episodes; the trajectories returned are this process's rows, on the host.
+        Only this backend has it, and only with the continuous decoder:
+        `gjax.envs.check_config` refuses env.name != '' elsewhere."""
         if self.decoder is None:
             raise ValueError("generate_episodes needs the continuous decoder (rollout.decoder)")
-        if _spans_processes(prompt_tokens_PxS):
-            raise ValueError("generate_episodes decodes one process's rows (host arrays)")
-        return self.decoder.generate_episodes(
-            params,
-            prompt_tokens_PxS,
-            prompt_mask_PxS,
-            rng,
-            num_samples=num_samples,
-            sampling=sampling,
-            turns=turns,
+        params = self._served(params)
+        decode = functools.partial(
+            self.decoder.generate_episodes, num_samples=num_samples, turns=turns
         )
+        if _spans_processes(prompt_tokens_PxS):
+            _, traj = self._on_process_devices(
+                decode, params, prompt_tokens_PxS, prompt_mask_PxS, rng, sampling
+            )
+            return traj
+        return decode(params, prompt_tokens_PxS, prompt_mask_PxS, rng, sampling=sampling)
 
     def _process_rows(self, params, tokens_PxS, mask_PxS, rng, num_samples, sampling):
         """The continuous decoder on global row-sharded prompts (several processes, the loop's
-        thread): each process decodes its own block of rows on its own devices of the mesh
-        (`sharding.process_local_copy` of the params: sharded over this process's part of an
-        axis the processes split, never a whole copy per device; row keys of the whole batch,
-        so the rows equal one process's with that layout) and the rows go back as global
-        arrays sharded like the prompts."""
+        thread), each process its own block (`_on_process_devices`); the rows go back as
+        global arrays sharded like the prompts."""
+        decode = functools.partial(self.decoder.generate, num_samples=num_samples)
+        layout, out = self._on_process_devices(decode, params, tokens_PxS, mask_PxS, rng, sampling)
+        return SampleOutput(*(multihost.put_rows(np.asarray(x), layout) for x in out[:4]))
+
+    def _on_process_devices(self, decode, params, tokens_PxS, mask_PxS, rng, sampling):
+        """(layout, `decode(params, tokens, mask, rng, sampling=...)` on this process's block
+        of the global row-sharded prompts, on its own devices of their mesh): the params as
+        `sharding.process_local_copy` makes them (sharded over this process's part of an axis
+        the processes split, never a whole copy per device), this process's copy of the
+        replicated key, and row keys of the whole batch (`row_block`), so the rows equal one
+        process's with that layout."""
         layout = multihost.RowLayout(tokens_PxS.sharding)
         mesh = tokens_PxS.sharding.mesh
         local_mesh = sharding.process_mesh(mesh)
         local_params = self._process_local(params, mesh, local_mesh)
         with jax.set_mesh(local_mesh), sharding.use_rules():
-            out = self.decoder.generate(
+            out = decode(
                 local_params,
                 multihost.local_rows(tokens_PxS, layout),
                 multihost.local_rows(mask_PxS, layout),
-                # The key is replicated: this process's copy of it, on its devices.
                 jax.device_put(rng.addressable_data(0), NamedSharding(local_mesh, PS())),
-                num_samples=num_samples,
                 sampling=dataclasses.replace(sampling, row_block=(layout.block, layout.count)),
             )
-        return SampleOutput(*(multihost.put_rows(np.asarray(x), layout) for x in out[:4]))
+        return layout, out
 
     def _process_local(self, params, mesh, local_mesh):
         """`sharding.process_local_copy` of `params`; a LoRA policy's frozen base is copied

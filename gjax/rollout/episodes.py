@@ -34,6 +34,15 @@ environment's runner is driven from that thread (`EnvRunner.submit` hands the st
 own event loop, thread-safe), and the held-out evaluation's episodes on the loop's thread use
 the same runner concurrently (its counters are locked; each call's `EnvTurns` is its own).
 
+Several processes (jax.distributed): each process rolls out the episodes of its own block of
+the batch's prompts on its own devices, with the row keys of the whole batch (`row_block`), so
+its rows equal those rows of a one-process run of the same global layout; each runs its own
+environment runner. Synchronous: the prompts go in as the global batch and the local backend
+decodes each process's block (`LocalSampler.generate_episodes`); asynchronous: the producer's
+`process_local` rollout, as for single completions. The step's figures are over every
+process's rows (`env/...` pooled by `multihost.pool_counts`: counts and seconds summed,
+per-episode figures averaged) (tests/test_multihost.py).
+
 `make_rollout` is what `gjax.train` calls: the single-turn `Rollout` for env.name = '', this
 one otherwise (with the environment's runner closed by the run's exit stack).
 """
@@ -43,9 +52,9 @@ from __future__ import annotations
 import contextlib
 import time
 
-import jax
 import numpy as np
 
+from gjax import multihost
 from gjax.envs import tools as tools_lib
 from gjax.envs.environments import build_env
 from gjax.envs.runner import EnvRunner
@@ -88,31 +97,34 @@ class EpisodeRollout(Rollout):
         lengths = traj.lengths_B
         accuracy = groups.rewards_PxG.copy()
         self._shape_overlong(groups, lengths)
+        gather = self.transfer.allgather
         metrics = {
             **self._metrics(groups, accuracy, lengths),
             # the policy's tokens only (the environment's are inserted, not sampled)
-            "response/sampled_tokens": float(traj.policy_mask_BxN.sum()),
+            "response/sampled_tokens": float(gather(traj.policy_mask_BxN.sum()).sum()),
             "time/sample_s": t_sample,
-            **self.backend.metrics(self.transfer.allgather),
-            **reward_metrics(groups, accuracy),
-            **env_metrics(self.backend.decoder.stats),
+            **self.backend.metrics(gather),
+            **reward_metrics(groups, accuracy, self.transfer.gather_rows),
+            **env_metrics(self.backend.decoder.stats, gather),
         }
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)
 
-    def process_local(self, transfer):
-        raise NotImplementedError("episodes run in one process (make_rollout refuses several)")
-
     def _episodes(self, params, prompts, rng) -> Trajectories:
+        """This process's episodes: its rows' `EnvTurns` on the decoder. Several processes
+        on the loop's thread: the prompts go in as the global batch and each process decodes
+        its own block on its own devices (`LocalSampler.generate_episodes`); on the async
+        producer's thread (`process_local`) they are this process's host rows already."""
         rows = [
             {"problem": q, "answer": a, "prompt": p}
             for q, a, p in zip(prompts.problems, prompts.answers, prompts.prompts, strict=True)
         ]
         turns = build_turns(self.config, self.runner, rows, self.tok)
+        put = self.transfer.sampler_rows
         return self.backend.generate_episodes(
             params,
-            np.asarray(prompts.prompt_ids_PxS),
-            np.asarray(prompts.prompt_mask_PxS),
+            put(prompts.prompt_ids_PxS),
+            put(prompts.prompt_mask_PxS),
             rng,
             num_samples=self.G,
             sampling=self.sampling,
@@ -125,11 +137,12 @@ class EpisodeRollout(Rollout):
         return traj.groups(prompts.prompt_ids_PxS, prompts.prompt_mask_PxS)
 
 
-def reward_metrics(groups: Groups, accuracy_PxG: np.ndarray) -> dict[str, float]:
+def reward_metrics(groups: Groups, accuracy_PxG: np.ndarray, gather_rows=np.asarray):
     """The reward pipeline's batch figures for the environment's rewards (before shaping):
-    `rewards/mean` over the valid samples, `rewards/valid_fraction`, `rewards/nonfinite`."""
-    valid = groups.valid_PxG.reshape(-1)
-    rewards = accuracy_PxG.reshape(-1)
+    `rewards/mean` over the valid samples, `rewards/valid_fraction`, `rewards/nonfinite`;
+    over every process's rows (`gather_rows`: this process's rows -> the batch's)."""
+    valid = np.asarray(gather_rows(groups.valid_PxG)).reshape(-1)
+    rewards = np.asarray(gather_rows(accuracy_PxG)).reshape(-1)
     return {
         "rewards/valid_fraction": float(valid.mean()) if valid.size else 0.0,
         "rewards/nonfinite": float((~valid).sum()),
@@ -137,15 +150,26 @@ def reward_metrics(groups: Groups, accuracy_PxG: np.ndarray) -> dict[str, float]
     }
 
 
-def env_metrics(stats) -> dict[str, float]:
+# Per-episode figures: the mean over processes (each holds as many episodes); the rest of a
+# batch's `env/...` figures are counts and seconds, summed.
+PER_EPISODE = (
+    "env/turns_per_episode",
+    "env/prefill_tokens_per_episode_kept",
+    "env/prefill_tokens_per_episode_reprefill",
+)
+
+
+def env_metrics(stats, gather=multihost.allgather) -> dict[str, float]:
     """A batch's `env/...` figures from the decoder's stats of its `generate_episodes` (which
-    carry `EnvTurns.stats()`): the environment's tool counts renamed (every error kind, 0
-    where none), the rest of the episode figures as they are, and the overlap of environment
-    steps with decoding."""
+    carry `EnvTurns.stats()`), over every process (`gather`; `multihost.pool_counts`): the
+    environment's tool counts renamed (every error kind, 0 where none), the rest of the
+    episode figures as they are, and the overlap of environment steps with decoding (pooled:
+    1 - every process's decoder waits over every process's step seconds)."""
     out = {k: float(v) for k, v in stats.items() if k.startswith("env/")}
     out.update({new: float(stats.get(old, 0.0)) for old, new in TOOL_METRICS.items()})
-    step_s, wait_s = out.get("env/step_s", 0.0), float(stats.get("env_wait_s", 0.0))
-    out["env/wait_s"] = wait_s
+    out["env/wait_s"] = float(stats.get("env_wait_s", 0.0))
+    out = multihost.pool_counts(out, means=PER_EPISODE, gather=gather)
+    step_s, wait_s = out.get("env/step_s", 0.0), out["env/wait_s"]
     out["env/step_overlap_frac"] = max(0.0, 1.0 - wait_s / step_s) if step_s > 0 else 1.0
     return out
 
@@ -157,11 +181,6 @@ def make_rollout(config, scope: contextlib.ExitStack, *, rewards, **kwargs) -> R
     the same completion). kwargs: `Rollout`'s."""
     if not config.env.name:
         return Rollout(rewards=rewards, config=config, **kwargs)
-    if jax.process_count() > 1:
-        raise ConfigError(
-            f"config.env.name={config.env.name!r}: multi-turn training runs in one process "
-            "(several processes' episodes are not wired yet); run it without jax.distributed"
-        )
     env = build_env(config, reward_fn=rewards.reward_fns["reward"])
     runner = EnvRunner(env, max_in_flight=config.env.max_in_flight)
     scope.callback(runner.close)

@@ -126,19 +126,11 @@ class _JetStreamClient:
         max_tokens_B=None,
     ) -> SampleOutput:
         """`RolloutBackend.generate`; `max_tokens_B` optionally caps each request's length
-        (JetStream's per-request `max_tokens`; at most `sampling.max_new_tokens`)."""
+        (JetStream's per-request `max_tokens`; at most `sampling.max_new_tokens`). Its steps:
+        the prompts' ids (`_prompt_ids`), one request per row, sent with retries within one
+        deadline (`_send`), the replies laid out as rows (`_rows`), the counters."""
         del rng  # the engine samples with its own per-request keys
-        tokens_PxS = np.asarray(prompt_tokens_PxS)
-        mask_PxS = np.asarray(prompt_mask_PxS).astype(bool)
-        prompts = [t[m].astype(np.int32) for t, m in zip(tokens_PxS, mask_PxS)]
-        for p, ids in enumerate(prompts):
-            if len(ids) + 1 > self.max_prefill_length:
-                raise PromptTooLong(
-                    f"prompt {p} has {len(ids)} tokens; the JetStream engine's "
-                    f"max_prefill_length={self.max_prefill_length} holds {self.max_prefill_length - 1} "
-                    "(one position is JetStream's BOS). Raise config.data.max_prompt_len (the "
-                    "engine's bucket follows it) or shorten the prompts."
-                )
+        prompts = self._prompt_ids(prompt_tokens_PxS, prompt_mask_PxS)
         if id(params) != self._params_id:
             self.push(params)
         g_ = num_samples
@@ -154,61 +146,15 @@ class _JetStreamClient:
                 )
                 for b in range(b_)
             ]
-            rows, retried, error, pending, rejected = {}, 0, None, list(range(b_)), []
-            deadline = time.monotonic() + self.timeout_s  # the whole batch, retries included
-            for attempt in range(self.max_retries + 1):
-                if attempt:
-                    wait = self.backoff_s * 2 ** (attempt - 1)
-                    time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
-                    retried += len(pending)
-                if time.monotonic() >= deadline:
-                    break
-                futures = {b: self._submit(requests[b], deadline) for b in pending}
-                failed = []
-                for b, fut in futures.items():
-                    try:
-                        rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
-                    except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
-                        fut.cancel()
-                        error = e
-                        if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
-                            rejected.append(b)
-                        else:
-                            failed.append(b)
-                pending = failed
-                if not pending:
-                    break
-            pending += rejected
-            if pending:
-                self.last_error = _short(error, self.timeout_s)
-                log.warning(
-                    "JetStream: %d of %d requests dropped after at most %d retries within %.0f s "
-                    "(last error: %s)",
-                    len(pending),
-                    b_,
-                    self.max_retries,
-                    self.timeout_s,
-                    _short(error, self.timeout_s),
-                )
-            out = {
-                "tokens": np.full((b_, n_), sampling.pad_token_id, np.int32),
-                "mask": np.zeros((b_, n_), np.int32),
-                "logps": np.zeros((b_, n_), np.float32),
-                "valid": np.zeros((b_,), bool),
-                "version": np.full((b_,), self.version, np.int32),
-            }
-            for b, (ids, _) in rows.items():
-                out["tokens"][b, : len(ids)] = ids
-                out["mask"][b, : len(ids)] = 1
-                out["valid"][b] = True
-            self._finish(rows, out)
+            replies, retried, dropped = self._send(requests)
+            out = self._rows(replies, b_, n_, sampling.pad_token_id)
         self.counters["requests"] += b_
         self.counters["retried"] += retried
-        self.counters["dropped"] += len(pending)
+        self.counters["dropped"] += dropped
         lag = self.latest_version - out["version"][out["valid"]]
         self._last = {
             "rollout/requests_retried": float(retried),
-            "rollout/requests_dropped": float(len(pending)),
+            "rollout/requests_dropped": float(dropped),
             "rollout/policy_version": float(self.latest_version),
             "rollout/version_lag_max": float(lag.max()) if lag.size else 0.0,
             "rollout/version_lag_mean": float(lag.mean()) if lag.size else 0.0,
@@ -221,6 +167,81 @@ class _JetStreamClient:
             out["valid"],
             out["version"],
         )
+
+    def _prompt_ids(self, prompt_tokens_PxS, prompt_mask_PxS) -> list[np.ndarray]:
+        """Each prompt's ids (its mask's tokens); one the engine cannot prefill is refused."""
+        tokens_PxS = np.asarray(prompt_tokens_PxS)
+        mask_PxS = np.asarray(prompt_mask_PxS).astype(bool)
+        prompts = [t[m].astype(np.int32) for t, m in zip(tokens_PxS, mask_PxS)]
+        for p, ids in enumerate(prompts):
+            if len(ids) + 1 > self.max_prefill_length:
+                raise PromptTooLong(
+                    f"prompt {p} has {len(ids)} tokens; the JetStream engine's "
+                    f"max_prefill_length={self.max_prefill_length} holds {self.max_prefill_length - 1} "
+                    "(one position is JetStream's BOS). Raise config.data.max_prompt_len (the "
+                    "engine's bucket follows it) or shorten the prompts."
+                )
+        return prompts
+
+    def _send(self, requests) -> tuple[dict, int, int]:
+        """(replies by row, requests retried, requests dropped): every request sent, the
+        failed ones again after a backoff (`max_retries` times) within one deadline for the
+        whole batch; a rejected one (INVALID_ARGUMENT) is not retried. What is still missing
+        at the end is dropped, with one warning line."""
+        rows, retried, error, pending, rejected = {}, 0, None, list(range(len(requests))), []
+        deadline = time.monotonic() + self.timeout_s  # the whole batch, retries included
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                wait = self.backoff_s * 2 ** (attempt - 1)
+                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+                retried += len(pending)
+            if time.monotonic() >= deadline:
+                break
+            futures = {b: self._submit(requests[b], deadline) for b in pending}
+            failed = []
+            for b, fut in futures.items():
+                try:
+                    rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
+                except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
+                    fut.cancel()
+                    error = e
+                    if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
+                        rejected.append(b)
+                    else:
+                        failed.append(b)
+            pending = failed
+            if not pending:
+                break
+        pending += rejected
+        if pending:
+            self.last_error = _short(error, self.timeout_s)
+            log.warning(
+                "JetStream: %d of %d requests dropped after at most %d retries within %.0f s "
+                "(last error: %s)",
+                len(pending),
+                len(requests),
+                self.max_retries,
+                self.timeout_s,
+                _short(error, self.timeout_s),
+            )
+        return rows, retried, len(pending)
+
+    def _rows(self, replies: dict, b_: int, n_: int, pad_id: int) -> dict[str, np.ndarray]:
+        """The replies as [B, N] rows (pad and mask 0 past each reply, `valid` False for a
+        dropped row), then `_finish`'s log-probs and versions."""
+        out = {
+            "tokens": np.full((b_, n_), pad_id, np.int32),
+            "mask": np.zeros((b_, n_), np.int32),
+            "logps": np.zeros((b_, n_), np.float32),
+            "valid": np.zeros((b_,), bool),
+            "version": np.full((b_,), self.version, np.int32),
+        }
+        for b, (ids, _) in replies.items():
+            out["tokens"][b, : len(ids)] = ids
+            out["mask"][b, : len(ids)] = 1
+            out["valid"][b] = True
+        self._finish(replies, out)
+        return out
 
 
 def _combine(metrics: dict[str, float], gather) -> dict[str, float]:
