@@ -21,6 +21,7 @@ from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.embedded import resolve_model_path
+from gjax.errors import ConfigError
 from gjax.evaluation.metrics import pass_at_k
 from gjax.evaluation.sampling import sample_and_score
 from gjax.models import hf_import, lora
@@ -39,12 +40,25 @@ def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
     }
 
 
+def check(config) -> None:
+    """Fails fast on a run this evaluation would misjudge: it samples single completions, so
+    a multi-turn run (config.env.name set) would be scored without its environment."""
+    if config.env.name:
+        raise ConfigError(
+            f"config.env.name={config.env.name!r}: experiments/passk.py samples single "
+            "completions and would score a multi-turn run's policy without its environment; "
+            "its episodes' pass@k is the run's own held-out evaluation (summary.json, "
+            "eval.pass_k) until passk.py evaluates episodes"
+        )
+
+
 def evaluate(
     config, workdir: str, *, num_samples: int, cache_dir: str, step: int | None = None
 ) -> dict:
     """Samples `num_samples` completions per held-out problem (the run's eval temperature and
     top-p) with the base params and with the last checkpoint's (or `step`'s); writes and
-    returns passk.json (`passk_file(step)`)."""
+    returns passk.json (`passk_file(step)`). `check` first."""
+    check(config)
     n = num_samples
     data_cfg = data_builders.run_data_config(config)
     base_key = {

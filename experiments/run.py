@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from experiments import studies
+from experiments import passk, studies
 from experiments.worker import read_done, workdir_of
 from gjax import compile_cache, config_record
 from gjax.errors import ConfigError, run_cli
@@ -42,6 +42,7 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     for v in chosen:
         for seed in range(seeds):
             config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
+            passk.check(config)  # before any run starts, not after its training
             wd = workdir_of(out, study.name, v.name, seed)
             marker = read_done(wd)
             trained = marker is not None or _has_checkpoint(wd)

@@ -101,6 +101,14 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
+def test_plan_refuses_a_multi_turn_variant_before_any_run(tmp_path):
+    """passk.py samples single completions: a variant with env.name set is refused up front."""
+    v = studies.Variant("tool", "grpo", "doc", arg="tiny", overrides={"env.name": "tool"})
+    with pytest.raises(ConfigError, match="env.name='tool': experiments/passk.py samples single"):
+        run.plan(studies.Study("s", "claim", (v,)), 1, out=str(tmp_path), steps=2, smoke=True)
+    assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("command", [run.main, aggregate.main])
 def test_a_command_s_user_error_is_one_paragraph_and_status_2(command, capsys):
     with pytest.raises(SystemExit) as exit_:
