@@ -285,7 +285,7 @@ _STUDIES = (
     # 3 seeds each; the int8 variant's TIS correction is on by default (rollout.quantize
     # resolves objective.behaviour_correction 'auto' to tis) and its runs report the
     # behaviour-vs-learner mismatch (mismatch/abs_logp_diff_mean, mismatch/kl_k3) per step.
-    # Command (not run yet: ~6 CPU-hours on 2 cores):
+    # Command (run 2026-12-02, results/quant_rollouts: ~25-35 min a run beside other jobs):
     #   python -m experiments.run quant_rollouts --seeds 3
     #   python -m experiments.aggregate quant_rollouts
     # Expected: int8's held-out pass@1 curve within the seeds' spread of bf16's.
