@@ -511,3 +511,17 @@ def test_accelerator_benchmark_total_budget_and_bad_flags(tmp_path):
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "--budgets: 'x=1' is not NAME=SECONDS" in proc.stderr
+
+
+@pytest.mark.slow
+def test_long_response_benchmark_tiny():
+    """benchmarks/long_response.py --tiny: rows up to the 256-token cap decoded on paged KV,
+    packed, trained with mesh.seq = 2 on a reward that varies in a group (non-zero
+    gradients), and resumed from the step-1 checkpoint to step 2."""
+    (out,) = _benchmark_records("long_response.py", "--tiny")
+    assert out["resumed"] and out["steps"] == [1, 2]
+    assert (out["max_new_tokens"], out["seq"], out["kv_page_size"]) == (256, 2, 32)
+    assert out["length_max"] == 256 and 0 < out["clipped_frac"] < 1  # long-tailed, some cut
+    assert 0 < out["length_mean"] < 256
+    assert all(math.isfinite(g) and g > 0 for g in out["grad_norm"])
+    assert all(0 < f <= 1 for f in out["pack"]["pack/fill"])

@@ -1,0 +1,178 @@
+"""A long-response GRPO run end to end on the CPU (issue 34 item 4): rows up to
+`--max_new_tokens` (8192) decoded by the continuous decoder on paged KV, packed, trained with
+the update's token axis split over `--seq` devices (ring attention), then resumed from the
+checkpoint of its first step.
+
+    python benchmarks/long_response.py                  # 8192 new tokens (minutes on 2 cores)
+    python benchmarks/long_response.py --tiny           # 256 new tokens (CI)
+
+The policy is a random-weight Qwen2 shape (`--hidden`, `--layers`; the embedded character
+tokenizer) written to a temp dir, with max_position_embeddings = the prompt budget plus
+`--max_new_tokens`, whose EOS logit is held under the others so that lengths are long-tailed:
+its embedding row is 0 (logit 0) and the others' logits have standard deviation sigma, chosen
+so that the EOS probability per token is about 3 / max_new_tokens (geometric lengths of mean
+~max/3, some rows cut at the cap). The reward is a length-bounded one registered here
+(`long_length_<N>`: the completion's length over max_new_tokens, in [0, 1]): it varies within a
+group, so the advantages and the gradients are not zero.
+
+Prints one JSON line: the lengths decoded (max, mean, rows at the cap), the packed bins
+(`pack/*`), the step times, and whether the second run resumed from step 1 and went on to
+step 2. Everything is a real `gjax.train.train` call on the production path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+# 8 CPU devices (data x seq), set before jax is imported; a user's own XLA_FLAGS win.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+PROMPT_LEN = 24  # the embedded task's prompt budget (configs/common.py `tiny`)
+
+
+def eos_sigma(max_new_tokens: int, vocab: int) -> float:
+    """The logits' standard deviation that puts EOS (logit 0) at ~3 / max_new_tokens: with
+    the other vocab - 1 logits ~ N(0, sigma^2), sum_i exp(l_i) ~ (vocab - 1) exp(sigma^2 / 2)."""
+    ratio = max_new_tokens / (3.0 * (vocab - 1))
+    return math.sqrt(2.0 * math.log(ratio)) if ratio > 1 else 0.5
+
+
+def write_policy(out: str, *, hidden: int, layers: int, max_new_tokens: int) -> dict:
+    """The random-weight policy (see the module docstring); returns its settings."""
+    import jax
+    import numpy as np
+
+    from gjax.data.tokenizer import build_tokenizer
+    from gjax.models import hf_export
+    from gjax.models.config import ModelConfig
+    from gjax.models.transformer import init_params
+
+    tok = build_tokenizer()
+    heads = max(1, hidden // 16)
+    cfg = ModelConfig(
+        model_type="qwen2",
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=max(1, heads // 2),
+        head_dim=hidden // heads,
+        rope_theta=1_000_000.0,  # long-context RoPE base, as Qwen2.5's
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_bias=True,
+        max_position_embeddings=PROMPT_LEN + max_new_tokens,
+        bos_token_id=None,
+        eos_token_id=(tok.eos_token_id,),
+        pad_token_id=tok.pad_token_id,
+    )
+    params = init_params(cfg, jax.random.key(0))
+    # The final norm's output has |h|^2 ~ hidden, so rows of N(0, (sigma / sqrt(hidden))^2)
+    # give logits of standard deviation sigma; EOS's row 0 gives it logit 0.
+    sigma = eos_sigma(max_new_tokens, cfg.vocab_size)
+    rng = np.random.default_rng(0)
+    embed = rng.normal(0.0, sigma / math.sqrt(hidden), (cfg.vocab_size, hidden))
+    embed[tok.eos_token_id] = 0.0
+    params["embed"]["embedding"] = jax.numpy.asarray(embed, jax.numpy.float32)
+    hf_export.save_pretrained(params, cfg, out, tokenizer=tok)
+    return {"hidden": hidden, "layers": layers, "sigma": round(sigma, 3)}
+
+
+def register_reward(max_new_tokens: int) -> str:
+    """`long_length_<N>`: a completion's length over N, in [0, 1] (a reward function's
+    configuration is its name here: `reward.functions` lists names)."""
+    from gjax.rewards.functions import REWARDS
+
+    name = f"long_length_{max_new_tokens}"
+    if name not in REWARDS:
+
+        @REWARDS.register(name)
+        def long_length(prompts, completions, answers, *, completion_lengths, **metadata):
+            return [min(1.0, float(n) / max_new_tokens) for n in completion_lengths]
+
+    return name
+
+
+def config(policy: str, args):
+    from configs import grpo
+
+    c = grpo.get_config("tiny")
+    c.model.path = policy
+    c.model.remat = "full"
+    c.rollout.max_new_tokens = args.max_new_tokens
+    c.rollout.temperature = 1.0
+    c.rollout.prompts_per_step = 2
+    c.rollout.num_samples = 4
+    c.rollout.kv_page_size = args.page
+    c.reward.functions = register_reward(args.max_new_tokens)
+    c.mesh.data, c.mesh.seq = -1, args.seq
+    c.train.steps = 1
+    c.checkpoint.every = 1
+    c.checkpoint.async_save = False
+    c.data.heldout_size = 2
+    c.eval.num_samples = 0  # greedy held-out only: random weights, nothing to measure there
+    c.log.progress = c.log.tensorboard = False
+    return c
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max_new_tokens", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=2, help="mesh.seq of the update")
+    p.add_argument("--page", type=int, default=256, help="rollout.kv_page_size")
+    p.add_argument("--hidden", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--tiny", action="store_true", help="256 new tokens, pages of 32 (CI)")
+    p.add_argument("--workdir", default="", help="where the run goes (default: a temp dir)")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.max_new_tokens, args.page = 256, 32
+
+    from gjax.metrics import read_jsonl
+    from gjax.train import train
+
+    with tempfile.TemporaryDirectory() as tmp:
+        policy = os.path.join(tmp, "policy")
+        shape = write_policy(
+            policy, hidden=args.hidden, layers=args.layers, max_new_tokens=args.max_new_tokens
+        )
+        workdir = args.workdir or os.path.join(tmp, "run")
+        c = config(policy, args)
+        with contextlib.redirect_stdout(sys.stderr):  # stdout: the JSON line only
+            train(c, workdir)  # step 1, checkpointed
+            c.train.steps = 2
+            train(c, workdir)  # resumes from step 1, trains step 2
+        rows = list(read_jsonl(os.path.join(workdir, "metrics.jsonl")))
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
+    steps = [r["step"] for r in rows]
+    out = {
+        "benchmark": "long_response",
+        "max_new_tokens": args.max_new_tokens,
+        "seq": args.seq,
+        "kv_page_size": args.page,
+        **shape,
+        "steps": steps,
+        "resumed": steps == [1, 2] and summary.get("steps") == 2,
+        "length_max": max(r["response/length_max"] for r in rows),
+        "length_mean": sum(r["response/length_mean"] for r in rows) / len(rows),
+        "clipped_frac": sum(r["response/clipped_frac"] for r in rows) / len(rows),
+        "pack": {k: [r[k] for r in rows] for k in sorted(rows[0]) if k.startswith("pack/")},
+        "grad_norm": [r["optim/grad_norm"] for r in rows],
+        "step_s": [round(r["time/step_s"], 2) for r in rows],
+    }
+    print(json.dumps(out), flush=True)
+    return out
+
+
+if __name__ == "__main__":
+    main()
