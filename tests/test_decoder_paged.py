@@ -40,7 +40,12 @@ def test_paged_greedy_equals_static_and_contiguous(static_greedy, contiguous_gre
     paged, stats = decode(steps=4, kv_page_size=4)
     assert stats["kv_pages"] == 3 * 2 + 3 * 2 + 1  # slots x N/4 + regions x Q + null page
     assert_same(paged, static_greedy, atol=1e-5)  # the static sampler's tolerance
-    assert_same(paged, contiguous_greedy, atol=1e-6)
+    # The same tokens; log-probs to the same tolerance, for the same reason: paged attention
+    # reads the keys through the page table in another layout than a slot's contiguous cache,
+    # so XLA:CPU reduces them in another order, which depends on the CPU's vector width:
+    # equal to 1e-6 on the machines this ran on before, 1.4e-6 apart (8 float32 ulps of a
+    # log-prob of -1.54) on an AVX2-only EPYC, 2026-12-02.
+    assert_same(paged, contiguous_greedy, atol=1e-5)
     small, small_stats = decode(steps=4, kv_page_size=2, kv_pages=10)
     assert small_stats["rows_preempted"] > 0 and small_stats["kv_pages_peak"] <= 9
     assert_same(small, static_greedy, atol=1e-5)
