@@ -28,6 +28,7 @@ from gjax.data.tokenizer import (
     build_tokenizer,
     save_tokenizer,
 )
+from tests.hosts import on_hosts
 
 
 @pytest.fixture(scope="module")
@@ -555,28 +556,8 @@ class _CountingTokenizer:
 
 
 def _on_hosts(count, fn):
-    """`fn(process_index, allgather)` on `count` threads standing in for hosts, with an
-    allgather that meets at a barrier as `jax.distributed`'s does; the per-host results."""
-    import concurrent.futures
-    import threading
-
-    barrier, slots = threading.Barrier(count, timeout=60), [None] * count
-
-    def run(h):
-        def allgather(x):
-            slots[h] = np.asarray(x)
-            barrier.wait()
-            out = np.stack(slots)
-            barrier.wait()
-            return out
-
-        try:
-            return fn(h, allgather)
-        except DataError as err:
-            return err
-
-    with concurrent.futures.ThreadPoolExecutor(count) as pool:
-        return list(pool.map(run, range(count)))
+    """`tests.hosts.on_hosts`, a host's DataError its result."""
+    return on_hosts(count, fn, returned=DataError)
 
 
 def _messy_rows():

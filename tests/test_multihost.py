@@ -23,6 +23,7 @@ import pytest
 
 from gjax import multihost, sharding
 from gjax.experience import Groups, select_groups
+from tests.hosts import on_hosts
 from tests.user_env import PYTHONPATH as USER_PATH
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -188,28 +189,15 @@ def test_pooled_counts_take_every_process_keys_summed_or_averaged(monkeypatch):
     """Two threads stand in for processes that saw different events (a key only one has):
     every process gets the union of the keys, a missing count as 0, sums, and the mean of
     the per-row figures named in `means`."""
-    import concurrent.futures
-    import threading
-
     monkeypatch.setattr(multihost.jax, "process_count", lambda: 2)
-    barrier, slots = threading.Barrier(2, timeout=30), [None, None]
     mine = [
         {"env/turns_per_episode": 1.0, "env/tool_calls": 3.0, "env/step_s": 0.25},
         {"env/turns_per_episode": 2.0, "env/tool_calls": 1.0, "env/truncated_tool_calls": 2.0},
     ]
-
-    def host(h):
-        def gather(x):
-            slots[h] = np.asarray(x)
-            barrier.wait()
-            out = np.stack(slots)
-            barrier.wait()
-            return out
-
-        return multihost.pool_counts(mine[h], means=("env/turns_per_episode",), gather=gather)
-
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        a, b = pool.map(host, range(2))
+    pool = lambda h, gather: multihost.pool_counts(  # noqa: E731
+        mine[h], means=("env/turns_per_episode",), gather=gather
+    )
+    a, b = on_hosts(2, pool)
     assert (
         a
         == b
