@@ -525,3 +525,22 @@ def test_long_response_benchmark_tiny():
     assert 0 < out["length_mean"] < 256
     assert all(math.isfinite(g) and g > 0 for g in out["grad_norm"])
     assert all(0 < f <= 1 for f in out["pack"]["pack/fill"])
+
+
+@pytest.mark.slow
+def test_algorithm_costs_benchmark_tiny():
+    """benchmarks/algorithm_costs.py --tiny: the smoke study's two variants timed side by side
+    in one process; the ratios are against the first, and the tiny mode's one packed shape
+    leaves nothing to compile inside a timed window."""
+    setup, *variants, summary = _benchmark_records("algorithm_costs.py", "--tiny")
+    assert setup["variants"] == ["grpo", "dr_grpo"] and setup["matmul_flops"] > 0
+    assert [v["variant"] for v in variants] == setup["variants"]
+    grpo, dr_grpo = variants
+    assert grpo["learner_over_baseline"] == grpo["step_over_baseline"] == 1.0
+    for v in variants:
+        assert 0 < v["learner_net_s"]["median"] and 0 < v["step_net_s"]["median"]
+        assert v["compile_s_in_timed"] < 0.5
+        assert v["completion_tokens_per_step"] > 0 and v["rollout_rounds_per_step"] == 1.0
+        assert 0 < v["learner_over_matmul_floor"] < 1
+    ratio = dr_grpo["step_net_s"]["median"] / grpo["step_net_s"]["median"]
+    assert summary["dr_grpo_step_over_baseline"] == pytest.approx(ratio)

@@ -672,7 +672,9 @@ def test_two_processes_decode_continuously_as_one(tmp_path):
     the whole batch decoded in one process with that layout (two devices, params sharded over
     both); against one device the tokens are equal and the log-probs differ only by the
     sharded matmuls' rounding (3.6e-6 measured)."""
-    outs = _two_processes(_DECODE, devices=2, logs=tmp_path, timeout=180)
+    # A hang's deadline: 73 s alone, 180 s beside the suite's other worker on a slow 2-core
+    # machine (where 180 timed out on 2026-12-02).
+    outs = _two_processes(_DECODE, devices=2, logs=tmp_path, timeout=480)
     for out in outs:
         assert "local copy sharded" in out and "local copy sharded 0" not in out, out[-3000:]
         for name in ("tokens_BxN", "mask_BxN", "logps_BxN", "lengths_B"):
