@@ -91,9 +91,7 @@ class Arm:
         self.name, self.c = name, c
         model_cfg, params, tok = loaded
         mesh, rollout_mesh = meshes
-        obj_cfg = schema.to_objective_config(
-            c.objective, rollout_temperature=c.rollout.temperature
-        )
+        obj_cfg = schema.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
         model_cfg, frozen, params = lora.attach(
             model_cfg, _copy(params), c.model.lora, mesh, jax.random.key(c.seed)
         )

@@ -538,7 +538,7 @@ def test_algorithm_costs_benchmark_tiny():
     grpo, dr_grpo = variants
     assert grpo["learner_over_baseline"] == grpo["step_over_baseline"] == 1.0
     for v in variants:
-        assert 0 < v["learner_net_s"]["median"] and 0 < v["step_net_s"]["median"]
+        assert v["learner_net_s"]["median"] > 0 and v["step_net_s"]["median"] > 0
         assert v["compile_s_in_timed"] < 0.5
         assert v["completion_tokens_per_step"] > 0 and v["rollout_rounds_per_step"] == 1.0
         assert 0 < v["learner_over_matmul_floor"] < 1
