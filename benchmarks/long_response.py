@@ -3,7 +3,7 @@
 the update's token axis split over `--seq` devices (ring attention), then resumed from the
 checkpoint of its first step.
 
-    python benchmarks/long_response.py                  # 8192 new tokens (minutes on 2 cores)
+    python benchmarks/long_response.py                  # 8192 new tokens (> 30 min on 2 cores)
     python benchmarks/long_response.py --tiny           # 256 new tokens (CI)
 
 The policy is a random-weight Qwen2 shape (`--hidden`, `--layers`; the embedded character
