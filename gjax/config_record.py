@@ -37,6 +37,7 @@ HARMLESS = frozenset(
     {
         OPT_IN,
         "train.steps",
+        "train.max_sampled_tokens",
         "train.storage_timeout_s",
         "train.compilation_cache",
         "checkpoint.every",

@@ -560,6 +560,14 @@ SCHEMA: dict[str, Any] = {
     },
     "train": {
         "steps": Field(500, "RL steps (rollout batches) to train", _COUNT),
+        "max_sampled_tokens": Field(
+            0,
+            "end training after the step at which the run's sampled tokens (metric "
+            "response/sampled_tokens summed over its steps, resumes included) reach N, as at "
+            "train.steps, which stays the upper bound (0: no budget): runs compared at a "
+            "matched sampling cost",
+            _NONNEG,
+        ),
         "minibatches": Field(1, "optimizer updates per rollout batch per pass", _COUNT),
         "num_iterations": Field(1, "passes over each rollout batch (GRPO's mu)", _COUNT),
         "microbatches": Field(1, "gradient accumulation pieces per minibatch", _COUNT),

@@ -287,11 +287,14 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
     scope.callback(producer.close)  # on errors too: before the backend and rewards close
     stopping = False  # agreed by every process: a signal may reach only one host
     stopped_by = (None, None)  # (signal, the process that received it), agreed by all
+    budget = SampledBudget(config.train.max_sampled_tokens, meta["history"])
     for step in range(start, config.train.steps):
         if step == start:
             stopped_by = multihost.stop_signal(stop["signal"])
             if stopping := stopped_by[0] is not None:
                 break  # arrived before this run trained a step: nothing new to save
+            if budget.spent(start):
+                break  # a resume of a run that ended at its budget: nothing to train
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
         produced = _produce(producer, step, checkpointer, recorder)
@@ -310,7 +313,8 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
         recorder.add(step + 1, metrics, host_metrics)
         stopped_by = multihost.stop_signal(stop["signal"])  # all stop, or none
         stopping = stopped_by[0] is not None
-        last = step + 1 == config.train.steps
+        budget.add(host_metrics)  # the same gathered count on every process: all end, or none
+        last = step + 1 == config.train.steps or budget.spent(step + 1)
         if config.log.eval_every and (step + 1) % config.log.eval_every == 0:
             host_metrics.update(
                 _evaluate_mid_run(evaluate, policy(state.params), step, checkpointer, recorder)
@@ -318,7 +322,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             recorder.write()
         if checkpointer.should_save(step + 1) or stopping or last:
             _save(checkpointer, step + 1, state, meta, recorder, producer, run_fingerprint)
-        if stopping:
+        if stopping or last:
             break
     producer.close()
     checkpointer.wait()
@@ -339,6 +343,38 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             exit_code=0 if signum is None else 128 + signum, preempted=signum is not None
         )
     return signum
+
+
+class SampledBudget:
+    """`train.max_sampled_tokens`: a run ends, as at its last step, after the step whose
+    sampled tokens summed from the run's first step reach the budget (0: none), so runs of
+    algorithms that sample more per step (DAPO's dynamic sampling, GPG's beta_th rounds) can
+    be compared at equal sampling cost. The sum is kept in the checkpoint with the run's
+    history (each row's `response/sampled_tokens`, every rollout round's), so a resume
+    counts on from it."""
+
+    def __init__(self, tokens: int, history: list[dict]):
+        self.tokens = int(tokens)
+        self.sampled = sum(float(r.get(SAMPLED, 0.0)) for r in history)
+
+    def add(self, host_metrics: dict[str, float]) -> None:
+        if self.tokens:
+            self.sampled += float(host_metrics[SAMPLED])  # every rollout reports it
+
+    def spent(self, step: int) -> bool:
+        """The budget is reached (after `step` steps); says so once, on process 0."""
+        if not self.tokens or self.sampled < self.tokens:
+            return False
+        if multihost.is_primary():
+            print(
+                f"step {step}: {self.sampled:.0f} sampled tokens >= train.max_sampled_tokens="
+                f"{self.tokens}: training ends here.",
+                flush=True,
+            )
+        return True
+
+
+SAMPLED = "response/sampled_tokens"
 
 
 def _wandb_sink(config, workdir: str, start: int, scope: contextlib.ExitStack):
