@@ -15,6 +15,11 @@ pass@1 against the sampled completion tokens: see `sampled_tokens`).
 re-renders results.md from the committed runs.json alone (the run directories are not
 committed): every table but the equal-cost one, which is kept from the old results.md.
 
+    python -m experiments.aggregate STUDY --from_results experiments/results/STUDY --add \
+        --runs RUNS
+
+adds the variants RUNS holds (arms run after the others) to that runs.json first.
+
 The paired table's statistics: per cell the paired t test's p, Holm-adjusted over the study's
 paired cells (a verdict is drawn from all of them); TOST equivalence against
 `EQUIVALENCE_MARGINS`; and per variant the share of samples / tokens its declared
@@ -741,19 +746,7 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
     a markdown file whose `results:STUDY` block gets the table's `HEADLINE_COLS`."""
     study = studies.get(study_name)
     runs = load_runs(runs_dir, study)
-    ops = {}  # the held-out set's difficulty per data config (one per study in practice)
-    for r in (r for rs in runs.values() for r in rs):
-        key = json.dumps([r["config"].get("data"), r["config"].get("model", {}).get("path")])
-        if key not in ops:
-            ops[key] = heldout_difficulty(r["config"])
-        r["difficulty"] = ops[key]
-    figs = {
-        name: [
-            {"seed": r["seed"], **run_figures(r), **difficulty_figures(r, r["difficulty"])}
-            for r in rs
-        ]
-        for name, rs in runs.items()
-    }
+    figs = runs_figures(runs)
     out_dir = os.path.join(out_root, study.name)
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "runs.json"), "w") as f:
@@ -767,11 +760,36 @@ def aggregate(study_name: str, runs_dir: str, out_root: str, *, readme: str | No
     return out_dir
 
 
-def rerender(study_name: str, results_dir: str, *, readme: str | None = None) -> str:
+def runs_figures(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """runs.json's content: each run's final figures (`run_figures`, `difficulty_figures`)."""
+    ops = {}  # the held-out set's difficulty per data config (one per study in practice)
+    for r in (r for rs in runs.values() for r in rs):
+        key = json.dumps([r["config"].get("data"), r["config"].get("model", {}).get("path")])
+        if key not in ops:
+            ops[key] = heldout_difficulty(r["config"])
+        r["difficulty"] = ops[key]
+    return {
+        name: [
+            {"seed": r["seed"], **run_figures(r), **difficulty_figures(r, r["difficulty"])}
+            for r in rs
+        ]
+        for name, rs in runs.items()
+    }
+
+
+def rerender(
+    study_name: str, results_dir: str, *, readme: str | None = None, add_runs: str | None = None
+) -> str:
     """Rewrites RESULTS_DIR/results.md from RESULTS_DIR/runs.json alone (the run directories
     not needed; runs.json and the figures stay as they are): every table but the equal-cost
     one, which needs each run's evaluations over steps (not in runs.json) and is carried over
-    from the results.md there, if it has one. Returns RESULTS_DIR."""
+    from the results.md there, if it has one. Returns RESULTS_DIR.
+
+    `add_runs`: a runs dir holding some of the study's variants (arms added to a study after
+    its other runs, whose directories are gone): their figures replace or join those of
+    runs.json, written back in the study's variant order, and every table (the paired tests
+    and Holm's correction included) is drawn from the union; the figures (their curves are
+    not in runs.json) and the equal-cost table stay as they were."""
     study = studies.get(study_name)
     path = os.path.join(results_dir, "runs.json")
     figs = _json(path)
@@ -788,6 +806,12 @@ def rerender(study_name: str, results_dir: str, *, readme: str | None = None) ->
             f"its variants: {', '.join(v.name for v in study.variants)}: name the study that "
             "wrote it"
         )
+    if add_runs is not None:
+        added = runs_figures(load_runs(add_runs, study))
+        figs = {v.name: added.get(v.name, figs.get(v.name)) for v in study.variants}
+        figs = {name: f for name, f in figs.items() if f}
+        with open(path, "w") as f:
+            json.dump(figs, f, indent=1)
     md_path = os.path.join(results_dir, "results.md")
     try:
         with open(md_path) as f:
@@ -896,9 +920,21 @@ def main(argv=None) -> None:
         help="re-render DIR/results.md from DIR/runs.json alone (no run directories; the "
         "figures and runs.json stay; the equal-cost table is kept from the old results.md)",
     )
+    p.add_argument(
+        "--add",
+        action="store_true",
+        help="with --from_results: add the variants that --runs holds to DIR/runs.json "
+        "(arms run after the others; theirs replace any figures of the same variant) and "
+        "re-render from the union",
+    )
     args = p.parse_args(argv)
+    if args.add and args.from_results is None:
+        p.error("--add needs --from_results DIR (the runs.json to add to)")
     if args.from_results is not None:
-        run_cli(lambda: print(rerender(args.study, args.from_results, readme=args.readme)))
+        add = args.runs if args.add else None
+        run_cli(
+            lambda: print(rerender(args.study, args.from_results, readme=args.readme, add_runs=add))
+        )
     else:
         run_cli(lambda: print(aggregate(args.study, args.runs, args.out, readme=args.readme)))
 

@@ -83,6 +83,9 @@ def _agrae(name: str, sample_level: str, group_level: str, doc: str) -> Variant:
 
 
 _MASKS = (("the masks", "adv/masked_fraction"),)  # DaGRPO's indistinct-pair masks
+# all_algorithms' matched budget: its GRPO arm's sampled tokens over 200 steps, 443.4k-448.1k
+# over 5 seeds (mean 445.1k); DAPO's and GPG's arms sampled 2.9x and 2.4x that.
+MATCHED_TOKENS = 445_000
 
 _STUDIES = (
     Study(
@@ -121,6 +124,21 @@ _STUDIES = (
                 acts=(("the IS-weight clip", "clipped_pct"),),
             ),
             Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
+            # Issue 37 item 4: the arms that sample more per step, stopped at GRPO's sampling
+            # cost instead of its step count (`train.max_sampled_tokens`).
+            *(
+                Variant(
+                    f"{algo}_matched",
+                    algo,
+                    f"{doc}, stopped at GRPO's sampled tokens ({MATCHED_TOKENS:,})",
+                    overrides={"train.max_sampled_tokens": MATCHED_TOKENS},
+                    acts=acts,
+                )
+                for algo, doc, acts in (
+                    ("dapo", "DAPO", (("the clip (eps_high 0.28)", "clipped_pct"),)),
+                    ("gpg", "GPG", ()),
+                )
+            ),
         ),
         # Off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout batch):
         # the ratios leave 1 and the clips act (experiments/README.md, "Off-policy updates").

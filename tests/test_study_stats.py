@@ -169,6 +169,32 @@ def test_rerender_from_runs_json_alone_keeps_the_equal_cost_section(tmp_path):
     assert "At equal cost" not in (d / "results.md").read_text()
 
 
+def test_arms_run_later_join_the_committed_runs_json(tmp_path):
+    """`--add`: a study's runs.json holds grpo (its run directories gone); dr_grpo's runs,
+    made later, join it in the study's order and the paired table covers them; a second add
+    replaces them instead of appending."""
+    from tests.test_experiments import _fake_run
+
+    d = tmp_path / "results"
+    d.mkdir()
+    grpo = [{"seed": s, "pass@1": p, "steps": 6} for s, p in enumerate((0.30, 0.35, 0.40))]
+    (d / "runs.json").write_text(json.dumps({"grpo": grpo}))
+    runs = str(tmp_path / "runs")
+    for seed in range(3):  # pass@1 1.0: every problem solved in all 4 samples
+        _fake_run(runs, "dr_grpo", seed, final_counts=[4] * 5, grad_norms=[1.0] * 6)
+    for _ in range(2):
+        assert aggregate.rerender("smoke", str(d), add_runs=runs) == str(d)
+        got = json.loads((d / "runs.json").read_text())
+        assert list(got) == ["grpo", "dr_grpo"] and got["grpo"] == grpo
+        assert [r["seed"] for r in got["dr_grpo"]] == [0, 1, 2]
+        assert [r["pass@1"] for r in got["dr_grpo"]] == [1.0, 1.0, 1.0]
+    md = (d / "results.md").read_text()
+    # dr_grpo - grpo: 0.70, 0.65, 0.60: mean 0.65, sd 0.05, se 0.028868, x t(2) = 0.124
+    assert "| dr_grpo | pass@1 | 3 | +0.650 ± 0.124 |" in md
+    with pytest.raises(SystemExit):  # --add without the runs.json to add to
+        aggregate.main(["smoke", "--add", "--runs", runs])
+
+
 def test_rerender_refuses_a_missing_or_foreign_runs_json(tmp_path):
     with pytest.raises(UserError, match="cannot re-render"):
         aggregate.rerender("smoke", str(tmp_path))
