@@ -51,7 +51,7 @@ from gjax.data.builders import build_prompt_data, run_data_config  # noqa: E402
 from gjax.data.iterator import PromptIterator  # noqa: E402
 from gjax.embedded import resolve_model_path  # noqa: E402
 from gjax.learner import build_learner  # noqa: E402
-from gjax.models import hf_import, lora  # noqa: E402
+from gjax.models import attention, hf_import, lora  # noqa: E402
 from gjax.rewards.pipeline import build_rewards, build_verifier  # noqa: E402
 from gjax.rollout.episodes import make_rollout  # noqa: E402
 from gjax.rollout.factory import make_backend  # noqa: E402
@@ -92,6 +92,7 @@ class Arm:
         model_cfg, params, tok = loaded
         mesh, rollout_mesh = meshes
         obj_cfg = schema.to_objective_config(c.objective, rollout_temperature=c.rollout.temperature)
+        self.obj_cfg = obj_cfg
         model_cfg, frozen, params = lora.attach(
             model_cfg, _copy(params), c.model.lora, mesh, jax.random.key(c.seed)
         )
@@ -141,17 +142,24 @@ class Arm:
         scope.callback(self.producer.close)
         self.step = 0
         self.fixed = None  # a rollout batch for the learner-only timing
-        self.matmul_params = model_cfg.num_layers * flops.layer_matmul_params(
-            model_cfg
-        ) + flops.head_matmul_params(model_cfg)
+        self.model_cfg = model_cfg
+        # Teacher-forced passes in `Learner.batch`: the reference's; the policy's own for
+        # anchors or recomputed old log-probs.
+        self.extra_forwards = (self.ref is not None) + bool(
+            self.learner.recompute_old or self.learner.anchors
+        )
 
-    def _learn(self, groups) -> None:
+    def _learn(self, groups) -> dict:
+        """One update (a step of its own: the version the producer samples next moves on);
+        returns its device batch."""
         batch = self.learner.batch(groups, self.policy(self.state.params), self.ref)
         key = jax.random.fold_in(jax.random.fold_in(self.base_key, self.step), 10_000)
         self.state, metrics = self.learner.update(self.state, batch, key, self.frozen)
+        self.step += 1
         # The update donates the state: the producer samples the next step from these params.
-        self.producer.push(self.policy(self.state.params), self.step + 1)
+        self.producer.push(self.policy(self.state.params), self.step)
         jax.block_until_ready((self.state, metrics))
+        return batch
 
     def whole_step(self) -> dict:
         t0 = time.perf_counter()
@@ -159,7 +167,6 @@ class Arm:
         t1 = time.perf_counter()
         self._learn(produced.groups)
         t2 = time.perf_counter()
-        self.step += 1
         self.fixed = produced.groups
         g = produced.groups
         return {
@@ -173,16 +180,18 @@ class Arm:
     def learner_only(self) -> dict:
         g = self.fixed
         t0 = time.perf_counter()
-        self._learn(g)
+        batch = self._learn(g)
         wall = time.perf_counter() - t0
-        p, n = g.prompt_mask_PxS.sum(), g.completion_mask_PxGxN.sum()
-        tokens = int(p) * g.completion_mask_PxGxN.shape[1] + int(n)
-        # 6N per trained token per update pass (minibatches split one pass), 2N per
-        # teacher-forced pass in Learner.batch (the reference's; recomputed old log-probs).
-        passes = 6 * self.c.train.num_iterations + 2 * (
-            (self.ref is not None) + bool(self.learner.recompute_old or self.learner.anchors)
+        shapes = flops.learner_step_shapes(
+            self.c.train, self.obj_cfg, self.learner, g, batch, extra_forwards=self.extra_forwards
         )
-        return {"learner_s": wall, "learner_model_flops": passes * self.matmul_params * tokens}
+        impl = attention.platform_impl(self.model_cfg.attention)
+        counted = flops.learner_flops(self.model_cfg, **shapes, attention_impl=impl)
+        return {
+            "learner_s": wall,
+            "learner_model_flops": counted["useful"],
+            "learner_executed_flops": counted["executed"],
+        }
 
 
 def _spread(xs: list[float]) -> dict:
@@ -273,6 +282,7 @@ def main(argv=None) -> None:
         learner = _spread([x["learner_net_s"] for x in got])
         step = _spread([x["step_net_s"] for x in got])
         model_flops = statistics.median(x["learner_model_flops"] for x in got)
+        executed = statistics.median(x["learner_executed_flops"] for x in got)
         if base is None:
             base = (learner["median"], step["median"])
         rec = {
@@ -281,14 +291,18 @@ def main(argv=None) -> None:
             "learner_net_s": learner,
             "step_net_s": step,
             "step_raw_s": _spread([x["step_s"] for x in got]),
+            # producer.get: sampling, rewards, extra rounds (compiles included, if any)
+            "produce_s": _spread([x["produce_s"] for x in got]),
             "learner_over_baseline": learner["median"] / base[0],
             "step_over_baseline": step["median"] / base[1],
             "learner_share_of_step": learner["median"] / step["median"],
             "completion_tokens_per_step": float(np.mean([x["completion_tokens"] for x in got])),
             "sampled_tokens_per_step": _mean_or_none([x["sampled_tokens"] for x in got]),
             "rollout_rounds_per_step": _mean_or_none([x["rounds"] for x in got]),
+            # model FLOPs (useful: real tokens, MFU's) and executed (padding, remat: HFU's)
             "learner_model_flops_per_s": model_flops / learner["median"],
             "learner_over_matmul_floor": model_flops / learner["median"] / peak,
+            "learner_executed_over_matmul_floor": executed / learner["median"] / peak,
             "compile_s_in_timed": sum(x["learner_compile_s"] + x["step_compile_s"] for x in got),
         }
         print(json.dumps(rec), flush=True)

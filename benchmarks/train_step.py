@@ -309,9 +309,10 @@ class GjaxStep:
     def __init__(self, config, path: str, verifier: Verifier, data, length_dist: str = "full"):
         mesh_shape = validate(config, jax.device_count())
         self.mesh = sharding.make_mesh(mesh_shape)
-        obj_cfg = common.to_objective_config(
+        self.obj_cfg = obj_cfg = common.to_objective_config(
             config.objective, rollout_temperature=config.rollout.temperature
         )
+        self.train_cfg = config.train
         self.cfg, params = hf_import.load_pretrained(
             path,
             mesh=self.mesh,
@@ -352,16 +353,6 @@ class GjaxStep:
         # Teacher-forced passes in `Learner.batch`: the reference's, and the policy's own
         # when old log-probs are recomputed (never here: the sampler's are used).
         self.extra_forwards = 1 + int(self.learner.anchors or self.learner.recompute_old)
-        t = config.train
-        chunk = obj_cfg.token_chunk  # None: each kernel's default
-        self.kernel_shapes = dict(
-            num_iterations=t.num_iterations,
-            update_pieces=t.minibatches * t.microbatches,
-            update_token_chunk=chunk,  # None: the fused schedule's for the platform
-            logps_token_chunk=chunk or 256,
-            head_kernel=obj_cfg.lm_head_kernel,
-            platform=jax.default_backend(),
-        )
         # What the model runs: executed attention FLOPs depend on it (flops.attention_pairs).
         self.attention_impl = attention.platform_impl(self.cfg.attention)
         self.last_batch = None
@@ -402,30 +393,14 @@ class GjaxStep:
         """Useful and executed FLOPs of this step's learner part and of the whole step
         (`attention_impl`: what `learner`'s model runs, if not this step's)."""
         learner = learner or self.learner
-        packed = {}
-        if learner.pack is not None:
-            bins, width = learner.pack.shape(
-                batch["input_ids_BxS"].shape[0],
-                batch["input_ids_BxS"].shape[1],
-                learner.minibatches,
-                batch.get("pack_bins_J"),  # auto bins: this batch's J
-            )
-            packed = dict(packed_bins=bins * learner.minibatches, pack_length=width)
-            if "pack_reads_C" in batch:  # the head at the read positions only
-                packed["pack_reads"] = int(batch["pack_reads_C"].shape[0])
+        shapes = flops.learner_step_shapes(
+            self.train_cfg, self.obj_cfg, learner, groups, batch,
+            extra_forwards=self.extra_forwards,
+        )  # fmt: skip
+        shapes["attention_impl"] = attention_impl or self.attention_impl
         p, g, n = groups.completion_mask_PxGxN.shape
         prompt_P = groups.prompt_mask_PxS.sum(-1)
         completion_B = groups.completion_mask_PxGxN.reshape(p * g, n).sum(-1)
-        shapes = dict(
-            seq_lengths_B=np.repeat(prompt_P, g) + completion_B,
-            completion_lengths_B=completion_B,
-            padded_len_S=batch["input_ids_BxS"].shape[1],
-            padded_completion_len_T=batch["targets_BxT"].shape[1],
-            extra_forwards=self.extra_forwards,
-            **self.kernel_shapes,
-            **packed,
-            attention_impl=attention_impl or self.attention_impl,
-        )
         learner = flops.learner_flops(self.cfg, **shapes)
         # No stop tokens: the sampler's decode loop runs all max_new_tokens steps.
         assert self.rollout.sampling.stop_token_ids == ()
@@ -475,10 +450,10 @@ class GjaxStep:
             rows=b,
             padded_len_S=batch["input_ids_BxS"].shape[1],
             padded_completion_len_T=t,
-            update_pieces=self.kernel_shapes["update_pieces"],
-            update_token_chunk=self.kernel_shapes["update_token_chunk"],
-            head_kernel=self.kernel_shapes["head_kernel"],
-            platform=self.kernel_shapes["platform"],
+            update_pieces=self.train_cfg.minibatches * self.train_cfg.microbatches,
+            update_token_chunk=self.obj_cfg.token_chunk,
+            head_kernel=self.obj_cfg.lm_head_kernel,
+            platform=jax.default_backend(),
         )
         return {
             "xla_update_flops": xla,

@@ -248,6 +248,45 @@ def learner_flops(
     }
 
 
+def learner_step_shapes(train, obj_cfg, learner, groups, batch, *, extra_forwards: int) -> dict:
+    """`learner_flops`' keyword arguments for `learner` (`gjax.learner.Learner`) training on
+    the rollout batch `groups` (`gjax.rollout.Groups`) as the device `batch` it made of them
+    (`Learner.batch`): the rows' lengths, the padded or packed shapes the passes run at (auto
+    bins: this batch's J, and C where the head runs at the read positions only), the loss
+    kernel's schedule from `obj_cfg` (`schema.to_objective_config`) and `train`
+    (`config.train`). `extra_forwards`: the
+    teacher-forced passes `Learner.batch` made (the reference's; the policy's own for anchors
+    or recomputed old log-probs)."""
+    packed = {}
+    if learner.pack is not None:
+        bins, width = learner.pack.shape(
+            batch["input_ids_BxS"].shape[0],
+            batch["input_ids_BxS"].shape[1],
+            learner.minibatches,
+            batch.get("pack_bins_J"),
+        )
+        packed = dict(packed_bins=bins * learner.minibatches, pack_length=width)
+        if "pack_reads_C" in batch:
+            packed["pack_reads"] = int(batch["pack_reads_C"].shape[0])
+    p, g, n = groups.completion_mask_PxGxN.shape
+    completion_B = groups.completion_mask_PxGxN.reshape(p * g, n).sum(-1)
+    t, chunk = train, obj_cfg.token_chunk  # None: each kernel's default
+    return dict(
+        seq_lengths_B=np.repeat(groups.prompt_mask_PxS.sum(-1), g) + completion_B,
+        completion_lengths_B=completion_B,
+        padded_len_S=batch["input_ids_BxS"].shape[1],
+        padded_completion_len_T=batch["targets_BxT"].shape[1],
+        extra_forwards=extra_forwards,
+        num_iterations=t.num_iterations,
+        update_pieces=t.minibatches * t.microbatches,
+        update_token_chunk=chunk,  # None: the fused schedule's for the platform
+        logps_token_chunk=chunk or 256,
+        head_kernel=obj_cfg.lm_head_kernel,
+        platform=jax.default_backend(),
+        **packed,
+    )
+
+
 def update_flops_as_xla_counts(
     cfg: ModelConfig,
     *,
