@@ -480,18 +480,33 @@ ALPHA = 0.05
 NOT_EXERCISED_PCT = 5.0  # an intervention that acted on fewer samples / tokens: not exercised
 
 
-def paired_cells(figures: dict[str, list[dict]]) -> list[dict]:
-    """Every (variant, column) cell of the paired table, each variant minus the first (the
-    study's reference) seed by seed: `paired_t`'s figures, "holm" (Holm-adjusted over the
-    study's cells that have a test: the family a verdict is drawn from), "tost" (against the
-    column's `EQUIVALENCE_MARGINS`), "variant", "key", "title"."""
+def _reference(study, names: list[str], name: str) -> str:
+    """The variant `name` is paired against: its own `versus`, else the first variant."""
+    if study is not None:
+        try:
+            return study.reference(name)
+        except ConfigError:  # a variant the registry no longer has (a committed study's)
+            pass
+    return names[0]
+
+
+def paired_cells(figures: dict[str, list[dict]], study=None) -> list[dict]:
+    """Every (variant, column) cell of the paired table, each variant minus its reference
+    (`studies.Study.reference`: the first variant, or its `versus`) seed by seed:
+    `paired_t`'s figures, "holm" (Holm-adjusted over the study's cells that have a test: the
+    family a verdict is drawn from), "tost" (against the column's `EQUIVALENCE_MARGINS`),
+    "variant", "versus", "key", "title"."""
     names = list(figures)
     if len(names) < 2:
         return []
-    ref = {f["seed"]: f for f in figures[names[0]]}
-    cols = [(k, t) for k, t in PAIRED_COLS if any(k in f for f in ref.values())]
+    first = {f["seed"]: f for f in figures[names[0]]}
+    cols = [(k, t) for k, t in PAIRED_COLS if any(k in f for f in first.values())]
     cells = []
     for name in names[1:]:
+        versus = _reference(study, names, name)
+        if versus not in figures:
+            continue  # its reference has no runs: nothing to pair with
+        ref = {f["seed"]: f for f in figures[versus]}
         for key, title in cols:
             d = [
                 f[key] - ref[f["seed"]][key]
@@ -499,12 +514,17 @@ def paired_cells(figures: dict[str, list[dict]]) -> list[dict]:
                 if f.get(key) is not None and ref.get(f["seed"], {}).get(key) is not None
             ]
             c = paired_t(d)
-            c.update(variant=name, key=key, title=title)
+            c.update(variant=name, versus=versus, key=key, title=title)
             c["tost"] = tost(c["mean"], c["se"], c["n"], EQUIVALENCE_MARGINS[key])
             cells.append(c)
     for c, adj in zip(cells, holm([c["p"] for c in cells])):
         c["holm"] = float(adj)
     return cells
+
+
+def _versus_column(cells: list[dict], first: str) -> bool:
+    """Whether some variant is paired against another than the first (a "vs" column)."""
+    return any(c["versus"] != first for c in cells)
 
 
 def acted_share(study, name: str, runs: list[dict]) -> list[tuple[str, float, str]]:
@@ -537,22 +557,26 @@ def paired_table(figures: dict[str, list[dict]], study=None) -> str:
     Holm-adjusted p < 0.05 over the study's cells, (*) where only the raw p is, = where TOST
     shows equivalence within the column's margin; with `study`, a last column "acted on":
     the share of samples / tokens each declared intervention touched. '' when nothing pairs."""
-    cells = paired_cells(figures)
+    cells = paired_cells(figures, study)
     if not cells:
         return ""
+    first = next(iter(figures))
     cols = list(dict.fromkeys((c["key"], c["title"]) for c in cells))
     acted = {n: acted_share(study, n, figures[n]) for n in figures} if study else {}
     with_acted = any(acted.values())
-    head = ["variant", "seeds", *(t for _, t in cols), *(["acted on"] if with_acted else [])]
+    vs = _versus_column(cells, first)
+    head = ["variant", *(["vs"] if vs else []), "seeds", *(t for _, t in cols),
+            *(["acted on"] if with_acted else [])]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    ref = {f["seed"] for f in figures[next(iter(figures))]}
-    for name in list(figures)[1:]:
-        seeds = {f["seed"] for f in figures[name] if f["seed"] in ref}
+    for name in dict.fromkeys(c["variant"] for c in cells):
         row = [c for c in cells if c["variant"] == name]
+        ref = {f["seed"] for f in figures[row[0]["versus"]]}
+        seeds = {f["seed"] for f in figures[name] if f["seed"] in ref}
         out = [fmt_paired(c) + paired_mark(c) for c in row]
         if with_acted:
             out.append(fmt_acted(acted[name]) or "–")
-        lines.append(f"| {name} | {len(seeds)} | " + " | ".join(out) + " |")
+        lead = [name, *([row[0]["versus"]] if vs else []), str(len(seeds))]
+        lines.append("| " + " | ".join(lead + out) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -582,20 +606,22 @@ def paired_reading(c: dict) -> str:
     return f"equivalent within ± {margin:g}" if within else "inconclusive"
 
 
-def paired_tests_table(figures: dict[str, list[dict]]) -> str:
+def paired_tests_table(figures: dict[str, list[dict]], study=None) -> str:
     """Every cell of the paired table in full: the difference and its 95 % interval, the raw
     and the Holm-adjusted two-sided p, the 90 % interval and the TOST p against the margin,
     and the reading (`paired_reading`)."""
-    cells = paired_cells(figures)
+    cells = paired_cells(figures, study)
     if not cells:
         return ""
-    head = ["variant", "metric", "seeds", "difference ± 95 %", "p", "Holm p",
-            "90 % interval", "margin", "TOST p", "reading"]  # fmt: skip
+    vs = _versus_column(cells, next(iter(figures)))
+    head = ["variant", *(["vs"] if vs else []), "metric", "seeds", "difference ± 95 %", "p",
+            "Holm p", "90 % interval", "margin", "TOST p", "reading"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for c in cells:
         t = c["tost"]
         ci = "–" if math.isnan(t["lo"]) else f"[{t['lo']:+.3f}, {t['hi']:+.3f}]"
-        row = [c["variant"], c["title"], str(c["n"]), fmt_paired(c), fmt_p(c["p"]),
+        row = [c["variant"], *([c["versus"]] if vs else []), c["title"], str(c["n"]),
+               fmt_paired(c), fmt_p(c["p"]),
                fmt_p(c["holm"]), ci, f"± {EQUIVALENCE_MARGINS[c['key']]:g}", fmt_p(t["p"]),
                paired_reading(c)]  # fmt: skip
         lines.append("| " + " | ".join(row) + " |")
@@ -852,7 +878,7 @@ def results_md(study, figs: dict[str, list[dict]], *, equal_section: str = "") -
     )
     paired = paired_table(figs, study)
     if paired:
-        cells = paired_cells(figs)
+        cells = paired_cells(figs, study)
         raw = sum(c["p"] < ALPHA for c in cells)
         kept = sum(c["holm"] < ALPHA for c in cells)
         margins = ", ".join(
@@ -860,8 +886,9 @@ def results_md(study, figs: dict[str, list[dict]], *, equal_section: str = "") -
             for key, title in dict.fromkeys((c["key"], c["title"]) for c in cells)
         )
         md += (
-            f"\nPaired by seed against `{next(iter(figs))}` (one seed: the same data order and "
-            "first rollouts in every arm): the mean difference ± 95 % t half-width over the "
+            f"\nPaired by seed against `{next(iter(figs))}`"
+            + (" or the arm in the vs column" if _versus_column(cells, next(iter(figs))) else "")
+            + " (one seed: the same data order and first rollouts in every arm): the mean difference ± 95 % t half-width over the "
             "seeds both have. * where the difference survives Holm's correction over the "
             f"study's {len(cells)} paired cells (Holm-adjusted p < {ALPHA:g}: the chance of "
             "any false difference among them stays under 5 %), (*) where only the raw p is "
@@ -882,7 +909,7 @@ def results_md(study, figs: dict[str, list[dict]], *, equal_section: str = "") -
             "\nEvery paired cell: the raw two-sided p of the paired t test, the Holm-adjusted "
             "p, the 90 % t interval of the difference and the TOST p against the margin "
             "(equivalence at 5 % iff the 90 % interval lies inside it).\n\n"
-            + paired_tests_table(figs)
+            + paired_tests_table(figs, study)
         )
     cov = cov_table(figs)
     if cov:

@@ -44,6 +44,10 @@ class Variant:
     # (of `SHARES`) measuring the share it acted on: ("the masks", "adv/masked_fraction").
     # Under 5 % the aggregation calls it "not exercised".
     acts: tuple[tuple[str, str], ...] = ()
+    # The variant of the study this one is paired against (None: the study's first), where
+    # its question is against another arm (DAPO's clip-higher alone: DAPO with it and
+    # without).
+    versus: str | None = None
 
     def __post_init__(self):
         for what, key in self.acts:
@@ -61,6 +65,19 @@ class Study:
     variants: tuple[Variant, ...]
     # Overrides every variant of the study shares, applied before each variant's own.
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        names = [v.name for v in self.variants]
+        for v in self.variants:
+            if v.versus is not None and (v.versus not in names or v.versus == v.name):
+                raise ConfigError(
+                    f"study {self.name!r}: variant {v.name!r} is paired against "
+                    f"{v.versus!r}, which is not another of its variants ({', '.join(names)})"
+                )
+
+    def reference(self, name: str) -> str:
+        """The variant `name` is paired against."""
+        return self.variant(name).versus or self.variants[0].name
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

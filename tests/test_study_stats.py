@@ -169,6 +169,42 @@ def test_rerender_from_runs_json_alone_keeps_the_equal_cost_section(tmp_path):
     assert "At equal cost" not in (d / "results.md").read_text()
 
 
+def test_a_variant_pairs_against_its_versus_arm():
+    """`Variant.versus`: DAPO's clip-higher alone is DAPO with it minus DAPO without, seed by
+    seed; the others still pair against the first variant, and every cell is in one Holm
+    family."""
+    study = studies.Study(
+        "s",
+        "claim",
+        (
+            studies.Variant("grpo", "grpo", "doc"),
+            studies.Variant("dapo", "dapo", "doc"),
+            studies.Variant("dapo_sym", "dapo", "doc", versus="dapo"),
+        ),
+    )
+    figs = _figs(
+        [(0.30, 0.10), (0.31, 0.11), (0.32, 0.12)],
+        dapo=[(0.40, 0.10), (0.41, 0.11), (0.42, 0.12)],
+        dapo_sym=[(0.38, 0.10), (0.40, 0.11), (0.39, 0.12)],
+    )
+    figs = {"grpo": figs["ref"], "dapo": figs["dapo"], "dapo_sym": figs["dapo_sym"]}
+    cells = {(c["variant"], c["key"]): c for c in aggregate.paired_cells(figs, study)}
+    assert cells["dapo", "pass@1"]["versus"] == "grpo"
+    assert cells["dapo", "pass@1"]["mean"] == pytest.approx(0.10)
+    sym = cells["dapo_sym", "pass@1"]  # -0.02, -0.01, -0.03 against dapo
+    assert sym["versus"] == "dapo" and sym["mean"] == pytest.approx(-0.02)
+    assert len(cells) == 4
+    md = aggregate.paired_table(figs, study)
+    assert md.splitlines()[0].startswith("| variant | vs | seeds |")
+    assert "| dapo_sym | dapo | 3 | -0.020 ± 0.025" in md
+    assert "| dapo_sym | dapo | pass@1 | 3 |" in aggregate.paired_tests_table(figs, study)
+    # without its reference's runs a variant has no paired cells
+    del figs["dapo"]
+    assert {c["variant"] for c in aggregate.paired_cells(figs, study)} == set()
+    with pytest.raises(ConfigError, match="paired against 'dap'"):
+        studies.Study("s", "c", (studies.Variant("a", "grpo", "d", versus="dap"),))
+
+
 def test_arms_run_later_join_the_committed_runs_json(tmp_path):
     """`--add`: a study's runs.json holds grpo (its run directories gone); dr_grpo's runs,
     made later, join it in the study's order and the paired table covers them; a second add
