@@ -156,6 +156,34 @@ _STUDIES = (
                     ("gpg", "GPG", ()),
                 )
             ),
+            # Issue 37 item 3: DAPO's clip-higher in isolation (DAPO Sec. 3.1), and A-GRAE on
+            # its other two bases (`_AGRAE_BASES`; the paper's Table 3), each paired against
+            # the arm it changes.
+            Variant(
+                "dapo_eps_high_0.2",
+                "dapo",
+                "DAPO without clip-higher: eps_high = eps_low = 0.2",
+                overrides={"objective.eps_high": 0.2},
+                acts=(("the clip (eps_high 0.2)", "clipped_pct"),),
+                versus="dapo",
+            ),
+            *(
+                Variant(
+                    f"a_grae_on_{base}",
+                    base,
+                    f"{name} with A-GRAE's advantages on its base (DDAS eq. (12) + ASS eq. (13))",
+                    overrides={
+                        "objective.advantage": "a_grae",
+                        "objective.advantage_kwargs": {
+                            "base": base,
+                            "sample_level": "ddas",
+                            "group_level": "ass",
+                        },
+                    },
+                    versus=base,
+                )
+                for base, name in (("dapo", "DAPO"), ("dr_grpo", "Dr.GRPO"))
+            ),
         ),
         # Off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout batch):
         # the ratios leave 1 and the clips act (experiments/README.md, "Off-policy updates").
@@ -195,6 +223,15 @@ _STUDIES = (
         (
             Variant("grpo", "cw_grpo", "GRPO in CW-GRPO's setup", objective="grpo"),
             Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance weights (scope group)"),
+            # Issue 37 item 3: CW-GRPO's Table 2 baseline, Clip-Cov (Cui et al. 2025), as GRPO
+            # plus its token weights in this setup (the KL and the loss as the grpo arm's).
+            Variant(
+                "clip_cov",
+                "cw_grpo",
+                "GRPO with Clip-Cov: high-covariance tokens detached (Cui et al. 2025)",
+                objective="grpo",
+                overrides={"objective.token_weights": "clip_cov"},
+            ),
         ),
     ),
     Study(
@@ -235,6 +272,16 @@ _STUDIES = (
                     acts=_MASKS,
                 )
                 for a in (2, 4)
+            ),
+            # Issue 37 item 3: the anchors' LUFFY-style loss (pi / (pi + gamma) shaping, no
+            # clip), against the same anchors under the ratio loss.
+            Variant(
+                "luffy_anchors",
+                "dagrpo",
+                "delta = 3, one anchor per group, LUFFY's shaped loss on the anchors (gamma 0.1)",
+                overrides={"objective.anchor_treatment": "luffy"},
+                acts=_MASKS,
+                versus="delta_3",
             ),
         ),
         # DaGRPO's own setup (000_* Sec. 6, configs/dagrpo.py): two updates per rollout batch.
