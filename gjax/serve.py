@@ -112,7 +112,8 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
     host, port = parse_address(config.rollout.server_address)
     check_port_free(config, host, port)
     # These import JetStream, an optional dependency (the jetstream extra).
-    from gjax.rollout.engine import Engine, ParamsHolder, prefill_bucket
+    from gjax.rollout.buckets import prefill_bucket, served_prompt_len
+    from gjax.rollout.engine import Engine, ParamsHolder
     from gjax.rollout.weight_push import WeightWatcher
 
     mesh_shape = validate(config, jax.device_count(), checks=CONFIG_CHECKS)
@@ -138,7 +139,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         holder,
         sampling=run,
         max_concurrent_decodes=config.rollout.decode_slots,
-        max_prefill_length=prefill_bucket(config.data.max_prompt_len),
+        max_prefill_length=prefill_bucket(served_prompt_len(config)),
         mesh=mesh,
         tokenizer=tok,
         seed=config.seed,

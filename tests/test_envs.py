@@ -475,13 +475,20 @@ def test_default_config_is_single_turn_and_validates():
     "overrides, match",
     [
         ({"rollout.decoder": "static"}, "the static sampler has no turns"),
-        ({"rollout.backend": "jetstream"}, "the jetstream backend does not drive environments"),
+        (
+            {"rollout.backend": "jetstream", "processes": 2},
+            "the jetstream backend drives environments in one process only",
+        ),
+        ({"rollout.backend": "jetstream", "anchors.per_group": 1}, "DaGRPO's anchors"),
         ({"anchors.per_group": 1}, "DaGRPO's anchors"),
         ({"reward.judge.name": "rule"}, "a judge's scores"),
     ],
 )
-def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, match):
+def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, match, monkeypatch):
     cfg = _env_cfg(name="tool")
+    overrides = dict(overrides)
+    if processes := overrides.pop("processes", None):
+        monkeypatch.setattr(envs_environments.jax, "process_count", lambda: processes)
     for k, v in overrides.items():
         section, _, key = k.rpartition(".")
         node = cfg
@@ -494,6 +501,14 @@ def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, m
     if k == "anchors.per_group":  # the hook is the trainer's
         with pytest.raises(ConfigError, match=match):
             validate(cfg, 1, checks=CONFIG_CHECKS)
+
+
+@pytest.mark.parametrize("backend", ["jetstream", "jetstream_grpc"])
+def test_env_name_on_a_jetstream_backend_in_one_process_validates(backend):
+    """JetStream's backends drive episodes in one process (gjax.rollout.jetstream_episodes)."""
+    cfg = _env_cfg(name="tool")
+    cfg.rollout.backend = backend
+    envs_environments.check_config(cfg)
 
 
 @pytest.mark.parametrize("name", ["math", "tool"])

@@ -163,6 +163,31 @@ def test_two_step_env_trains_on_the_policy_tokens_only(tmp_path, monkeypatch, tw
         assert set(np.unique(groups.rewards_PxG[groups.valid_PxG])) <= {0.5, 1.0}
 
 
+def test_two_step_env_trains_on_the_jetstream_engine(tmp_path, monkeypatch, two_step):
+    """rollout.backend=jetstream (the in-process engine behind JetStream's Driver): each
+    turn's request resends the history (gjax.rollout.jetstream_episodes); the learner trains
+    on the policy's tokens with the engine's log-probs, the observations attended and
+    unmasked; the resent prefill is counted beside what keeping the KV would prefill; the
+    held-out episodes run on a local continuous decoder (`evaluation_backend`)."""
+    from gjax.train import train
+
+    seen = _recorded(monkeypatch)
+    c = tiny(name=two_step, max_turns=2, discount=0.5)
+    c.rollout.backend = "jetstream"
+    assert train(c, str(tmp_path / "served")) is None
+    got = rows(tmp_path / "served")
+    assert [r["step"] for r in got] == [1, 2]
+    _assert_trained_on_policy_tokens(seen, got)
+    for r in got:
+        assert 1.0 <= r["env/turns_per_episode"] <= 2.0
+        assert r["rollout/requests_dropped"] == 0.0
+        sent = r["env/prefill_tokens_per_episode_sent"]
+        assert r["env/prefill_tokens_per_episode_kept"] < sent
+        assert r["env/step_overlap_frac"] <= 1.0
+    s = summary(tmp_path / "served")
+    assert set(s) >= EPISODE_SUMMARY and 1.0 <= s["heldout_turns_mean_after"] <= 2.0
+
+
 def test_a_tool_prompt_longer_than_the_prompt_budget_stops_the_run(tmp_path):
     """env.tool_prompt='auto' (the default) on the embedded policy: the tools' block alone
     is longer than data.max_prompt_len, and the run stops at its data, in one paragraph."""

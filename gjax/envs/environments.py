@@ -31,6 +31,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from gjax.envs import tools as tools_lib
@@ -314,7 +315,10 @@ def check_config(config) -> None:
     Multi-turn training (gjax.rollout.episodes) runs on the local backend's continuous
     decoder, in one process or several, synchronously or asynchronously (rollout.max_staleness
     >= 0, on the train mesh or on mesh.rollout_devices: the producer thread rolls the episodes
-    out); a run with env.name set on another path is refused rather than silently trained
+    out), and on the JetStream backends (in-process engine, gjax.serve replicas) in one
+    process (gjax.rollout.jetstream_episodes: the history resent each turn, so the server's
+    prefill bucket must hold prompt + trajectory); a run with env.name set on another path is
+    refused rather than silently trained
     single-turn, and the message names the missing piece of the run's own path. Not part of
     an episode either: DaGRPO's anchors (demonstrations are single completions) and a judge's
     scores."""
@@ -329,8 +333,10 @@ def check_config(config) -> None:
     if not e.name:
         return
     if r.backend != "local":
-        missing = f"the {r.backend} backend does not drive environments yet"
-    elif r.decoder == "static":
+        _check_served_episodes(config)
+    if r.backend != "local" and jax.process_count() > 1:
+        missing = f"the {r.backend} backend drives environments in one process only so far"
+    elif r.backend == "local" and r.decoder == "static":
         missing = "the static sampler has no turns (the continuous decoder has)"
     elif config.anchors.per_group > 0:
         missing = "DaGRPO's anchors (anchors.per_group > 0) are single completions, not episodes"
@@ -342,9 +348,25 @@ def check_config(config) -> None:
     raise ConfigError(
         f"config.env.name={e.name!r}: multi-turn training is not available on this path: "
         f"{missing}. Multi-turn training runs on --config.rollout.backend=local with the "
-        "continuous decoder (--config.rollout.decoder=continuous); or leave "
-        "config.env.name='' (the default) for single-turn runs."
+        "continuous decoder (--config.rollout.decoder=continuous), or on a JetStream backend "
+        "in one process; or leave config.env.name='' (the default) for single-turn runs."
     )
+
+
+def _check_served_episodes(config) -> None:
+    """A JetStream server's prefill bucket holds a turn's whole history (the prompt and the
+    trajectory so far: `served_prompt_len`), or the run is refused here."""
+    from gjax.rollout.buckets import PREFILL_BUCKETS, served_prompt_len
+
+    need = served_prompt_len(config)
+    if need + 1 > PREFILL_BUCKETS[-1]:
+        raise ConfigError(
+            f"config.env.name={config.env.name!r} on the {config.rollout.backend} backend: "
+            "each turn's request resends the row's history, up to data.max_prompt_len + "
+            f"rollout.max_new_tokens = {need} tokens, more than JetStream's largest prefill "
+            f"bucket ({PREFILL_BUCKETS[-1]}, one position its BOS); lower either, or use "
+            "--config.rollout.backend=local (the continuous decoder keeps the KV instead)"
+        )
 
 
 def build_env(config, *, reward_fn: RewardFn) -> Environment:

@@ -140,8 +140,8 @@ class LocalSampler:
         rows. Global row-sharded prompts (several processes, the loop's thread): each process
         decodes its own block on its own devices (`_on_process_devices`), and `turns` are that
         block's episodes; the trajectories returned are this process's rows, on the host.
-        Only this backend has it, and only with the continuous decoder:
-        `gjax.envs.check_config` refuses env.name != '' elsewhere."""
+        Here only with the continuous decoder (`gjax.envs.check_config` refuses the static
+        sampler); the JetStream clients have their own (the history resent each turn)."""
         if self.decoder is None:
             raise ValueError("generate_episodes needs the continuous decoder (rollout.decoder)")
         params = self._served(params)
@@ -154,6 +154,10 @@ class LocalSampler:
             )
             return traj
         return decode(params, prompt_tokens_PxS, prompt_mask_PxS, rng, sampling=sampling)
+
+    def episode_stats(self) -> dict[str, float]:
+        """This thread's last `generate_episodes` batch's figures (the decoder's stats)."""
+        return self.decoder.stats
 
     def _process_rows(self, params, tokens_PxS, mask_PxS, rng, num_samples, sampling):
         """The continuous decoder on global row-sharded prompts (several processes, the loop's

@@ -534,17 +534,8 @@ class ContinuousDecoder:
             params, prompt_tokens_PxS, prompt_mask_PxS, rng, num_samples, sampling, turns
         )
         out = run.outputs()
-        return Trajectories(
-            tokens_BxN=np.asarray(out.tokens_BxN),
-            mask_BxN=np.asarray(out.mask_BxN),
-            policy_mask_BxN=run.out_policy.astype(np.int32),
-            logps_BxN=np.asarray(out.logps_BxN),
-            lengths_B=np.asarray(out.lengths_B),
-            turns_B=turns.turns_B.copy(),
-            rewards=[list(r) for r in turns.rewards],
-            reward_B=turns.reward_B(),
-            limit_B=list(turns.limit_B),
-            observations=[list(o) for o in turns.observations],
+        return turns.trajectories(
+            out.tokens_BxN, out.mask_BxN, run.out_policy, out.logps_BxN, out.lengths_B
         )
 
     def _run(self, params, tokens_PxS, mask_PxS, rng, g_, sp, turns, max_tokens_B=None, order=None):

@@ -65,27 +65,18 @@ import numpy as np
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import decode_layers, logits_from_hidden, prefill
 from gjax.rollout import decoder
+from gjax.rollout.buckets import PREFILL_BUCKETS, prefill_bucket  # noqa: F401 - re-exported
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SamplingParams
 
 BOS_SENTINEL = -1
 ERROR_TOKEN = -2  # a slot's logits were not finite: its request ends with an error
 RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request is sent again
-# JetStream's prefill buckets (token_utils.pad_tokens); max_prefill_length must be one.
-PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
 # length 1]; gjax's backend also reads [serial 1 | first token's index 1 | log-probs k (f32
 # bits) | first token's version 1 | the other tokens' version 1]. A token's version is that of
 # the params whose logits it was drawn from (its log-prob's): a call's first token comes from
 # logits computed before it (the previous call's, or the prompt's at insert).
-
-
-def prefill_bucket(num_tokens: int) -> int:
-    """Smallest JetStream bucket holding `num_tokens` (+1: the BOS slot JetStream adds)."""
-    for b in PREFILL_BUCKETS:
-        if b >= num_tokens + 1:
-            return b
-    raise ValueError(f"prompts of {num_tokens} tokens exceed JetStream's largest bucket")
 
 
 class ParamsHolder:

@@ -2,8 +2,9 @@
 
 `EpisodeRollout` is `gjax.rollout.collect.Rollout` with its sampling and scoring steps
 replaced: each data row's G rows are episodes (`LocalSampler.generate_episodes`, the
-continuous decoder with KV kept across turns, `gjax.rollout.turns`), and the environment's
-rewards replace the reward pipeline's. The rest is the single-turn rollout's:
+continuous decoder with KV kept across turns, `gjax.rollout.turns`; on a JetStream backend,
+`gjax.rollout.jetstream_episodes`, each turn a request with the history resent), and the
+environment's rewards replace the reward pipeline's. The rest is the single-turn rollout's:
 
   * the learner's rows are `Trajectories.groups`: prompt ++ every token after it, as sampled
     or as the environment inserted it (token-exact); the loss mask is the policy's tokens
@@ -79,11 +80,10 @@ class EpisodeRollout(Rollout):
         super().__init__(**kwargs)
         config = kwargs["config"]
         backend = self.backend
-        if not isinstance(backend, LocalSampler) or backend.decoder is None:
+        if isinstance(backend, LocalSampler) and backend.decoder is None:
             raise ConfigError(
-                f"config.env.name={config.env.name!r}: episodes are rolled out by the local "
-                "backend's continuous decoder; use --config.rollout.backend=local and "
-                "--config.rollout.decoder=continuous"
+                f"config.env.name={config.env.name!r}: the local backend rolls episodes out "
+                "on its continuous decoder; use --config.rollout.decoder=continuous"
             )
         self.runner = runner
         self.config = config
@@ -105,7 +105,7 @@ class EpisodeRollout(Rollout):
             "time/sample_s": t_sample,
             **self.backend.metrics(gather),
             **reward_metrics(groups, accuracy, self.transfer.gather_rows),
-            **env_metrics(self.backend.decoder.stats, gather),
+            **env_metrics(self.backend.episode_stats(), gather),
         }
         metrics["time/rollout_s"] = time.perf_counter() - t0
         return RolloutResult(groups, metrics)

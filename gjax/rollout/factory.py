@@ -127,7 +127,10 @@ def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) 
     Quantized rollouts (`rollout.quantize`) evaluate the learner's float policy, with the
     static sampler (the quantized sampler's copy stays the producer's alone); a multi-turn
     run's (env.name set) with a float continuous decoder of its own, as its held-out
-    episodes need one (gjax.evaluation.episodes)."""
+    episodes need one (gjax.evaluation.episodes), a JetStream run's too (its greedy turns
+    equal the server's; the server's sampling is the rollout's alone)."""
+    if config.env.name and not isinstance(backend, LocalSampler):
+        return LocalSampler(model_cfg, decoder=_decoder(config.rollout, model_cfg))
     if config.rollout.max_staleness > 0 and not isinstance(backend, LocalSampler):
         return LocalSampler(model_cfg)
     if isinstance(backend, LocalSampler) and backend.quantize != "none":

@@ -44,8 +44,10 @@ import numpy as np
 from gjax import multihost, schema
 from gjax.errors import UserError
 from gjax.models import lora
+from gjax.rollout import jetstream_episodes
 from gjax.rollout.backend import LocalSampler, rollout_sampling
-from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder, prefill_bucket
+from gjax.rollout.buckets import prefill_bucket, served_prompt_len
+from gjax.rollout.engine import RESTART_TOKEN, Engine, ParamsHolder
 from gjax.rollout.handoff import Handoff, adapter_record
 from gjax.rollout.jetstream_compat import Driver, jetstream
 from gjax.rollout.sampler import SampleOutput, SamplingParams
@@ -76,6 +78,7 @@ class _JetStreamClient:
         self.last_error = None  # the last dropped request's error, for the run's message
         self._last = {}
         self._pushed = {"rollout/push_s": 0.0, "rollout/push_bytes": 0.0}
+        self._local = threading.local()  # each thread's last `generate_episodes` figures
 
     # subclasses
     def _submit(self, request, deadline: float) -> concurrent.futures.Future: ...
@@ -167,6 +170,32 @@ class _JetStreamClient:
             out["valid"],
             out["version"],
         )
+
+    def generate_episodes(
+        self, params, prompt_tokens_PxS, prompt_mask_PxS, rng, *, num_samples, sampling, turns
+    ):
+        """Multi-turn rows (`gjax.rollout.turns.Trajectories`) on the server, each turn one
+        request carrying the row's whole history (`gjax.rollout.jetstream_episodes`); this
+        process's rows, on the host. The batch's figures: `episode_stats()`; its requests
+        retried and dropped, over every turn, in `metrics()`."""
+        del rng  # the server samples with its own per-request keys
+        retried, dropped = self.counters["retried"], self.counters["dropped"]
+        traj, self._local.stats = jetstream_episodes.generate_episodes(
+            self,
+            params,
+            _host_rows(prompt_tokens_PxS)[0],
+            _host_rows(prompt_mask_PxS)[0],
+            num_samples=num_samples,
+            sampling=sampling,
+            turns=turns,
+        )
+        self._last["rollout/requests_retried"] = float(self.counters["retried"] - retried)
+        self._last["rollout/requests_dropped"] = float(self.counters["dropped"] - dropped)
+        return traj
+
+    def episode_stats(self) -> dict[str, float]:
+        """This thread's last `generate_episodes` batch's figures (`EnvTurns.stats` and more)."""
+        return getattr(self._local, "stats", {})
 
     def _prompt_ids(self, prompt_tokens_PxS, prompt_mask_PxS) -> list[np.ndarray]:
         """Each prompt's ids (its mask's tokens); one the engine cannot prefill is refused."""
@@ -566,7 +595,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             params,
             sampling=SamplingParams(max_new_tokens=r.max_new_tokens),
             slots=r.decode_slots,
-            max_prompt_len=config.data.max_prompt_len,
+            max_prompt_len=served_prompt_len(config),
             mesh=mesh,
             seed=config.seed,
             timeout_s=r.request_timeout_s,
@@ -591,7 +620,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
     return JetStreamGrpcBackend(
         addresses,
         pool=pool,
-        max_prompt_len=config.data.max_prompt_len,
+        max_prompt_len=served_prompt_len(config),
         server_sampling=rollout_sampling(config, model_cfg, tokenizer),
         local=LocalSampler(model_cfg),
         weights=weights,

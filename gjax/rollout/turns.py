@@ -260,6 +260,27 @@ class EnvTurns:
         self.reprefill_tokens += int(self.prompt_len_B[b]) + length + len(ids)
         return ids
 
+    def fail(self, b: int) -> None:
+        """Row b's turn was never decoded (a serving backend dropped its request): its episode
+        ends unscored, the row invalid (reward NaN, as a dropped single completion's)."""
+        self.rewards[b].append(math.nan)
+
+    def trajectories(self, tokens_BxN, mask_BxN, policy_mask_BxN, logps_BxN, lengths_B):
+        """The batch's `Trajectories`: the decoded rows with this batch's turns, rewards,
+        limits and observations."""
+        return Trajectories(
+            tokens_BxN=np.asarray(tokens_BxN),
+            mask_BxN=np.asarray(mask_BxN),
+            policy_mask_BxN=np.asarray(policy_mask_BxN).astype(np.int32),
+            logps_BxN=np.asarray(logps_BxN),
+            lengths_B=np.asarray(lengths_B),
+            turns_B=self.turns_B.copy(),
+            rewards=[list(r) for r in self.rewards],
+            reward_B=self.reward_B(),
+            limit_B=list(self.limit_B),
+            observations=[list(o) for o in self.observations],
+        )
+
     def reward_B(self) -> np.ndarray:
         """Each row's reward: the sum of its steps' rewards (module docstring)."""
         return trajectory_rewards(self.rewards, 1.0)
