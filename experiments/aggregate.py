@@ -179,9 +179,12 @@ def fmt_ci(mean: float, half: float, fmt: str = ".3f") -> str:
 # --------------------------------------------------------------------------- runs
 
 
-def load_runs(runs_dir: str, study) -> dict[str, list[dict]]:
+def load_runs(runs_dir: str, study, *, finished_only: bool = False) -> dict[str, list[dict]]:
     """{variant: [run, ...]} in the study's variant order; a run: its rows, summary, passk,
-    config; only seeds with metrics."""
+    config; only seeds with metrics (`finished_only`: only runs the worker finished, its
+    done.json written)."""
+    from experiments.worker import read_done  # (gjax.train with it: only where it is used)
+
     out = {}
     for v in study.variants:
         vdir = os.path.join(runs_dir, study.name, v.name)
@@ -192,6 +195,8 @@ def load_runs(runs_dir: str, study) -> dict[str, list[dict]]:
         runs = []
         for d in seeds:
             wd = os.path.join(vdir, d)
+            if finished_only and read_done(wd) is None:
+                continue
             rows = read_jsonl(os.path.join(wd, "metrics.jsonl"))
             if rows:
                 runs.append(
@@ -812,7 +817,8 @@ def rerender(
     from the results.md there, if it has one. Returns RESULTS_DIR.
 
     `add_runs`: a runs dir holding some of the study's variants (arms added to a study after
-    its other runs, whose directories are gone): their figures replace or join those of
+    its other runs, whose directories are gone): their finished runs' figures replace or
+    join those of
     runs.json, written back in the study's variant order, and every table (the paired tests
     and Holm's correction included) is drawn from the union; the figures (their curves are
     not in runs.json) and the equal-cost table stay as they were."""
@@ -833,7 +839,7 @@ def rerender(
             "wrote it"
         )
     if add_runs is not None:
-        added = runs_figures(load_runs(add_runs, study))
+        added = runs_figures(load_runs(add_runs, study, finished_only=True))
         figs = {v.name: added.get(v.name, figs.get(v.name)) for v in study.variants}
         figs = {name: f for name, f in figs.items() if f}
         with open(path, "w") as f:
