@@ -13,7 +13,13 @@ Also reported: turns per episode, the rows' truncations, the decoder's wall time
 it waited on the environment with no slot decoding (the environment's steps otherwise overlap
 decoding).
 
+`--jetstream`: the same episodes also on the in-process JetStream engine
+(`gjax.rollout.jetstream_episodes`: each turn one request with the history resent, every row
+its own prompt), whose prefill is measured, not counted: `jetstream_prefill_tokens_per_episode`
+(the requests' prompt tokens), its wall time beside the decoder's and the ratios.
+
     python benchmarks/multiturn_prefill.py                      # ~20 s on a 2-core CPU
+    python benchmarks/multiturn_prefill.py --jetstream
 
 Prints one JSON line (the summary).
 """
@@ -83,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--turn-tokens", type=int, default=48)
     ap.add_argument("--stops", type=int, default=3, help="stop ids (of 61): ~20 tokens a turn")
     ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--jetstream", action="store_true", help="also on the JetStream engine")
     args = ap.parse_args(argv)
 
     cfg = ModelConfig(
@@ -106,8 +113,9 @@ def main(argv=None):
     env = FixedTurnsEnv(args.turns, args.obs_tokens, cfg.vocab_size, stops)
     dec = ContinuousDecoder(cfg, slots=args.slots, tokens_per_dispatch=8)
     rows = [{"problem": str(i), "answer": ""} for i in range(args.prompts)]
-    with EnvRunner(env, max_in_flight=64) as runner:
-        turns = EnvTurns(
+
+    def make_turns(runner):
+        return EnvTurns(
             runner,
             rows,
             encode=lambda t: [int(w) for w in t.split()],
@@ -115,6 +123,8 @@ def main(argv=None):
             max_turns=args.turns + 1,
             turn_tokens=args.turn_tokens,
         )
+
+    with EnvRunner(env, max_in_flight=64) as runner:
         t0 = time.perf_counter()
         out = dec.generate_episodes(
             params,
@@ -123,9 +133,14 @@ def main(argv=None):
             jax.random.key(1),
             num_samples=args.samples,
             sampling=sp,
-            turns=turns,
+            turns=make_turns(runner),
         )
         wall = time.perf_counter() - t0
+    served = (
+        _on_jetstream(cfg, params, tokens, mask, sp, env, make_turns, args)
+        if args.jetstream
+        else {}
+    )
     st = dec.stats
     kept = st["env/prefill_tokens_per_episode_kept"]
     again = st["env/prefill_tokens_per_episode_reprefill"]
@@ -143,10 +158,60 @@ def main(argv=None):
                 "wall_s": wall,
                 "env_wait_s": st.get("env_wait_s", 0.0),
                 "reenter_calls": st.get("reenter_calls", 0),
+                **served,
+                **(
+                    {
+                        "jetstream_prefill_over_kept": served[
+                            "jetstream_prefill_tokens_per_episode"
+                        ]
+                        / kept,
+                        "jetstream_wall_over_decoder": served["jetstream_wall_s"] / wall,
+                    }
+                    if served
+                    else {}
+                ),
             }
         ),
         flush=True,
     )
+
+
+def _on_jetstream(cfg, params, tokens, mask, sp, env, make_turns, args) -> dict:
+    """The same episodes on the in-process JetStream engine, after one warm-up batch (its
+    prefill buckets and generate compile on first use)."""
+    from gjax.rollout.jetstream_backend import JetStreamBackend
+
+    backend = JetStreamBackend(
+        cfg,
+        params,
+        sampling=sp,
+        slots=args.slots,
+        max_prompt_len=tokens.shape[1] + sp.max_new_tokens,  # a turn resends its history
+        tokens_per_dispatch=8,
+    )
+    try:
+        for _ in range(2):  # warm-up, then measured
+            with EnvRunner(env, max_in_flight=64) as runner:
+                t0 = time.perf_counter()
+                out = backend.generate_episodes(
+                    params, tokens, mask, None, num_samples=args.samples, sampling=sp,
+                    turns=make_turns(runner),
+                )  # fmt: skip
+                wall = time.perf_counter() - t0
+        st = backend.episode_stats()
+    finally:
+        backend.close()
+    return {
+        "jetstream_turns_per_episode": float(out.turns_B.mean()),
+        "jetstream_prefill_tokens_per_episode": st["env/prefill_tokens_per_episode_sent"],
+        # its own episodes counted as the decoder's are (they sample other turns)
+        "jetstream_counted_kept": st["env/prefill_tokens_per_episode_kept"],
+        "jetstream_counted_reprefill": st["env/prefill_tokens_per_episode_reprefill"],
+        "jetstream_requests": st["episode_requests"],
+        "jetstream_waves": st["episode_waves"],
+        "jetstream_wall_s": wall,
+        "jetstream_env_wait_s": st["env_wait_s"],
+    }
 
 
 if __name__ == "__main__":
