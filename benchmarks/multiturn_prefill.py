@@ -16,7 +16,8 @@ decoding).
 `--jetstream`: the same episodes also on the in-process JetStream engine
 (`gjax.rollout.jetstream_episodes`: each turn one request with the history resent, every row
 its own prompt), whose prefill is measured, not counted: `jetstream_prefill_tokens_per_episode`
-(the requests' prompt tokens), its wall time beside the decoder's and the ratios.
+(the requests' prompt tokens), its wall time beside the decoder's and the ratios (both after
+a warm-up batch: the walls leave compiling out).
 
     python benchmarks/multiturn_prefill.py                      # ~20 s on a 2-core CPU
     python benchmarks/multiturn_prefill.py --jetstream
@@ -124,18 +125,19 @@ def main(argv=None):
             turn_tokens=args.turn_tokens,
         )
 
-    with EnvRunner(env, max_in_flight=64) as runner:
-        t0 = time.perf_counter()
-        out = dec.generate_episodes(
-            params,
-            tokens,
-            mask,
-            jax.random.key(1),
-            num_samples=args.samples,
-            sampling=sp,
-            turns=make_turns(runner),
-        )
-        wall = time.perf_counter() - t0
+    for _ in range(2 if args.jetstream else 1):  # beside the engine: warm-up, then measured
+        with EnvRunner(env, max_in_flight=64) as runner:
+            t0 = time.perf_counter()
+            out = dec.generate_episodes(
+                params,
+                tokens,
+                mask,
+                jax.random.key(1),
+                num_samples=args.samples,
+                sampling=sp,
+                turns=make_turns(runner),
+            )
+            wall = time.perf_counter() - t0
     served = (
         _on_jetstream(cfg, params, tokens, mask, sp, env, make_turns, args)
         if args.jetstream
