@@ -9,9 +9,9 @@ environment scores and ends. Counted, not timed (the counts carry over to any ma
              observation token: what `ContinuousDecoder.generate_episodes` prefills;
   reprefill  the same prompt, then at each re-entry the row's whole history (prompt, turns,
              observations): what a server that resends the history prefills.
-Also reported: turns per episode, the rows' truncations, the decoder's wall time and the time
-it waited on the environment with no slot decoding (the environment's steps otherwise overlap
-decoding).
+Also reported: turns per episode, the rows' truncations, the decoder's wall time (after a
+warm-up batch: compiling left out) and the time it waited on the environment with no slot
+decoding (the environment's steps otherwise overlap decoding).
 
 `--jetstream`: the same episodes also on the in-process JetStream engine
 (`gjax.rollout.jetstream_episodes`: each turn one request with the history resent, every row
@@ -125,7 +125,7 @@ def main(argv=None):
             turn_tokens=args.turn_tokens,
         )
 
-    for _ in range(2 if args.jetstream else 1):  # beside the engine: warm-up, then measured
+    for _ in range(2):  # warm-up (the decoder's programs compile), then measured
         with EnvRunner(env, max_in_flight=64) as runner:
             t0 = time.perf_counter()
             out = dec.generate_episodes(

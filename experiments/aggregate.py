@@ -809,7 +809,12 @@ def runs_figures(runs: dict[str, list[dict]]) -> dict[str, list[dict]]:
 
 
 def rerender(
-    study_name: str, results_dir: str, *, readme: str | None = None, add_runs: str | None = None
+    study_name: str,
+    results_dir: str,
+    *,
+    readme: str | None = None,
+    add_runs: str | None = None,
+    replace: bool = False,
 ) -> str:
     """Rewrites RESULTS_DIR/results.md from RESULTS_DIR/runs.json alone (the run directories
     not needed; runs.json and the figures stay as they are): every table but the equal-cost
@@ -817,11 +822,12 @@ def rerender(
     from the results.md there, if it has one. Returns RESULTS_DIR.
 
     `add_runs`: a runs dir holding some of the study's variants (arms added to a study after
-    its other runs, whose directories are gone): their finished runs' figures replace or
-    join those of
+    its other runs, whose directories are gone): their finished runs' figures join those of
     runs.json, written back in the study's variant order, and every table (the paired tests
     and Holm's correction included) is drawn from the union; the figures (their curves are
-    not in runs.json) and the equal-cost table stay as they were."""
+    not in runs.json) and the equal-cost table stay as they were. A variant runs.json has
+    already is refused (its committed seeds would be lost to whatever the runs dir holds),
+    unless `replace`: then the runs dir's finished runs of it replace it whole."""
     study = studies.get(study_name)
     path = os.path.join(results_dir, "runs.json")
     figs = _json(path)
@@ -840,6 +846,13 @@ def rerender(
         )
     if add_runs is not None:
         added = runs_figures(load_runs(add_runs, study, finished_only=True))
+        again = [name for name in added if name in figs]
+        if again and not replace:
+            raise UserError(
+                f"{path} has variants {', '.join(again)} already; {add_runs} holds runs of "
+                "them too. Adding would replace their committed seeds: pass --replace to do "
+                "that, or move those runs out of the runs dir to add only the new arms."
+            )
         figs = {v.name: added.get(v.name, figs.get(v.name)) for v in study.variants}
         figs = {name: f for name, f in figs.items() if f}
         with open(path, "w") as f:
@@ -960,14 +973,18 @@ def main(argv=None) -> None:
         "(arms run after the others; theirs replace any figures of the same variant) and "
         "re-render from the union",
     )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="with --add: variants DIR/runs.json has already are replaced by --runs' runs",
+    )
     args = p.parse_args(argv)
-    if args.add and args.from_results is None:
+    if (args.add or args.replace) and args.from_results is None:
         p.error("--add needs --from_results DIR (the runs.json to add to)")
     if args.from_results is not None:
         add = args.runs if args.add else None
-        run_cli(
-            lambda: print(rerender(args.study, args.from_results, readme=args.readme, add_runs=add))
-        )
+        kw = dict(readme=args.readme, add_runs=add, replace=args.replace)
+        run_cli(lambda: print(rerender(args.study, args.from_results, **kw)))
     else:
         run_cli(lambda: print(aggregate(args.study, args.runs, args.out, readme=args.readme)))
 

@@ -35,7 +35,8 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     """(variant, seed, workdir, done) of every run; done: finished for these settings.
     Raises ConfigError where OUT holds a run of one (variant, seed) trained (finished or
     checkpointed) with another config, in any field but `config_record.HARMLESS` (the study's
-    definition changed since): neither skipped as done nor overwritten. A workdir with neither
+    definition changed since), or finished at another `train.max_sampled_tokens`: neither
+    skipped as done nor overwritten. A workdir with neither
     starts afresh, as the trainer would."""
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
     runs, stale = [], []
@@ -48,6 +49,11 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
             trained = marker is not None or _has_checkpoint(wd)
             if trained and (diff := config_record.training_changes(wd, config)):
                 stale.append((wd, "; ".join(f"{p}: {a!r} -> {b!r}" for p, (a, b) in diff.items())))
+            # A finished run's sampling budget (a resume may change it; a study's may not).
+            budget = config.train.max_sampled_tokens
+            if marker is not None and marker.get("max_sampled_tokens", 0) != budget:
+                was = marker.get("max_sampled_tokens", 0)
+                stale.append((wd, f"train.max_sampled_tokens: {was!r} -> {budget!r}"))
             done = (
                 marker is not None
                 and marker["steps"] == config.train.steps

@@ -68,12 +68,23 @@ class Study:
 
     def __post_init__(self):
         names = [v.name for v in self.variants]
-        for v in self.variants:
-            if v.versus is not None and (v.versus not in names or v.versus == v.name):
+        versus = {v.name: v.versus for v in self.variants if v.versus is not None}
+        for name, ref in versus.items():
+            if ref not in names or ref == name:
                 raise ConfigError(
-                    f"study {self.name!r}: variant {v.name!r} is paired against "
-                    f"{v.versus!r}, which is not another of its variants ({', '.join(names)})"
+                    f"study {self.name!r}: variant {name!r} is paired against {ref!r}, "
+                    f"which is not another of its variants ({', '.join(names)})"
                 )
+            seen = {name}
+            while ref in versus:  # a chain of references ends at an arm paired with none
+                if ref in seen:
+                    raise ConfigError(
+                        f"study {self.name!r}: the variants paired against each other "
+                        f"({', '.join(sorted(seen))}) form a cycle; pair one against the "
+                        "study's first"
+                    )
+                seen.add(ref)
+                ref = versus[ref]
 
     def reference(self, name: str) -> str:
         """The variant `name` is paired against."""

@@ -47,6 +47,7 @@ def run_one(args) -> int:
     write_done(
         workdir,
         steps=config.train.steps,
+        max_sampled_tokens=config.train.max_sampled_tokens,  # the budget it stopped at, if any
         passk_samples=n,
         train_s=round(t_train, 1),  # this invocation's (a resumed run: since the resume)
         passk_s=round(time.time() - t0 - t_train, 1),

@@ -67,8 +67,8 @@ from gjax.experience import Groups, to_model_inputs
 from gjax.learner import TrainState, make_learner, make_optimizer, state_shardings
 from gjax.models import attention, hf_format, lora, transformer
 from gjax.models.config import ModelConfig
+from gjax.rollout import buckets, sampler
 from gjax.rollout import decoder as dec
-from gjax.rollout import sampler
 from gjax.rollout.factory import local_decoder
 
 GiB, GB = 1 << 30, 10**9
@@ -319,6 +319,9 @@ def plan_rollout(config, model_cfg, mesh) -> dict[str, int]:
         slots = r.decode_slots
         d = dec.ContinuousDecoder(model_cfg, slots=slots, tokens_per_dispatch=r.tokens_per_dispatch)
         regions = d.regions_for(g)
+        if r.backend == "jetstream":  # the in-process engine: a region per slot, its bucket
+            # wide (a multi-turn run's holds a turn's whole history: `served_prompt_len`)
+            regions, s = slots, buckets.prefill_bucket(buckets.served_prompt_len(config))
         a = max(1, -(-slots // g))  # prompts per prefill call (the decoder's default)
         state = jax.eval_shape(lambda: dec.init_state(model_cfg, slots, regions, s, n))
         state = with_shardings(state, jax.tree.map(lambda _: replicated, state))

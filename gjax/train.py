@@ -293,7 +293,7 @@ def _train(config: ml_collections.ConfigDict, workdir: str, scope: contextlib.Ex
             stopped_by = multihost.stop_signal(stop["signal"])
             if stopping := stopped_by[0] is not None:
                 break  # arrived before this run trained a step: nothing new to save
-            if budget.spent(start):
+            if budget.spent(start, resumed=True):
                 break  # a resume of a run that ended at its budget: nothing to train
         checkpointer.check()  # a failed (asynchronous) save stops the run here, at once
         t0 = time.perf_counter()
@@ -361,14 +361,20 @@ class SampledBudget:
         if self.tokens:
             self.sampled += float(host_metrics[SAMPLED])  # every rollout reports it
 
-    def spent(self, step: int) -> bool:
-        """The budget is reached (after `step` steps); says so once, on process 0."""
+    def spent(self, step: int, *, resumed: bool = False) -> bool:
+        """The budget is reached (after `step` steps); says so once, on process 0 (`resumed`:
+        before this run trained a step)."""
         if not self.tokens or self.sampled < self.tokens:
             return False
         if multihost.is_primary():
+            then = (
+                "nothing to train (raise --config.train.max_sampled_tokens to train further)."
+                if resumed
+                else "training ends here."
+            )
             print(
                 f"step {step}: {self.sampled:.0f} sampled tokens >= train.max_sampled_tokens="
-                f"{self.tokens}: training ends here.",
+                f"{self.tokens}: {then}",
                 flush=True,
             )
         return True

@@ -428,9 +428,9 @@ def test_multiturn_prefill_benchmark_counts_what_keeping_kv_saves():
     kept = rec["prefill_tokens_per_episode_kept"]
     assert kept == 8 / 2 + 4 * (rec["turns_per_episode"] - 1)  # one observation per re-entry
     assert rec["prefill_tokens_per_episode_reprefill"] > kept
-    # The JetStream engine's requests, measured: every row prefills its own prompt (8, not
-    # 8 / G) and each later turn its whole history: what its own episodes' reprefill count
-    # says, plus the prompt the group did not share.
+    # The JetStream engine's requests: every row sends its own prompt (8, not 8 / G) and each
+    # later turn its whole history: what its own episodes' reprefill count says, plus the
+    # prompt the group did not share.
     sent = rec["jetstream_prefill_tokens_per_episode"]
     assert sent == rec["jetstream_counted_reprefill"] + 8 * (1 - 1 / 2)
     assert sent > rec["jetstream_counted_kept"] and rec["jetstream_requests"] >= 4

@@ -19,10 +19,12 @@ from gjax.envs import EnvRunner, environments
 from gjax.errors import ConfigError
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.buckets import served_prompt_len
+from gjax.rollout.collect import ServingFailed
 from gjax.rollout.decoder import ContinuousDecoder
 from gjax.rollout.jetstream_episodes import generate_episodes
 from gjax.rollout.sampler import SampleOutput
 from gjax.rollout.turns import EnvTurns
+from gjax.train import CONFIG_CHECKS
 from tests.test_decoder_turns import ScriptEnv, decode, encode, rows_with
 from tests.test_jetstream import policy  # noqa: F401 - the module's fixture
 
@@ -157,48 +159,71 @@ def test_sampled_served_episodes_are_token_exact(policy, served):  # noqa: F811
     assert sorted(seen) == sorted(turns)
 
 
-class _DropsRow:
-    """A client whose `generate` drops the request of one row (by its history's length)."""
+class _DropsRows:
+    """A client whose `generate` drops the requests whose history has one of `drop_lens`
+    tokens; every turn it plays is token 5, then the stop id 3."""
 
-    def __init__(self, drop_len: int, n: int):
-        self.drop_len, self.n, self.calls = drop_len, n, 0
+    def __init__(self, drop_lens, n: int):
+        self.drop_lens, self.n = set(drop_lens), n
 
     def generate(self, params, hist, mask, rng, *, num_samples, sampling, max_tokens_B):
-        self.calls += 1
         b = hist.shape[0]
-        tokens = np.full((b, self.n), 0, np.int32)
-        tokens[:, :2] = [5, 3]  # every turn: token 5, then the stop id 3
-        valid = mask.sum(-1) != self.drop_len
+        tokens = np.zeros((b, self.n), np.int32)
+        tokens[:, :2] = [5, 3]
+        valid = ~np.isin(mask.sum(-1), list(self.drop_lens))
         m = np.zeros((b, self.n), np.int32)
         m[:, :2] = 1
         return SampleOutput(tokens, m, np.full((b, self.n), -0.5, np.float32), m.sum(-1), valid)
 
+    def failure(self):
+        return "the test's client dropped them"
 
-def test_a_dropped_turn_makes_its_row_invalid():
-    """The row whose first request is dropped ends unscored (reward NaN: the learner's
-    invalid sample), the others play their episodes out."""
-    sp = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=(3,), pad_token_id=0)
-    ids = np.asarray([[0, 9, 9, 9], [4, 4, 4, 4]], np.int32)
-    mask = np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
-    client = _DropsRow(drop_len=3, n=16)  # prompt 0's rows (3 tokens) on their first turn
+
+DROP_SP = SamplingParams(max_new_tokens=16, temperature=1.0, stop_token_ids=(3,), pad_token_id=0)
+DROP_IDS = np.asarray([[0, 9, 9, 9], [4, 4, 4, 4]], np.int32)
+DROP_MASK = np.asarray([[0, 1, 1, 1], [1, 1, 1, 1]], np.int32)
+
+
+def _drop_run(drop_lens):
     with EnvRunner(ScriptEnv(), max_in_flight=4) as runner:
         rows = rows_with([["7 7"], ["7 7"]])
-        traj, stats = generate_episodes(
-            client, None, ids, mask, num_samples=2, sampling=sp, turns=_turns(runner, rows)
-        )
+        return generate_episodes(
+            _DropsRows(drop_lens, 16), None, DROP_IDS, DROP_MASK, num_samples=2,
+            sampling=DROP_SP, turns=_turns(runner, rows),
+        )  # fmt: skip
+
+
+def test_a_dropped_turn_makes_its_row_invalid():
+    """A row whose first turn's request is dropped (prompt 0: 3 tokens) ends unscored
+    (reward NaN: the learner's invalid sample); so does one dropped on its second turn
+    (prompt 1's history: 4 + 2 + 2 = 8 tokens), its first turn and observation kept; the
+    others play their episodes out."""
+    traj, stats = _drop_run({3})
     assert np.isnan(traj.reward_B[:2]).all() and np.isfinite(traj.reward_B[2:]).all()
     assert traj.turns_B.tolist() == [0, 0, 2, 2] and stats["episode_requests_dropped"] == 2
-    groups = traj.groups(ids, mask)
-    assert groups.valid_PxG.tolist() == [[False, False], [True, True]]
+    assert traj.groups(DROP_IDS, DROP_MASK).valid_PxG.tolist() == [[False, False], [True, True]]
+    traj, stats = _drop_run({8})  # prompt 1's rows on their second turn
+    assert np.isfinite(traj.reward_B[:2]).all() and np.isnan(traj.reward_B[2:]).all()
+    assert traj.turns_B.tolist() == [2, 2, 1, 1] and stats["episode_requests_dropped"] == 2
+    assert traj.lengths_B.tolist() == [6, 6, 4, 4]  # turn 5 3, obs 7 7 (and turn 5 3)
+    np.testing.assert_array_equal(traj.tokens_BxN[2, :4], [5, 3, 7, 7])
+    np.testing.assert_array_equal(traj.policy_mask_BxN[2, :5], [1, 1, 0, 0, 0])
+
+
+def test_a_wave_with_every_request_dropped_stops_the_run():
+    """The server answered none of a wave's requests: `ServingFailed` (the run stops, naming
+    the failure), not a batch of invalid rows trained on."""
+    with pytest.raises(ServingFailed, match="every request of turn wave 1 .4 requests. failed"):
+        _drop_run({3, 4})
 
 
 def test_served_episodes_are_validated():
-    """A JetStream multi-turn run: its servers prefill prompt + trajectory
-    (`served_prompt_len`); one whose history passes JetStream's largest prefill bucket is
-    refused in one paragraph, and so is one on several processes (not yet driven)."""
+    """A JetStream multi-turn run validates with the trainer's checks; its servers prefill
+    prompt + trajectory (`served_prompt_len`); one whose history passes JetStream's largest
+    prefill bucket is refused in one paragraph (several processes: tests/test_envs.py)."""
     c = common.tiny(common.base())
     c.env.name, c.rollout.backend = "math", "jetstream"
-    validate(c, 1)  # one process, a history the buckets hold
+    validate(c, 1, checks=CONFIG_CHECKS)  # one process, a history the buckets hold
     assert served_prompt_len(c) == c.data.max_prompt_len + c.rollout.max_new_tokens
     c.rollout.max_new_tokens = 32768
     with pytest.raises(ConfigError, match="largest prefill bucket"):

@@ -301,12 +301,16 @@ def _two_processes(script: str, *, devices: int, logs, timeout: float) -> list[s
     """`script` (argv: process id, coordinator port) run by two processes of `devices` CPU
     devices each, both within one `timeout`; their outputs once both exit 0 (logs in files,
     not pipes: one process's output can never stall the other). A process still running at
-    half the timeout writes every thread's Python stack to its log (faulthandler), so a hang
+    half the timeout writes every thread's Python stack to a file (faulthandler), so a hang
     shows where it is even when its peer is the one that fails (jax's shutdown barrier, 300 s,
     aborts the process that waits there); a failure shows both processes' logs."""
     port = _free_port()
     files = [open(logs / f"{i}.log", "w+") for i in range(2)]  # noqa: SIM115 - closed below
-    watch = f"import faulthandler; faulthandler.dump_traceback_later({timeout / 2:.0f})\n"
+    watch = (  # the stacks in a file of their own: the tests read the logs
+        "import faulthandler, sys\n"
+        f"_stacks = open(f'{logs}/{{sys.argv[1]}}.stacks', 'w')\n"
+        f"faulthandler.dump_traceback_later({timeout / 2:.0f}, file=_stacks)\n"
+    )
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", watch + script, str(i), str(port)],
@@ -332,11 +336,20 @@ def _two_processes(script: str, *, devices: int, logs, timeout: float) -> list[s
         outs.append(f.read())
         f.close()
     codes = [p.returncode for p in procs]
+    stacks = [_read(logs / f"{i}.stacks") for i in range(2)]
     report = "\n".join(
-        f"--- process {i} (exit {c}) ---\n{o[-2500:]}" for i, (c, o) in enumerate(zip(codes, outs))
+        f"--- process {i} (exit {c}) ---\n{o[-2500:]}\n{st[-2500:]}"
+        for i, (c, o, st) in enumerate(zip(codes, outs, stacks))
     )
     assert codes == [0, 0], report
     return outs
+
+
+def _read(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def _train(workdir, steps, *, processes, extra=(), decoder="static", module="gjax.train"):

@@ -76,14 +76,23 @@ def test_rows_count_what_each_mode_holds(tiny_plan):
 
 
 @pytest.mark.slow
-def test_continuous_decoder_kv_is_the_slot_state_whole_on_each_device():
-    config = _config()
+@pytest.mark.parametrize("backend", ["local", "jetstream"])
+def test_continuous_decoder_kv_is_the_slot_state_whole_on_each_device(backend):
+    """The local decoder's regions hold prompts of data.max_prompt_len; the in-process
+    JetStream engine's, one per slot, its prefill bucket wide, a multi-turn run's sized for a
+    turn's whole history (8 + 8 tokens and the BOS: the 32 bucket)."""
+    config = _config(backend=backend)
+    if backend == "jetstream":
+        config.env.name = "math"
     hf = plan._hf_of(config, None)
     (row,), _ = plan.make_plan(config, hf, jax.devices()[:2], modes=("lora",))
     cfg = plan.model_config(config, hf)
     r = config.rollout
     regions = min(r.decode_slots, 4 * -(-r.decode_slots // r.num_samples))
-    per_layer = (r.decode_slots * r.max_new_tokens + regions * config.data.max_prompt_len) * (
+    width = config.data.max_prompt_len
+    if backend == "jetstream":
+        regions, width = r.decode_slots, 32
+    per_layer = (r.decode_slots * r.max_new_tokens + regions * width) * (
         cfg.num_kv_heads * cfg.head_dim * 4 * 2  # f32 (the tiny config computes in f32), k + v
     )
     assert row.figures["kv"] == per_layer * cfg.num_layers

@@ -203,12 +203,23 @@ def test_a_variant_pairs_against_its_versus_arm():
     assert {c["variant"] for c in aggregate.paired_cells(figs, study)} == set()
     with pytest.raises(ConfigError, match="paired against 'dap'"):
         studies.Study("s", "c", (studies.Variant("a", "grpo", "d", versus="dap"),))
+    with pytest.raises(ConfigError, match=r"\(a, b\) form a cycle"):
+        studies.Study(
+            "s",
+            "c",
+            (
+                studies.Variant("grpo", "grpo", "d"),
+                studies.Variant("a", "grpo", "d", versus="b"),
+                studies.Variant("b", "grpo", "d", versus="a"),
+            ),
+        )
 
 
 def test_arms_run_later_join_the_committed_runs_json(tmp_path):
     """`--add`: a study's runs.json holds grpo (its run directories gone); dr_grpo's finished
     runs, made later, join it in the study's order and the paired table covers them (an
-    unfinished one stays out); a second add replaces them instead of appending."""
+    unfinished one stays out); adding them again is refused, and with `replace` replaces
+    them instead of appending."""
     from tests.test_experiments import _fake_run
 
     d = tmp_path / "results"
@@ -220,8 +231,11 @@ def test_arms_run_later_join_the_committed_runs_json(tmp_path):
         _fake_run(runs, "dr_grpo", seed, final_counts=[4] * 5, grad_norms=[1.0] * 6)
         if seed < 3:  # seed 3 unfinished (no done.json): left out
             worker.write_done(worker.workdir_of(runs, "smoke", "dr_grpo", seed), steps=6)
-    for _ in range(2):
-        assert aggregate.rerender("smoke", str(d), add_runs=runs) == str(d)
+    for again in (False, True):  # added, then replaced (refused without `replace`)
+        if again:
+            with pytest.raises(UserError, match="dr_grpo already"):
+                aggregate.rerender("smoke", str(d), add_runs=runs)
+        assert aggregate.rerender("smoke", str(d), add_runs=runs, replace=again) == str(d)
         got = json.loads((d / "runs.json").read_text())
         assert list(got) == ["grpo", "dr_grpo"] and got["grpo"] == grpo
         assert [r["seed"] for r in got["dr_grpo"]] == [0, 1, 2]

@@ -46,7 +46,11 @@ def test_a_run_ends_at_its_budget_and_a_resume_trains_nothing_more(tmp_path, cap
     assert sorted(os.listdir(wd / "checkpoints")) == ["1"]
 
     assert train(c, str(wd)) is None  # the resume: nothing left to sample
-    assert "step 1: " in capsys.readouterr().out
+    tokens = int(first[0][SAMPLED])
+    assert (
+        f"step 1: {tokens} sampled tokens >= train.max_sampled_tokens=1: nothing to train "
+        "(raise --config.train.max_sampled_tokens to train further)."
+    ) in capsys.readouterr().out
     assert [r["step"] for r in rows(wd)] == [1]
 
     c.train.max_sampled_tokens = int(first[0][SAMPLED]) + 1  # one step more

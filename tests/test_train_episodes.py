@@ -169,6 +169,7 @@ def test_two_step_env_trains_on_the_jetstream_engine(tmp_path, monkeypatch, two_
     on the policy's tokens with the engine's log-probs, the observations attended and
     unmasked; the resent prefill is counted beside what keeping the KV would prefill; the
     held-out episodes run on a local continuous decoder (`evaluation_backend`)."""
+    pytest.importorskip("gjax.rollout.jetstream_backend")
     from gjax.train import train
 
     seen = _recorded(monkeypatch)

@@ -156,6 +156,7 @@ PER_EPISODE = (
     "env/turns_per_episode",
     "env/prefill_tokens_per_episode_kept",
     "env/prefill_tokens_per_episode_reprefill",
+    "env/prefill_tokens_per_episode_sent",
 )
 
 

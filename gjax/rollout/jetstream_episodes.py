@@ -12,13 +12,15 @@ them), then the next wave with the rows whose episodes go on. The rows' results 
 decoder's: `gjax.rollout.turns.Trajectories`, the limits and the env/ figures of `EnvTurns`.
 
 What differs from the local continuous decoder (`ContinuousDecoder.generate_episodes`, KV kept
-across turns): the server prefills every turn's whole history, every row its own (no prompt
-shared by a group): `env/prefill_tokens_per_episode_sent`, beside the decoder's `_kept` and
-`_reprefill` figures; environment steps overlap each other but not decoding (a wave waits for
-its slowest step: `env/wait_s` is all of `env/step_s` less the steps' own overlap); the
-server samples with its own keys (no row keys: a rerun draws other episodes). A request the
-client dropped (its retries spent) ends its episode unscored: the row is invalid
-(`EnvTurns.fail`), as a dropped single completion is.
+across turns): every turn's request carries the whole history, every row its own prompt:
+`env/prefill_tokens_per_episode_sent` counts the tokens sent, beside the decoder's `_kept`
+and `_reprefill` figures (what the server computes can be less: the in-process engine
+reuses one prefill for consecutive identical prompts, the first wave's rows of a group);
+environment steps overlap each other but not decoding (a wave waits for its slowest step:
+`env/wait_s` is all of `env/step_s` less the steps' own overlap); the server samples with
+its own keys (no row keys: a rerun draws other episodes). A request the client dropped (its
+retries spent) ends its episode unscored: the row is invalid (`EnvTurns.fail`), as a dropped
+single completion is; a wave with every request dropped stops the run (`ServingFailed`).
 
 Sizes: a turn's prompt can be as long as prompt + trajectory, so the server's prefill bucket
 must hold `data.max_prompt_len + rollout.max_new_tokens` (`gjax.rollout.buckets.served_prompt_len`:
@@ -33,6 +35,7 @@ import time
 
 import numpy as np
 
+from gjax.rollout.collect import ServingFailed
 from gjax.rollout.sampler import SamplingParams
 from gjax.rollout.turns import EnvTurns, Trajectories
 
@@ -47,8 +50,12 @@ def generate_episodes(
     sampling: SamplingParams,
     turns: EnvTurns,
 ) -> tuple[Trajectories, dict[str, float]]:
-    """(trajectories of P * G episodes, the batch's stats: `turns.stats()` and the client's
-    counts) on `client` (a `gjax.rollout.jetstream_backend` client); host prompts."""
+    """(trajectories of P * G episodes, the batch's stats) on `client` (a
+    `gjax.rollout.jetstream_backend` client); host prompts. The stats: `turns.stats()`, the
+    environment wait and the prefill tokens sent (the step's env/ figures), and the waves'
+    counts (`episode_*`: requests, dropped, waves; for benchmarks and tests, not logged). A
+    wave whose every request failed raises `ServingFailed` (the run stops, as a single-turn
+    rollout's does); some dropped: those rows are invalid, the others go on."""
     tokens_PxS = np.asarray(prompt_tokens_PxS)
     mask_PxS = np.asarray(prompt_mask_PxS).astype(bool)
     g_, n_, pad = num_samples, sampling.max_new_tokens, sampling.pad_token_id
@@ -77,9 +84,16 @@ def generate_episodes(
         stats["waves"] += 1
         stats["requests"] += len(live)
         stats["prefill_tokens_sent"] += int(mask_LxW.sum())
+        valid_L = np.ones(len(live), bool) if out.valid_B is None else np.asarray(out.valid_B)
+        if not valid_L.any():  # the server is not answering: nothing to learn from
+            raise ServingFailed(
+                f"every request of turn wave {stats['waves']} ({len(live)} requests) failed "
+                f"({client.failure()}), so the run stopped before training on episodes the "
+                "server did not play."
+            )
         ended = []
         for i, b in enumerate(live):
-            if not out.valid_B[i]:
+            if not valid_L[i]:
                 turns.fail(b)
                 stats["requests_dropped"] += 1
                 continue
