@@ -565,7 +565,7 @@ SCHEMA: dict[str, Any] = {
             "end training after the step at which the run's sampled tokens (metric "
             "response/sampled_tokens summed over its steps, resumes included) reach N, as at "
             "train.steps, which stays the upper bound (0: no budget): runs compared at a "
-            "matched sampling cost",
+            "matched sampling cost (a cosine schedule still decays over train.steps)",
             _NONNEG,
         ),
         "minibatches": Field(1, "optimizer updates per rollout batch per pass", _COUNT),
