@@ -38,16 +38,22 @@ def _sampling(eos, pad, temperature, n=32):
     )
 
 
-@pytest.fixture(scope="module")
-def backend(policy):
+def engine_backend(policy, extra_prompt_len: int = 0):
+    """The in-process engine on the embedded policy, 4 slots, greedy, prefilling prompts of
+    data.max_prompt_len + `extra_prompt_len` (a multi-turn run's history: + max_new_tokens)."""
     cfg, params, tok, batch, eos, pad, config = policy
-    be = jetstream_backend.JetStreamBackend(
+    return jetstream_backend.JetStreamBackend(
         cfg,
         params,
         sampling=_sampling(eos, pad, 0.0),
         slots=4,
-        max_prompt_len=config.data.max_prompt_len,
+        max_prompt_len=config.data.max_prompt_len + extra_prompt_len,
     )
+
+
+@pytest.fixture(scope="module")
+def backend(policy):
+    be = engine_backend(policy)
     yield be
     be.close()
 

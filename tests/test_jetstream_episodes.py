@@ -26,7 +26,7 @@ from gjax.rollout.sampler import SampleOutput
 from gjax.rollout.turns import EnvTurns
 from gjax.train import CONFIG_CHECKS
 from tests.test_decoder_turns import ScriptEnv, decode, encode, rows_with
-from tests.test_jetstream import policy  # noqa: F401 - the module's fixture
+from tests.test_jetstream import engine_backend, policy  # noqa: F401 - policy: a fixture
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 
@@ -42,14 +42,7 @@ def _sampling(eos, pad, temperature):
 
 @pytest.fixture(scope="module")
 def served(policy):  # noqa: F811
-    cfg, params, tok, batch, eos, pad, config = policy
-    be = jetstream_backend.JetStreamBackend(
-        cfg,
-        params,
-        sampling=_sampling(eos, pad, 0.0),
-        slots=4,
-        max_prompt_len=config.data.max_prompt_len + N,  # `served_prompt_len` of such a run
-    )
+    be = engine_backend(policy, extra_prompt_len=N)  # `served_prompt_len` of such a run
     yield be
     be.close()
 

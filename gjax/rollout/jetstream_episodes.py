@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from gjax.data.prompts import left_pad
 from gjax.rollout.collect import ServingFailed
 from gjax.rollout.sampler import SamplingParams
 from gjax.rollout.turns import EnvTurns, Trajectories
@@ -71,7 +72,7 @@ def generate_episodes(
     live = list(range(b_))
     while live:
         histories = [np.concatenate([prompts[b // g_], tok_BxN[b, : len_B[b]]]) for b in live]
-        hist_LxW, mask_LxW = _left_pad(histories, pad)
+        hist_LxW, mask_LxW = left_pad(histories, max(len(h) for h in histories), pad)
         out = client.generate(
             params,
             hist_LxW,
@@ -137,13 +138,3 @@ def _next_turns(turns: EnvTurns, waiting: set, tok_BxN, len_B, limit_B, stats) -
             limit_B[b] = turns.turn_limit(n + m)
             going_on.append(b)
     return going_on
-
-
-def _left_pad(rows: list[np.ndarray], pad: int) -> tuple[np.ndarray, np.ndarray]:
-    width = max(len(r) for r in rows)
-    tok = np.full((len(rows), width), pad, np.int32)
-    mask = np.zeros((len(rows), width), np.int32)
-    for i, r in enumerate(rows):
-        if len(r):
-            tok[i, -len(r) :], mask[i, -len(r) :] = r, 1
-    return tok, mask
