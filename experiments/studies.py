@@ -32,6 +32,14 @@ SHARES = {
 }
 
 
+# GPG Table 15's row A: GRPO's group-std advantage, no alpha correction, no beta_th threshold.
+ROW_A = {
+    "objective.advantage_kwargs.norm": "group",
+    "objective.advantage_kwargs.fold_alpha": False,
+    "sampling.min_valid_fraction": 0.0,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     name: str  # a directory name: letters, digits, '_', '-', '.'
@@ -294,6 +302,33 @@ _STUDIES = (
                 acts=_MASKS,
                 versus="delta_3",
             ),
+            # Issue 37 item 3: the masks alone (no anchors) over delta 1-8 (3: `no_anchors`),
+            # and under a judge whose scores are not a function of correctness: the rule
+            # judge with Gaussian noise of std 2 on its 1-10 scale (`reward.judge.noise_std`).
+            *(
+                Variant(
+                    f"masks_delta_{d:g}",
+                    "dagrpo",
+                    f"delta = {d:g}, no anchors: the masks alone",
+                    overrides={"anchors.per_group": 0, "objective.advantage_kwargs.delta": d},
+                    acts=_MASKS,
+                )
+                for d in (1.0, 5.0, 8.0)
+            ),
+            *(
+                Variant(
+                    f"noisy_masks_delta_{d:g}",
+                    "dagrpo",
+                    f"delta = {d:g}, no anchors, the rule judge's scores + N(0, 2^2)",
+                    overrides={
+                        "anchors.per_group": 0,
+                        "objective.advantage_kwargs.delta": d,
+                        "reward.judge.noise_std": 2.0,
+                    },
+                    acts=_MASKS,
+                )
+                for d in (3.0, 5.0)
+            ),
         ),
         # DaGRPO's own setup (000_* Sec. 6, configs/dagrpo.py): two updates per rollout batch.
         overrides={"train.minibatches": 2},
@@ -330,6 +365,21 @@ _STUDIES = (
                     "sampling.min_valid_fraction": 0.0,
                     "objective.advantage_kwargs.fold_alpha": False,
                 },
+            ),
+            # Table 15's row A, "PG + group reward": F_norm = the group's std, alpha = 1, no
+            # threshold (GRPO's advantage under GPG's loss: no ratio, clip or KL), and Table
+            # 11's group sizes on it ("wo AGE"; its G = 8 row is row A's 45.3). The prompts per
+            # step stay 16, so G = 4 samples half the tokens of G = 8 and G = 16 twice.
+            Variant("gpg_row_a", "gpg", "GPG row A: F_norm = group std, alpha 1", overrides=ROW_A),
+            *(
+                Variant(
+                    f"gpg_row_a_g{g}",
+                    "gpg",
+                    f"GPG row A with G = {g} samples per prompt",
+                    overrides={**ROW_A, "rollout.num_samples": g},
+                    versus="gpg_row_a",
+                )
+                for g in (4, 16)
             ),
         ),
     ),

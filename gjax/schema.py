@@ -487,6 +487,12 @@ SCHEMA: dict[str, Any] = {
                 Range("[1, 10]"),
             ),
             "out_of_range": Field("clamp", "a judge score outside [1, 10]: clamp | reject"),
+            "noise_std": Field(
+                0.0,
+                "rule judge only: Gaussian noise of this std on each score, clipped to [1, 10] "
+                "and seeded by config.seed and the item (scores not a function of correctness)",
+                _NONNEG,
+            ),
             "max_missing_fraction": Field(
                 0.5, "a batch with a larger fraction of judge scores missing counts as bad", _PROB
             ),

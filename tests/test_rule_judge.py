@@ -121,3 +121,39 @@ def test_helpers():
     assert find_expression("no arithmetic 42 here") is None
     assert parse_number(" -4 ") == -4 and parse_number("1/2") == parse_number("0.5")
     assert parse_number("\\frac{1}{2}") is None and parse_number("1" * 100) is None
+
+
+def test_noise_model_is_seeded_per_item_clipped_and_unbiased_inside_the_range():
+    """`noise_std`: S' = clip(S + sigma z, 1, 10), z a function of the seed and the item."""
+    exact, noisy = RuleJudge(), RuleJudge(noise_std=1.0, noise_seed=3)
+    mid = "7+5=12\n12*3=36\n36-4=32\n\\boxed{33}"  # exact score 6: far from both bounds
+    assert _score(exact, Q, mid) == 6.0
+    same = [_score(RuleJudge(noise_std=1.0, noise_seed=3), Q, mid) for _ in range(2)]
+    assert same[0] == same[1] == _score(noisy, Q, mid) != 6.0  # per item, reproducible
+    assert _score(RuleJudge(noise_std=1.0, noise_seed=4), Q, mid) != same[0]  # the seed counts
+    # Over many items (the reference text varies the draw): mean 6, std 1, nothing clipped.
+    draws = [noisy.score_one(Q, mid, f"{REF}\n{i}") for i in range(4000)]
+    assert abs(sum(draws) / 4000 - 6.0) < 4 * 1 / 4000**0.5
+    assert 0.95 < (sum((d - 6.0) ** 2 for d in draws) / 4000) ** 0.5 < 1.05
+    # A perfect answer (10) under large noise: clipped to [1, 10], never beyond.
+    big = [RuleJudge(noise_std=5.0, noise_seed=i).score_one(Q, REF) for i in range(200)]
+    assert min(big) >= 1.0 and max(big) == 10.0 and min(big) < 5.0
+    with pytest.raises(ValueError, match="noise_std"):
+        RuleJudge(noise_std=-1.0)
+
+
+def test_noise_std_reaches_the_rule_judge_and_is_refused_for_another():
+    from configs import dagrpo
+    from gjax.errors import ConfigError
+    from gjax.rewards.judge import check_config
+    from gjax.rewards.pipeline import build_rewards
+
+    c = dagrpo.get_config("tiny")
+    c.reward.judge.noise_std, c.seed = 1.5, 7
+    c.reward.functions = "format"  # needs no verifier processes
+    check_config(c.reward.judge)
+    with build_rewards(c, None) as rewards:
+        assert (rewards.judge.noise_std, rewards.judge.noise_seed) == (1.5, 7)
+    c.reward.judge.name = "openai"
+    with pytest.raises(ConfigError, match=r"noise_std=1.5: the noise model is the rule judge"):
+        check_config(c.reward.judge)

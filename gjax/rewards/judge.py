@@ -817,6 +817,12 @@ def check_config(judge: Any) -> None:
         raise ConfigError(
             f"config.reward.judge.out_of_range: must be clamp|reject, got {judge.out_of_range!r}"
         )
+    if judge.noise_std > 0 and judge.name != "rule":
+        raise ConfigError(
+            f"config.reward.judge.noise_std={judge.noise_std}: the noise model is the rule "
+            f"judge's (a study's stand-in for an imperfect judge), and the judge here is "
+            f"{judge.name!r}; set reward.judge.name='rule' or noise_std=0"
+        )
     if not 0.0 <= judge.max_missing_fraction <= 1.0:
         raise ConfigError(
             "config.reward.judge.max_missing_fraction: must be in [0, 1], got "

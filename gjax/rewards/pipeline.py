@@ -689,7 +689,7 @@ def build_rewards(config, verifier) -> RewardPipeline:
     j = config.reward.judge
     judge = None
     if j.name == "rule":
-        judge = RuleJudge()
+        judge = RuleJudge(noise_std=j.noise_std, noise_seed=config.seed)
     elif j.name == "openai":
         judge = OpenAIJudge(
             base_url=j.base_url,

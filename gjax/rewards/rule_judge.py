@@ -23,6 +23,11 @@ Defaults ``w_step = 5, w_ans = 4``: a perfect solution scores 10, a correct answ
 steps 5, every step right but a wrong boxed answer 6, garbage 1. So with DaGRPO's
 ``delta = 3`` a complete correct solution (10) is distinct from a typical wrong one (<= 6).
 
+``noise_std > 0`` adds a stated noise model, for studies that need scores which are not a
+function of correctness: ``S'(o) = clip(S(o) + sigma * z, 1, 10)`` with ``z ~ N(0, 1)`` drawn
+from a generator seeded by ``noise_seed`` and the item's text (question, response, reference),
+so the same item always gets the same score (a judge at temperature 0) and runs reproduce.
+
 The problem comes from the question text (the longest arithmetic expression in it that
 parses, so templated prompts work). If the question holds none, the reference demonstration
 stands in: its step lines are the nodes (matched in any order, without the chaining check)
@@ -31,10 +36,13 @@ and its boxed answer the answer. With neither, the item is unscorable: ``None``.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 from collections.abc import Sequence
 from fractions import Fraction
+
+import numpy as np
 
 from gjax.data.synthetic import (
     BOXED,
@@ -143,9 +151,17 @@ class RuleJudge:
         scores span [1, 10].
       max_chars: longer responses are judged on their first and last ``max_chars / 2``
         characters (bounds the work on pathological outputs).
+      noise_std, noise_seed: the noise model of the module docstring (0: exact scores).
     """
 
-    def __init__(self, step_weight: float = 5.0, answer_weight: float = 4.0, max_chars: int = 8192):
+    def __init__(
+        self,
+        step_weight: float = 5.0,
+        answer_weight: float = 4.0,
+        max_chars: int = 8192,
+        noise_std: float = 0.0,
+        noise_seed: int = 0,
+    ):
         if step_weight < 0 or answer_weight < 0:
             raise ValueError(f"weights must be >= 0, got {step_weight}, {answer_weight}")
         if abs(step_weight + answer_weight - (SCORE_MAX - SCORE_MIN)) > 1e-9:
@@ -155,6 +171,9 @@ class RuleJudge:
             )
         if max_chars <= 0:
             raise ValueError(f"max_chars must be positive, got {max_chars}")
+        if not noise_std >= 0:
+            raise ValueError(f"noise_std must be >= 0, got {noise_std}")
+        self.noise_std, self.noise_seed = float(noise_std), int(noise_seed)
         self.step_weight = float(step_weight)
         self.answer_weight = float(answer_weight)
         self.max_chars = int(max_chars)
@@ -208,6 +227,8 @@ class RuleJudge:
         frac = valid / denom if denom else 1.0
         correct = final_answer(response) == truth
         score = SCORE_MIN + self.step_weight * frac + self.answer_weight * float(correct)
+        if self.noise_std > 0:
+            score += self.noise_std * self._noise(question, response, reference)
         return {
             "score": min(max(score, SCORE_MIN), SCORE_MAX),
             "valid_steps": valid,
@@ -215,6 +236,13 @@ class RuleJudge:
             "needed_steps": needed,
             "answer_correct": correct,
         }
+
+    def _noise(self, *texts: str) -> float:
+        """One standard normal draw, a function of `noise_seed` and the item's texts."""
+        h = hashlib.blake2b(str(self.noise_seed).encode(), digest_size=8)
+        for t in texts:
+            h.update(b"\0" + (t if isinstance(t, str) else "").encode("utf-8", "replace"))
+        return float(np.random.default_rng(int.from_bytes(h.digest(), "little")).normal())
 
     def score_one(self, question: str, response: str, reference: str = "") -> float | None:
         d = self.details(question, response, reference)
@@ -253,5 +281,5 @@ class RuleJudge:
     def __repr__(self) -> str:
         return (
             f"RuleJudge(step_weight={self.step_weight}, answer_weight={self.answer_weight}, "
-            f"max_chars={self.max_chars})"
+            f"max_chars={self.max_chars}, noise_std={self.noise_std})"
         )
