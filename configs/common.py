@@ -18,6 +18,8 @@ __all__ = [
     "EMBEDDED_POLICY",
     "EMBEDDED_TASK",
     "HEADROOM_TASK",
+    "TOOL_POLICY",
+    "TOOL_TASK",
     "FIELDS",
     "OPENR1_DEMONSTRATION_FIELD",
     "agrae_math_setup",
@@ -31,6 +33,7 @@ __all__ = [
     "openr1_dataset",
     "tiny",
     "to_objective_config",
+    "tools",
 ]
 
 # The policy committed with gjax (see scripts/make_tiny_policy.py) and its synthetic task's
@@ -40,6 +43,10 @@ EMBEDDED_TASK = {"max_ops": 3, "max_value": 99}
 # The task with headroom (issue 21): chains of 2-4 operations for the same policy, warmed up on
 # chains of 1-3 (docs/embedded_policy.md, "The task with headroom").
 HEADROOM_TASK = {"min_ops": 2, "max_ops": 4, "max_value": 99}
+# The tool task (issue 33): chains of 2-6 operations with values up to 999, long enough that
+# the policy cannot do them in its head, for the tool-using variant of the embedded policy
+# (scripts/make_tiny_tool_policy.py), which can call a calculator.
+TOOL_TASK = {"min_ops": 2, "max_ops": 6, "max_value": 999}
 
 
 def tiny(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -107,7 +114,28 @@ def headroom(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
     return c
 
 
-EMBEDDED = {"tiny": tiny, "headroom": headroom}
+TOOL_POLICY = "embedded:tiny_qwen2_tools"
+
+
+def tools(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """The tool task (issue 33; docs/embedded_policy.md, "The tool task"): the tool-using
+    variant of the embedded policy on TOOL_TASK as episodes of the `tool` environment with a
+    sandboxed calculator, the prompts rendered by the variant's chat template (its tools line,
+    not the ~760-token `# Tools` block). `env.name = ''` on it is the same policy and task
+    without tools: single-turn chat prompts that offer none."""
+    c = headroom(c)
+    c.model.path = TOOL_POLICY
+    c.data.synthetic.update(TOOL_TASK)
+    c.data.template = "chat"
+    c.data.max_prompt_len = 96  # <= 85 tokens with the tools line
+    c.rollout.max_new_tokens = 128  # a call, the tool's turn and the answer: <= 115 tokens
+    c.env.name, c.env.tools = "tool", "calculator"
+    c.env.max_turns = 3  # a call, then the answer (and one more call or a retry)
+    c.env.max_tool_calls = 2
+    return c
+
+
+EMBEDDED = {"tiny": tiny, "headroom": headroom, "tools": tools}
 
 
 def embedded(c: ml_collections.ConfigDict, arg: str) -> ml_collections.ConfigDict:

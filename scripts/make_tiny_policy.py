@@ -102,9 +102,11 @@ def encode(tok, problems, bare=None):
 
 
 def sft_loss(params, cfg, b):
+    """Mean NLL of the completion's tokens under `b["tmask"]` (the completion is the last
+    `b["targets"].shape[1]` columns of `b["ids"]`)."""
     hidden = forward(params, cfg, b["ids"], b["pos"], b["seg"])
-    s = hidden.shape[1]
-    hidden = hidden[:, s - COMPLETION_LEN - 1 : s - 1]
+    s, c = hidden.shape[1], b["targets"].shape[1]
+    hidden = hidden[:, s - c - 1 : s - 1]
     logps, _ = token_logps_BxT(
         hidden, lm_head_kernel(params, cfg), b["targets"], with_entropy=False
     )

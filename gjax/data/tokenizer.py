@@ -10,6 +10,11 @@ Every printable ASCII character is its own token, so any English prompt template
 papers' Qwen or R1 prompts) round-trips; other characters map to ``<|unk|>``. ``\\boxed{``
 is a single added token because every demonstration ends with it. The chat template is
 ChatML (``<|im_start|>role\\ncontent<|im_end|>\\n``), as in Qwen2.
+
+``build_tokenizer(tools=True)`` is the tool-using policy's (scripts/make_tiny_tool_policy.py):
+four more added tokens, ``102 <tool_call>  103 </tool_call>  104 <tool_response>
+105 </tool_response>`` (Qwen2.5's vocabulary has them as added, non-special tokens too, so a
+decoded turn keeps them and gjax.envs.tool_calls parses it), and `TOOL_CHAT_TEMPLATE`.
 """
 
 from __future__ import annotations
@@ -33,12 +38,53 @@ PAD, EOS, IM_START, IM_END, UNK = (
 SPECIAL_TOKENS = (PAD, EOS, IM_START, IM_END, UNK)
 CHARACTERS = "\n" + "".join(chr(c) for c in range(32, 127))
 MULTI_CHAR_TOKENS = ("\\boxed{",)
+TOOL_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# ChatML with Qwen2.5's tool turns, its `# Tools` block replaced by one line the tiny policy
+# can afford in its 256 positions ("tools: calculator(expression)", ~30 tokens instead of
+# ~760): with `tools`, that line is the system turn (after the system message's text, if any);
+# an assistant message's `tool_calls` follow its text as `<tool_call>\n{json}\n</tool_call>`;
+# consecutive `tool` messages share one user turn of `\n<tool_response>\n...\n</tool_response>`
+# parts, as gjax.envs.tool_calls.tool_turn writes them.
+TOOL_CHAT_TEMPLATE = (
+    "{%- set ns = namespace(first=0) %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\n' }}{%- set ns.first = 1 %}"
+    "{%- endif %}"
+    "{{- 'tools:' }}"
+    "{%- for t in tools %}"
+    "{{- ' ' + t['function']['name'] + '(' + (t['function']['parameters']['properties'] | join(', ')) + ')' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for m in messages[ns.first:] %}"
+    "{%- if m['role'] == 'tool' %}"
+    "{%- if loop.first or loop.previtem['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\n<tool_response>\n' + m['content'] + '\n</tool_response>' }}"
+    "{%- if loop.last or loop.nextitem['role'] != 'tool' %}{{- '<|im_end|>\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + m['role'] + '\n' + (m['content'] or '') }}"
+    "{%- for c in m.get('tool_calls') or [] %}"
+    "{%- set f = c['function'] if 'function' in c else c %}"
+    "{%- if loop.first and m['content'] %}{{- '\n' }}{%- endif %}"
+    "{%- if not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{- f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}"
+    "{{- '}\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 
 
@@ -54,8 +100,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
-    """The task tokenizer as a ``PreTrainedTokenizerFast`` (vocab size 102).
+def build_tokenizer(
+    model_max_length: int = 4096, *, tools: bool = False
+) -> PreTrainedTokenizerFast:
+    """The task tokenizer as a ``PreTrainedTokenizerFast`` (vocab size 102; with `tools`, the
+    tool-using policy's: 106 ids and `TOOL_CHAT_TEMPLATE`).
 
     >>> tok = build_tokenizer()
     >>> tok.decode(tok("7+5=12")["input_ids"])
@@ -74,7 +123,8 @@ def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in MULTI_CHAR_TOKENS])
+    added = MULTI_CHAR_TOKENS + (TOOL_TOKENS if tools else ())
+    core.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     tok = PreTrainedTokenizerFast(
         tokenizer_object=core,
         pad_token=PAD,
@@ -86,8 +136,8 @@ def build_tokenizer(model_max_length: int = 4096) -> PreTrainedTokenizerFast:
         padding_side="left",
         clean_up_tokenization_spaces=False,
     )
-    tok.chat_template = CHAT_TEMPLATE
-    expected = len(SPECIAL_TOKENS) + len(CHARACTERS) + len(MULTI_CHAR_TOKENS)
+    tok.chat_template = TOOL_CHAT_TEMPLATE if tools else CHAT_TEMPLATE
+    expected = len(SPECIAL_TOKENS) + len(CHARACTERS) + len(added)
     if len(tok) != expected:  # A tokenizers change that merged or dropped ids: fail loudly.
         raise RuntimeError(f"tokenizer has {len(tok)} ids, expected {expected}")
     return tok
