@@ -308,6 +308,7 @@ def run_figures(run: dict) -> dict[str, float]:
         for k in range(1, pk["n"] + 1):
             out[f"pass@{k}"] = pk["final"][f"pass@{k}"]
             out[f"base_pass@{k}"] = pk["base"][f"pass@{k}"]
+        out["base_setup"] = pk.get("base_setup")  # which base policy (None: runs before it)
     elif s.get("heldout_pass@1_after") is not None:  # no passk.json: the trainer's own
         out["pass@1"] = s["heldout_pass@1_after"]
     for key, name in (("policy/entropy", "entropy"), ("response/length_mean", "length")):
@@ -376,6 +377,26 @@ def difficulty_figures(run: dict, ops_P: np.ndarray | None) -> dict[str, float]:
     return out
 
 
+def base_groups(figures: dict[str, list[dict]]) -> list[tuple[str, list[dict]]]:
+    """The base policies a study's arms sample, as (row label, the runs of the arms that
+    sample it): one, "base policy", where the runs' passk.json name at most one base setup
+    (`experiments.passk`: the model, the held-out prompts, the sampling, the environment;
+    runs written before it was recorded name none and join it) -- the usual case; else one
+    per setup, "base policy (arm, ...)" (arms that prompt or roll out the base differently,
+    e.g. with and without tools), runs naming none in a row of their own."""
+    every = [f for fs in figures.values() for f in fs]
+    if len({f.get("base_setup") for f in every} - {None}) <= 1:
+        return [("base policy", every)]
+    groups: dict[str | None, tuple[list[str], list[dict]]] = {}
+    for name, runs in figures.items():
+        for f in runs:
+            names, members = groups.setdefault(f.get("base_setup"), ([], []))
+            members.append(f)
+            if name not in names:
+                names.append(name)
+    return [(f"base policy ({', '.join(names)})", members) for names, members in groups.values()]
+
+
 def difficulty_table(figures: dict[str, list[dict]]) -> str:
     """pass@1 and pass@n per number of operations (columns, with the number of problems),
     base policy first; '' when no run has them."""
@@ -390,8 +411,10 @@ def difficulty_table(figures: dict[str, list[dict]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     # The base policy's figures depend on the seed only: one per seed, as in `table`.
     k0, ops0 = cols[0]
-    base = {f["seed"]: f for f in every if f"base_pass@{k0}|ops={ops0}" in f}
-    rows = [("base policy", list(base.values()), "base_")]
+    rows = []
+    for label, runs in base_groups(figures):
+        base = {f["seed"]: f for f in runs if f"base_pass@{k0}|ops={ops0}" in f}
+        rows.append((label, list(base.values()), "base_"))
     rows += [(name, fs, "") for name, fs in figures.items()]
     for name, fs, prefix in rows:
         keys = [f"{prefix}pass@{k}|ops={ops}" for k, ops in cols]
@@ -426,15 +449,18 @@ def table(study, figures: dict[str, list[dict]], *, only: tuple[str, ...] | None
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     base = {"greedy_after": "greedy_before", **{f"pass@{k}": f"base_pass@{k}" for k in ks}}
     # The base policy's figures depend on the seed only: one value per seed, from any run of
-    # it that has one (a run still training has none yet).
-    per_seed = {
-        src: {f["seed"]: f[src] for f in every if f.get(src) is not None} for src in base.values()
-    }
-    base_vals = {col: mean_ci(per_seed[src].values()) for col, src in base.items()}
-    if any(v[2] for v in base_vals.values()):
-        cells = ["base policy", str(max(v[2] for v in base_vals.values())), "0"]
-        cells += [fmt_ci(*base_vals[c][:2]) if c in base_vals else "" for c, _ in cols]
-        lines.append("| " + " | ".join(cells) + " |")
+    # it that has one (a run still training has none yet); one row per base the arms sample
+    # (`base_groups`: the same, except where arms prompt it differently).
+    for label, runs in base_groups(figures):
+        per_seed = {
+            src: {f["seed"]: f[src] for f in runs if f.get(src) is not None}
+            for src in base.values()
+        }
+        base_vals = {col: mean_ci(per_seed[src].values()) for col, src in base.items()}
+        if any(v[2] for v in base_vals.values()):
+            cells = [label, str(max(v[2] for v in base_vals.values())), "0"]
+            cells += [fmt_ci(*base_vals[c][:2]) if c in base_vals else "" for c, _ in cols]
+            lines.append("| " + " | ".join(cells) + " |")
     for name, runs in figures.items():
         steps = sorted({f["steps"] for f in runs})
         cells = [name, str(len(runs)), "/".join(map(str, steps))]

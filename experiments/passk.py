@@ -2,6 +2,11 @@
 problem with the final params and with the initial (base) params, k = 1..n (A-GRAE eq. (37)),
 written to WORKDIR/passk.json (an earlier checkpoint's: passk_stepN.json, `passk_at_step`).
 
+A multi-turn run's (config.env.name set) samples are episodes of its environment on a
+continuous decoder of its rollout's shape, scored as the run's own held-out evaluation scores
+them (gjax.evaluation.episodes: the verifier on the final policy turn of an episode the
+environment ended), its prompts rendered with the tools they offer.
+
 The base policy's figures depend only on the model, the held-out set and the sampling, not on
 the variant; they are kept in `cache_dir` under a hash of those, so a study evaluates the base
 once per seed.
@@ -9,6 +14,8 @@ once per seed.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -21,13 +28,18 @@ from gjax.checkpoint import Checkpointer
 from gjax.config import resolve_mesh_shape
 from gjax.data import builders as data_builders
 from gjax.embedded import resolve_model_path
+from gjax.envs import EnvRunner, build_env, prompt_tools
 from gjax.errors import ConfigError
+from gjax.evaluation.episodes import sample_episodes
 from gjax.evaluation.metrics import pass_at_k
 from gjax.evaluation.sampling import sample_and_score
 from gjax.models import hf_import, lora
+from gjax.rewards.pipeline import build_rewards
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
+from gjax.rollout.factory import continuous_decoder
+from gjax.rollout.turns import build_turns
 
 PASSK_FILE = "passk.json"
 
@@ -41,14 +53,34 @@ def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
 
 
 def check(config) -> None:
-    """Fails fast on a run this evaluation would misjudge: it samples single completions, so
-    a multi-turn run (config.env.name set) would be scored without its environment."""
-    if config.env.name:
+    """Fails fast on a run this evaluation would misjudge: episodes run on the local
+    continuous decoder in one process (as a run's held-out episodes do)."""
+    if config.env.name and jax.process_count() > 1:
         raise ConfigError(
-            f"config.env.name={config.env.name!r}: experiments/passk.py samples single "
-            "completions and would score a multi-turn run's policy without its environment; "
-            "its episodes' pass@k is the run's own held-out evaluation (summary.json, "
-            "eval.pass_k) until passk.py evaluates episodes"
+            f"config.env.name={config.env.name!r}: experiments/passk.py samples a multi-turn "
+            "run's episodes in one process; run it with one process"
+        )
+
+
+@contextlib.contextmanager
+def _samplers(config, verifier, tok):
+    """(backend for a model config, scorer(backend, params, data, **kw) -> Samples): single
+    completions, or episodes of the run's environment (its runner closed on exit)."""
+    if not config.env.name:
+        yield LocalSampler, functools.partial(sample_and_score, tokenizer=tok, verifier=verifier)
+        return
+    reward_fn = build_rewards(config, verifier).reward_fns["reward"]
+    with EnvRunner(build_env(config, reward_fn=reward_fn)) as runner:
+
+        def episodes(backend, params, data, **kw):
+            return sample_episodes(
+                backend, params, tok, data, verifier,
+                make_turns=lambda rows: build_turns(config, runner, rows, tok), **kw,
+            )  # fmt: skip
+
+        yield (
+            lambda cfg: LocalSampler(cfg, decoder=continuous_decoder(config.rollout, cfg)),
+            (episodes),
         )
 
 
@@ -68,7 +100,9 @@ def evaluate(
         "n": n,
         "seed": config.seed,
     }
-    digest = hashlib.sha256(json.dumps(base_key, sort_keys=True).encode()).hexdigest()[:16]
+    if config.env.name:  # episodes: the environment is part of the sampling
+        base_key["env"] = config.env.to_dict()
+    digest = _digest(base_key)
     base_path = os.path.join(cache_dir, f"base_{digest}.json")
     mesh = sharding.make_mesh(resolve_mesh_shape(config.mesh, jax.device_count()))
     with jax.set_mesh(mesh), sharding.use_rules():
@@ -87,16 +121,19 @@ def evaluate(
             stop_token_ids=eos,
             pad_token_id=pad_id,
         )
-        backends = {model_cfg: LocalSampler(model_cfg)}  # the base's, and a LoRA policy's
-        backends.setdefault(final_cfg, LocalSampler(final_cfg))
         rng = jax.random.fold_in(jax.random.key(config.seed), 0x9A55)
         r = config.reward
-        with Verifier(timeout_s=r.timeout_s, num_workers=r.workers) as verifier:
+        with (
+            Verifier(timeout_s=r.timeout_s, num_workers=r.workers) as verifier,
+            _samplers(config, verifier, tok) as (make_backend, score),
+        ):
+            backends = {model_cfg: make_backend(model_cfg)}  # the base's, and a LoRA policy's
+            backends.setdefault(final_cfg, make_backend(final_cfg))
 
             def correct_counts(p, cfg) -> list[int]:
-                s = sample_and_score(
-                    backends[cfg], p, tok, heldout, verifier, num_samples=n, sampling=sampling,
-                    rng=rng, max_rows=config.eval.max_rows,
+                s = score(
+                    backends[cfg], p, data=heldout, num_samples=n, sampling=sampling, rng=rng,
+                    max_rows=config.eval.max_rows,
                 )  # fmt: skip
                 return s.correct_PxN.sum(-1).astype(int).tolist()
 
@@ -113,15 +150,26 @@ def evaluate(
         temperature=config.eval.temperature,
         top_p=config.eval.top_p,
         seed=config.seed,
+        # The base policy's setup apart from the seed: the arms of a study that share it
+        # share their base row (experiments.aggregate.base_groups).
+        base_setup=_digest({k: v for k, v in base_key.items() if k != "seed"}),
     )
     _write(os.path.join(workdir, passk_file(step)), out)
     return out
 
 
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def heldout_prompts(config, tokenizer):
-    """The run's held-out prompts, in the order `correct_counts` lists them."""
+    """The run's held-out prompts, in the order `correct_counts` lists them (with the tools
+    they offer, as the run renders them)."""
     return data_builders.build_prompt_data(
-        data_builders.run_data_config(config), tokenizer, heldout=True
+        data_builders.run_data_config(config),
+        tokenizer,
+        heldout=True,
+        tools=prompt_tools(config.env),
     )
 
 

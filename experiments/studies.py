@@ -451,6 +451,28 @@ _STUDIES = (
             ),
         ),
     ),
+    # Issue 33 item 6: RL with a calculator against RL without, on the tool task (configs'
+    # `:tools`: chains of 2-6 operations, values to 999) from the same tool-using variant of
+    # the embedded policy (scripts/make_tiny_tool_policy.py). `tool`'s rollouts are episodes
+    # of the `tool` environment (the sandboxed calculator; held-out pass@k over episodes);
+    # `no_tool`'s are single completions of prompts that offer no tools.
+    #   python -m experiments.run tool_use --seeds 5
+    #   python -m experiments.aggregate tool_use
+    Study(
+        "tool_use",
+        "none (issue 33 item 6): with a calculator, RL learns long chains the policy cannot do "
+        "in its head; without one it cannot",
+        (
+            Variant("tool", "grpo", "GRPO on calculator episodes", arg="tools"),
+            Variant(
+                "no_tool",
+                "grpo",
+                "GRPO on single completions, no tools offered",
+                arg="tools",
+                overrides={"env.name": ""},
+            ),
+        ),
+    ),
     # CI's smoke study (tests/test_experiments.py): two cheap variants.
     Study(
         "smoke",

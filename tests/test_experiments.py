@@ -101,12 +101,24 @@ def test_plan_skips_finished_runs_only(tmp_path):
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
 
 
-def test_plan_refuses_a_multi_turn_variant_before_any_run(tmp_path):
-    """passk.py samples single completions: a variant with env.name set is refused up front."""
-    v = studies.Variant("tool", "grpo", "doc", arg="tiny", overrides={"env.name": "tool"})
-    with pytest.raises(ConfigError, match="env.name='tool': experiments/passk.py samples single"):
-        run.plan(studies.Study("s", "claim", (v,)), 1, out=str(tmp_path), steps=2, smoke=True)
-    assert not os.listdir(tmp_path)
+def test_tool_use_study_s_heldout_prompts_offer_the_tools_its_runs_offer():
+    """passk.py evaluates a multi-turn run's episodes on prompts rendered as the run renders
+    them: the `tool` arm's offer the calculator, the `no_tool` arm's do not; both are the same
+    problems, whose chain lengths the aggregation recovers."""
+    from gjax.embedded import resolve_model_path
+    from gjax.models.hf_import import load_tokenizer
+
+    study = studies.get("tool_use")
+    cfgs = {v.name: studies.build_config(study, v, 0) for v in study.variants}
+    assert cfgs["tool"].env.name == "tool" and cfgs["no_tool"].env.name == ""
+    tok = load_tokenizer(resolve_model_path(cfgs["tool"].model.path))
+    held = {k: passk.heldout_prompts(c, tok) for k, c in cfgs.items()}
+    line = "<|im_start|>system\ntools: calculator(expression)<|im_end|>\n"
+    assert all(p.startswith(line) for p in held["tool"].prompts)
+    assert [p.removeprefix(line) for p in held["tool"].prompts] == held["no_tool"].prompts
+    ops = {k: aggregate.heldout_difficulty(c.to_dict()) for k, c in cfgs.items()}
+    assert ops["tool"].tolist() == ops["no_tool"].tolist()
+    assert set(ops["tool"].tolist()) == set(range(2, 7))
 
 
 @pytest.mark.parametrize("command", [run.main, aggregate.main])
@@ -295,6 +307,24 @@ def test_base_row_takes_each_seed_from_a_run_that_has_it():
     assert " 0.300 " in base.split("|")  # pass@1
 
 
+def test_arms_that_sample_different_bases_get_a_base_row_each():
+    """passk.json names its base setup (seed apart): arms that share it share one row, and
+    runs written before it was recorded join the one setup there is; two setups (the tool
+    study's arms: prompts with and without tools) give a row each, with its own figures."""
+    run = lambda seed, setup, base: {
+        "seed": seed, "steps": 2, "pass@1": 0.5, "base_pass@1": base, "base_setup": setup,
+    }  # fmt: skip
+    one = {"a": [run(0, "x", 0.25), run(1, "x", 0.75)], "b": [run(0, None, 0.25)]}
+    assert [(label, len(rs)) for label, rs in aggregate.base_groups(one)] == [("base policy", 3)]
+    two = {"tool": [run(0, "x", 0.25)], "no_tool": [run(0, "y", 0.125)], "c": [run(0, "x", 0.25)]}
+    groups = aggregate.base_groups(two)
+    assert [label for label, _ in groups] == ["base policy (tool, c)", "base policy (no_tool)"]
+    md = aggregate.table(studies.get("smoke"), two)
+    rows = {ln.split("|")[1].strip(): ln.split("|") for ln in md.splitlines()}
+    assert rows["base policy (tool, c)"][5].strip() == "0.250"  # pass@1, after greedy acc
+    assert rows["base policy (no_tool)"][5].strip() == "0.125"
+
+
 def test_pass_at_k_by_difficulty_by_hand():
     ops_P = np.array([2, 2, 3, 4])
     pk = passk.result([4, 0, 1, 0], [4, 2, 0, 1], n=4, step=6, seed=0)
@@ -470,6 +500,32 @@ def test_smoke_study_runs_resumes_and_aggregates(tmp_path):
     head = next(line for line in by_ops if line.startswith("| variant"))
     counts = [int(c.split("(")[1].rstrip(") ")) for c in head.split("|")[2:-1] if "pass@1," in c]
     assert sum(counts) == 16 and len(counts) > 1
+
+
+@pytest.mark.slow
+def test_tool_use_study_runs_episodes_and_gives_each_arm_its_base(tmp_path):
+    """The multi-turn study end to end (1 step, smoke evaluations): the `tool` arm trains and
+    is evaluated on calculator episodes, `no_tool` on single completions; their passk.json
+    name different base setups, so the table has a base row per arm."""
+    out = str(tmp_path / "runs")
+    env = {**os.environ, "PYTHONPATH": USER_PATH, "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "experiments.run", "tool_use", "--seeds", "1", "--steps", "1",
+           "--smoke", "--workers", "2", "--out", out]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pks = {}
+    for v in ("tool", "no_tool"):
+        wd = worker.workdir_of(out, "tool_use", v, 0)
+        pks[v] = json.loads(pathlib.Path(wd, passk.PASSK_FILE).read_text())
+        assert pks[v]["n"] == studies.SMOKE_PASSK_SAMPLES and pks[v]["problems"] == 16
+    assert pks["tool"]["base_setup"] != pks["no_tool"]["base_setup"]
+    summary = json.loads(
+        pathlib.Path(worker.workdir_of(out, "tool_use", "tool", 0), "summary.json").read_text()
+    )
+    assert any("tool_calls" in k for k in summary), sorted(summary)  # held-out episodes
+    md = pathlib.Path(aggregate.aggregate("tool_use", out, str(tmp_path / "r")), "results.md")
+    text = md.read_text()
+    assert "| base policy (tool) |" in text and "| base policy (no_tool) |" in text
 
 
 @pytest.mark.slow

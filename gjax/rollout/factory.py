@@ -54,7 +54,7 @@ def check_paged(config) -> None:
     if not page:
         return
     where = f"config.rollout.kv_page_size={page} (paged KV)"
-    if r.backend != "local" or local_decoder(r.decoder) != "continuous":
+    if r.backend != "local" or localcontinuous_decoder(r.decoder) != "continuous":
         raise ConfigError(
             f"{where} pages the local continuous decoder's KV, but this run samples with "
             f"rollout.backend={r.backend!r}, rollout.decoder={r.decoder!r}. Use "
@@ -75,7 +75,7 @@ def check_paged(config) -> None:
         )
 
 
-def local_decoder(decoder: str) -> str:
+def localcontinuous_decoder(decoder: str) -> str:
     """What `rollout.decoder` decodes with: 'auto' is continuous, on any number of processes
     (several: each decodes its own rows; two processes' rollouts equal one process's bit for
     bit, tests/test_multihost.py)."""
@@ -88,8 +88,10 @@ def make_backend(
     """The backend `config.rollout.backend` names: local (its `rollout.decoder`) | jetstream |
     jetstream_grpc."""
     r = config.rollout
-    if r.backend == "local" and local_decoder(r.decoder) == "continuous":
-        return LocalSampler(model_cfg, decoder=_decoder(r, model_cfg), quantize=r.quantize)
+    if r.backend == "local" and localcontinuous_decoder(r.decoder) == "continuous":
+        return LocalSampler(
+            model_cfg, decoder=continuous_decoder(r, model_cfg), quantize=r.quantize
+        )
     if r.backend == "local":
         return LocalSampler(model_cfg, quantize=r.quantize)
     if config.rollout.backend == "jetstream" and jax.process_count() > 1:
@@ -106,7 +108,7 @@ def make_backend(
     )
 
 
-def _decoder(r, model_cfg: ModelConfig) -> ContinuousDecoder:
+def continuous_decoder(r, model_cfg: ModelConfig) -> ContinuousDecoder:
     """The continuous decoder `config.rollout` describes."""
     return ContinuousDecoder(
         model_cfg,
@@ -130,10 +132,10 @@ def evaluation_backend(config, backend: RolloutBackend, model_cfg: ModelConfig) 
     episodes need one (gjax.evaluation.episodes), a JetStream run's too (its greedy turns
     equal the server's; the server's sampling is the rollout's alone)."""
     if config.env.name and not isinstance(backend, LocalSampler):
-        return LocalSampler(model_cfg, decoder=_decoder(config.rollout, model_cfg))
+        return LocalSampler(model_cfg, decoder=continuous_decoder(config.rollout, model_cfg))
     if config.rollout.max_staleness > 0 and not isinstance(backend, LocalSampler):
         return LocalSampler(model_cfg)
     if isinstance(backend, LocalSampler) and backend.quantize != "none":
-        decoder = _decoder(config.rollout, model_cfg) if config.env.name else None
+        decoder = continuous_decoder(config.rollout, model_cfg) if config.env.name else None
         return LocalSampler(model_cfg, decoder=decoder)
     return backend
