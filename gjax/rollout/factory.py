@@ -54,7 +54,7 @@ def check_paged(config) -> None:
     if not page:
         return
     where = f"config.rollout.kv_page_size={page} (paged KV)"
-    if r.backend != "local" or localcontinuous_decoder(r.decoder) != "continuous":
+    if r.backend != "local" or local_decoder(r.decoder) != "continuous":
         raise ConfigError(
             f"{where} pages the local continuous decoder's KV, but this run samples with "
             f"rollout.backend={r.backend!r}, rollout.decoder={r.decoder!r}. Use "
@@ -75,7 +75,7 @@ def check_paged(config) -> None:
         )
 
 
-def localcontinuous_decoder(decoder: str) -> str:
+def local_decoder(decoder: str) -> str:
     """What `rollout.decoder` decodes with: 'auto' is continuous, on any number of processes
     (several: each decodes its own rows; two processes' rollouts equal one process's bit for
     bit, tests/test_multihost.py)."""
@@ -88,7 +88,7 @@ def make_backend(
     """The backend `config.rollout.backend` names: local (its `rollout.decoder`) | jetstream |
     jetstream_grpc."""
     r = config.rollout
-    if r.backend == "local" and localcontinuous_decoder(r.decoder) == "continuous":
+    if r.backend == "local" and local_decoder(r.decoder) == "continuous":
         return LocalSampler(
             model_cfg, decoder=continuous_decoder(r, model_cfg), quantize=r.quantize
         )
