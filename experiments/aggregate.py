@@ -334,10 +334,9 @@ def run_figures(run: dict) -> dict[str, float]:
         if vals:
             out[key] = float(np.mean(vals))
     head = rows[: len(tail)]
-    for p in COV_PERCENTILES:
-        key = f"cov/abs_{p}"
+    for key in (*(f"cov/abs_{p}" for p in COV_PERCENTILES), *EPISODE_COLS):
         for when, part in (("start", head), ("end", tail)):
-            vals = [r[key] for r in part if r.get(key) is not None]
+            vals = [_per_episode(r, key, run) for r in part if r.get(key) is not None]
             if vals:
                 out[f"{key}@{when}"] = float(np.mean(vals))
     return out
@@ -659,6 +658,50 @@ def paired_tests_table(figures: dict[str, list[dict]], study=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _per_episode(row: dict, key: str, run: dict) -> float:
+    """A step's figure; the episode counts of `EPISODE_COUNTS` (the step's sums) per episode
+    rolled out (rollout rounds x P x G, those a limit cut included)."""
+    if key not in EPISODE_COUNTS:
+        return row[key]
+    r = run["config"].get("rollout", {})
+    rows = row.get("sampling/rollouts", 1) * r.get("prompts_per_step", 1) * r.get("num_samples", 1)
+    return row[key] / rows
+
+
+# A multi-turn run's training episodes: gjax.rollout.episodes logs turns per episode and, of
+# the rest, the step's counts (`EPISODE_COUNTS`, divided by the step's episodes).
+EPISODE_COUNTS = ("env/tool_calls", "env/tool_errors", "env/truncated")
+EPISODE_COLS = {
+    "env/turns_per_episode": "turns",
+    "env/tool_calls": "tool calls",
+    "env/tool_errors": "tool errors",
+    "env/truncated": "truncated",
+}
+
+
+def episode_table(figures: dict[str, list[dict]]) -> str:
+    """Per variant, each training-episode figure (`EPISODE_COLS`, per episode) at the start
+    -> at the end of training (means over the first / last 10 % of steps, then ± over seeds);
+    "" when no run trained on episodes."""
+    every = [f for runs in figures.values() for f in runs]
+    if not any(f"{key}@end" in f for f in every for key in EPISODE_COLS):
+        return ""
+    head = ["variant", *EPISODE_COLS.values()]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name, runs in figures.items():
+        cells = [name]
+        for key in EPISODE_COLS:
+            start, _, _ = mean_ci([f.get(f"{key}@start") for f in runs])
+            end, half, _ = mean_ci([f.get(f"{key}@end") for f in runs])
+            cells.append(
+                "–"
+                if math.isnan(end)
+                else f"{fmt_ci(start, math.nan, '.3g')} -> {fmt_ci(end, half, '.3g')}"
+            )
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def cov_table(figures: dict[str, list[dict]]) -> str:
     """CW-GRPO Table 1's form: per variant, each |covariance| percentile at the start -> at
     the end of training (means over the first / last 10 % of steps, then over seeds), and the
@@ -962,6 +1005,13 @@ def results_md(study, figs: dict[str, list[dict]], *, equal_section: str = "") -
             "\nCovariance of log-prob and advantage per token (CW-GRPO Table 1's form, "
             "`cov/*`): percentiles of its absolute value, the mean over the first 10 % of "
             "steps -> over the last 10 % (± over seeds).\n\n" + cov
+        )
+    episodes = episode_table(figs)
+    if episodes:
+        md += (
+            "\nTraining episodes (multi-turn arms): per episode, the mean over the first 10 % "
+            "of steps -> over the last 10 % (± over seeds); tool errors of every kind, "
+            "truncated: the share of episodes a limit ended.\n\n" + episodes
         )
     by_ops = difficulty_table(figs)
     if by_ops:

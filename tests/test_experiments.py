@@ -560,3 +560,22 @@ def test_sigterm_to_the_runner_stops_its_workers_with_a_checkpoint(tmp_path):
     for pid in filter(str.isdigit, os.listdir("/proc")):  # the worker is gone too
         with contextlib.suppress(OSError):
             assert out not in pathlib.Path(f"/proc/{pid}/cmdline").read_text(), pid
+
+
+def test_episode_table_by_hand():
+    """Turns per episode as logged; tool calls, errors and truncations (the step's counts)
+    per episode rolled out: P x G = 16 rows a step, 10 steps, first / last step = 10 %."""
+    rows = [
+        {"step": i + 1, "env/turns_per_episode": 1.0 + i / 10, "env/tool_calls": 8.0 * i,
+         "env/tool_errors": 2.0, "env/truncated": 4.0, "env/episodes_done": 12.0}
+        for i in range(10)
+    ]  # fmt: skip
+    run = {"rows": rows, "summary": {}, "passk": None}
+    run["config"] = {"rollout": {"prompts_per_step": 2, "num_samples": 8}}
+    f = aggregate.run_figures(run)
+    assert f["env/tool_calls@start"] == 0.0 and f["env/tool_calls@end"] == 72 / 16
+    assert f["env/turns_per_episode@end"] == 1.9 and f["env/truncated@end"] == 0.25
+    md = aggregate.episode_table({"tool": [f], "no_tool": [{"seed": 0}]})
+    assert "| tool | 1 -> 1.9 | 0 -> 4.5 | 0.125 -> 0.125 | 0.25 -> 0.25 |" in md
+    assert "| no_tool | – | – | – | – |" in md
+    assert aggregate.episode_table({"grpo": [{"seed": 0}]}) == ""
