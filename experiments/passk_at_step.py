@@ -34,7 +34,7 @@ def main(argv=None) -> None:
         res = passk.read_result(os.path.join(wd, passk.passk_file(args.step))) or passk.evaluate(
             studies.build_config(study, variant, seed),
             wd,
-            num_samples=studies.passk_samples(False),
+            num_samples=studies.passk_samples(False, study),
             cache_dir=os.path.join(args.out, "_base"),
             step=args.step,
         )

@@ -57,7 +57,7 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
             done = (
                 marker is not None
                 and marker["steps"] == config.train.steps
-                and (marker["passk_samples"] == studies.passk_samples(smoke))
+                and (marker["passk_samples"] == studies.passk_samples(smoke, study))
             )
             runs.append((v.name, seed, wd, done))
     if stale:

@@ -73,6 +73,8 @@ class Study:
     variants: tuple[Variant, ...]
     # Overrides every variant of the study shares, applied before each variant's own.
     overrides: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    # Held-out samples per problem of the final and base pass@k (experiments/passk.py).
+    passk_samples: int = PASSK_SAMPLES
 
     def __post_init__(self):
         names = [v.name for v in self.variants]
@@ -472,6 +474,9 @@ _STUDIES = (
                 overrides={"env.name": ""},
             ),
         ),
+        # An episode costs ~4x a headroom completion (a call, the tool's turn, the answer)
+        # and each arm has its own base: pass@16, not 64, keeps a run under ~25 minutes.
+        passk_samples=16,
     ),
     # CI's smoke study (tests/test_experiments.py): two cheap variants.
     Study(
@@ -493,8 +498,12 @@ def get(name: str) -> Study:
     return STUDIES[name]
 
 
-def passk_samples(smoke: bool) -> int:
-    return SMOKE_PASSK_SAMPLES if smoke else PASSK_SAMPLES
+def passk_samples(smoke: bool, study: Study | None = None) -> int:
+    """The final and base pass@k's samples per problem: the study's (default 64), or the
+    smoke evaluations'."""
+    if smoke:
+        return SMOKE_PASSK_SAMPLES
+    return study.passk_samples if study is not None else PASSK_SAMPLES
 
 
 def build_config(

@@ -42,7 +42,7 @@ def run_one(args) -> int:
     if signum is not None:
         return 128 + signum  # stopped early, checkpoint saved: the next invocation resumes
     t_train = time.time() - t0
-    n = studies.passk_samples(args.smoke)
+    n = studies.passk_samples(args.smoke, study)
     passk.evaluate(config, workdir, num_samples=n, cache_dir=os.path.join(args.out, "_base"))
     write_done(
         workdir,
