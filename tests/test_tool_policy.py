@@ -131,3 +131,38 @@ def test_checkpoint_carries_the_tool_tokenizer_and_template():
     with open(os.path.join(PATH, "warmup.json")) as f:
         last = json.load(f)["log"][-1]
     assert {"call_fraction", "copied_fraction", "tools_accuracy", "no_tools_accuracy"} <= set(last)
+
+
+def test_policy_leaves_room_for_rl_with_the_tool():
+    """Sampled as the study's runs sample it (T = 0.7, episodes of the `tool` environment with
+    the sandboxed calculator, through experiments/passk.py's episode path): the policy calls
+    the calculator on a minority of episodes, and an episode that calls it is right far more
+    often than one that does not -- the behaviour RL with tools can discover."""
+    import jax
+
+    from experiments import passk
+    from gjax.data.builders import build_prompt_data, run_data_config
+    from gjax.rewards.verifier import Verifier
+    from gjax.rollout import SamplingParams
+
+    c = _config()
+    c.data.heldout_size = 64
+    model_cfg, params = hf_import.load_pretrained(PATH)
+    tok = hf_import.load_tokenizer(PATH)
+    data = build_prompt_data(run_data_config(c), tok, heldout=True, tools=prompt_tools(c.env))
+    sampling = SamplingParams(
+        max_new_tokens=c.rollout.max_new_tokens,
+        temperature=0.7,
+        stop_token_ids=tuple(model_cfg.eos_token_id),
+        pad_token_id=tok.pad_token_id,
+    )
+    with Verifier(timeout_s=5.0, num_workers=1) as verifier:
+        with passk._samplers(c, verifier, tok) as (make_backend, score):
+            s = score(
+                make_backend(model_cfg), params, data=data, num_samples=4, sampling=sampling,
+                rng=jax.random.key(0),
+            )  # fmt: skip
+    called = s.tool_calls_PxN > 0
+    assert 0.05 < called.mean() < 0.6, called.mean()
+    right = s.correct_PxN.astype(bool)
+    assert right[called].mean() > right[~called].mean() + 0.3
