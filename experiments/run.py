@@ -40,8 +40,9 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     starts afresh, as the trainer would."""
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
     runs, stale = [], []
-    for v in chosen:
-        for seed in range(seeds):
+    # Seed-major: a study stopped part-way has every arm at the seeds it finished (pairs).
+    for seed in range(seeds):
+        for v in chosen:
             config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
             passk.check(config)  # before any run starts, not after its training
             wd = workdir_of(out, study.name, v.name, seed)

@@ -140,14 +140,15 @@ def test_plan_refuses_runs_trained_with_another_config(tmp_path):
     config = studies.build_config(study, study.variant("grpo"), 1, steps=2, smoke=True)
     config.log.eval_every = 7  # cadences may differ
     config_record.write(wd, config)
-    assert run.plan(study, 2, out=out, steps=2, smoke=True)[1][3]  # (grpo, 1) done
+    done = lambda: {(v, s): d for v, s, _, d in run.plan(study, 2, out=out, steps=2, smoke=True)}
+    assert done()["grpo", 1]
     # finished at a sampling budget the study does not give it (a HARMLESS field for resumes)
     marker = dict(steps=2, passk_samples=studies.passk_samples(True))
     worker.write_done(wd, **marker, max_sampled_tokens=1000)
     with pytest.raises(ConfigError, match=r"seed_1: train.max_sampled_tokens: 1000 -> 0"):
         run.plan(study, 2, out=out, steps=2, smoke=True)
     worker.write_done(wd, **marker, max_sampled_tokens=0)
-    assert run.plan(study, 2, out=out, steps=2, smoke=True)[1][3]
+    assert done()["grpo", 1]
     config.train.minibatches = 1 if config.train.minibatches != 1 else 2
     config_record.write(wd, config)
     with pytest.raises(ConfigError, match=r"smoke/grpo/seed_1: train.minibatches"):

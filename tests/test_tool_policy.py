@@ -156,12 +156,14 @@ def test_policy_leaves_room_for_rl_with_the_tool():
         stop_token_ids=tuple(model_cfg.eos_token_id),
         pad_token_id=tok.pad_token_id,
     )
-    with Verifier(timeout_s=5.0, num_workers=1) as verifier:
-        with passk._samplers(c, verifier, tok) as (make_backend, score):
-            s = score(
-                make_backend(model_cfg), params, data=data, num_samples=4, sampling=sampling,
-                rng=jax.random.key(0),
-            )  # fmt: skip
+    with (
+        Verifier(timeout_s=5.0, num_workers=1) as verifier,
+        passk._samplers(c, verifier, tok) as (make_backend, score),
+    ):
+        s = score(
+            make_backend(model_cfg), params, data=data, num_samples=4, sampling=sampling,
+            rng=jax.random.key(0),
+        )  # fmt: skip
     called = s.tool_calls_PxN > 0
     assert 0.05 < called.mean() < 0.6, called.mean()
     right = s.correct_PxN.astype(bool)
