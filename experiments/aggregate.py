@@ -379,10 +379,10 @@ def difficulty_figures(run: dict, ops_P: np.ndarray | None) -> dict[str, float]:
 def base_groups(figures: dict[str, list[dict]]) -> list[tuple[str, list[dict]]]:
     """The base policies a study's arms sample, as (row label, the runs of the arms that
     sample it): one, "base policy", where the runs' passk.json name at most one base setup
-    (`experiments.passk`: the model, the held-out prompts, the sampling, the environment;
-    runs written before it was recorded name none and join it) -- the usual case; else one
-    per setup, "base policy (arm, ...)" (arms that prompt or roll out the base differently,
-    e.g. with and without tools), runs naming none in a row of their own."""
+    (`experiments.passk.base_setup`; runs from before it was recorded name none and join
+    it) -- the usual case; else one per setup, "base policy (arm, ...)" (arms that prompt or
+    roll out the base differently, e.g. with and without tools), runs naming none in a row
+    of their own."""
     every = [f for fs in figures.values() for f in fs]
     if len({f.get("base_setup") for f in every} - {None}) <= 1:
         return [("base policy", every)]
@@ -659,13 +659,13 @@ def paired_tests_table(figures: dict[str, list[dict]], study=None) -> str:
 
 
 def _per_episode(row: dict, key: str, run: dict) -> float:
-    """A step's figure; the episode counts of `EPISODE_COUNTS` (the step's sums) per episode
-    rolled out (rollout rounds x P x G, those a limit cut included)."""
+    """A step's figure; the episode counts of `EPISODE_COUNTS` per episode rolled out. They
+    are sums over the P x G episodes of the step's last rollout round (a step's rounds add up
+    their time and sampled tokens only, gjax.rollout.collect), those a limit cut included."""
     if key not in EPISODE_COUNTS:
         return row[key]
     r = run["config"].get("rollout", {})
-    rows = row.get("sampling/rollouts", 1) * r.get("prompts_per_step", 1) * r.get("num_samples", 1)
-    return row[key] / rows
+    return row[key] / (r.get("prompts_per_step", 1) * r.get("num_samples", 1))
 
 
 # A multi-turn run's training episodes: gjax.rollout.episodes logs turns per episode and, of
@@ -793,9 +793,21 @@ def figures(runs: dict[str, list[dict]], out_dir: str) -> list[str]:
         final = [[r["passk"]["final"][f"pass@{k}"] for k in ks] for r in rs if r["passk"]]
         if final:
             _plot_band(ax, *band([(ks, np.asarray(y)) for y in final]), f"C{i}", name)
-    base = {p["seed"]: [p["base"][f"pass@{k}"] for k in ks] for p in every}  # one per seed
-    if base:
-        _plot_band(ax, *band([(ks, np.asarray(y)) for y in base.values()]), "k", "base", "--")
+    by_arm = {
+        name: [
+            {"seed": r["passk"]["seed"], "base_setup": r["passk"].get("base_setup"),
+             "pk": r["passk"]}
+            for r in rs if r["passk"] is not None
+        ]
+        for name, rs in runs.items()
+    }  # fmt: skip
+    styles = ("--", ":", "-.")
+    for j, (label, members) in enumerate(base_groups(by_arm)):
+        base = {m["seed"]: [m["pk"]["base"][f"pass@{k}"] for k in ks] for m in members}
+        if base:  # one per seed
+            series = [(ks, np.asarray(y)) for y in base.values()]
+            name = "base" + label.removeprefix("base policy")
+            _plot_band(ax, *band(series), "k", name, styles[j % len(styles)])
     ax.set_xscale("log", base=2)
     ticks = [k for k in ks if k & (k - 1) == 0]
     ax.set_xticks(ticks, [str(k) for k in ticks])

@@ -34,7 +34,8 @@ from gjax.evaluation.episodes import sample_episodes
 from gjax.evaluation.metrics import pass_at_k
 from gjax.evaluation.sampling import sample_and_score
 from gjax.models import hf_import, lora
-from gjax.rewards.pipeline import build_rewards
+from gjax.rewards.functions import build_reward
+from gjax.rewards.pipeline import reward_specs
 from gjax.rewards.verifier import Verifier
 from gjax.rollout import LocalSampler, SamplingParams
 from gjax.rollout.backend import stop_and_pad
@@ -53,13 +54,11 @@ def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
 
 
 def check(config) -> None:
-    """Fails fast on a run this evaluation would misjudge: episodes run on the local
-    continuous decoder in one process (as a run's held-out episodes do)."""
-    if config.env.name and jax.process_count() > 1:
-        raise ConfigError(
-            f"config.env.name={config.env.name!r}: experiments/passk.py samples a multi-turn "
-            "run's episodes in one process; run it with one process"
-        )
+    """Fails fast, from the config alone (the runner calls it before any run, in a process
+    that must not start a backend), on a run this evaluation would misjudge: none so far
+    (a multi-turn run's episodes are evaluated; `evaluate` itself refuses several
+    processes for them)."""
+    del config
 
 
 @contextlib.contextmanager
@@ -69,7 +68,9 @@ def _samplers(config, verifier, tok):
     if not config.env.name:
         yield LocalSampler, functools.partial(sample_and_score, tokenizer=tok, verifier=verifier)
         return
-    reward_fn = build_rewards(config, verifier).reward_fns["reward"]
+    # The run's combined reward (the environment scores a final turn with it); no judge: an
+    # episode's correctness is the verifier's alone.
+    reward_fn = build_reward(reward_specs(config.reward.functions), verifier=verifier)
     with EnvRunner(build_env(config, reward_fn=reward_fn)) as runner:
 
         def episodes(backend, params, data, **kw):
@@ -91,17 +92,13 @@ def evaluate(
     top-p) with the base params and with the last checkpoint's (or `step`'s); writes and
     returns passk.json (`passk_file(step)`). `check` first."""
     check(config)
+    if config.env.name and jax.process_count() > 1:
+        raise ConfigError(
+            f"config.env.name={config.env.name!r}: experiments/passk.py samples a multi-turn "
+            "run's episodes in one process; run it with one process"
+        )
     n = num_samples
-    data_cfg = data_builders.run_data_config(config)
-    base_key = {
-        "model": [config.model.path, config.model.dtype, config.model.param_dtype],
-        "data": data_cfg,
-        "sampling": [config.rollout.max_new_tokens, config.eval.temperature, config.eval.top_p],
-        "n": n,
-        "seed": config.seed,
-    }
-    if config.env.name:  # episodes: the environment is part of the sampling
-        base_key["env"] = config.env.to_dict()
+    base_key = _base_key(config, n)
     digest = _digest(base_key)
     base_path = os.path.join(cache_dir, f"base_{digest}.json")
     mesh = sharding.make_mesh(resolve_mesh_shape(config.mesh, jax.device_count()))
@@ -150,12 +147,37 @@ def evaluate(
         temperature=config.eval.temperature,
         top_p=config.eval.top_p,
         seed=config.seed,
-        # The base policy's setup apart from the seed: the arms of a study that share it
-        # share their base row (experiments.aggregate.base_groups).
-        base_setup=_digest({k: v for k, v in base_key.items() if k != "seed"}),
+        base_setup=base_setup(config),
     )
     _write(os.path.join(workdir, passk_file(step)), out)
     return out
+
+
+def _base_key(config, n: int) -> dict:
+    """What the base policy's samples depend on (the cache's key)."""
+    key = {
+        "model": [config.model.path, config.model.dtype, config.model.param_dtype],
+        "data": data_builders.run_data_config(config),
+        "sampling": [config.rollout.max_new_tokens, config.eval.temperature, config.eval.top_p],
+        "n": n,
+        "seed": config.seed,
+    }
+    if config.env.name:  # episodes: the environment is part of the sampling
+        key["env"] = config.env.to_dict()
+    return key
+
+
+def base_setup(config) -> str:
+    """The base policy's setup, which arms of a study that share it share their base row by
+    (experiments.aggregate.base_groups): its samples' key less what varies by seed (the
+    sampling seed, the training data's shuffle) or does not reach the held-out prompts (the
+    demonstration column)."""
+    key = _base_key(config, 0)
+    del key["n"], key["seed"]
+    key["data"] = {
+        k: v for k, v in key["data"].items() if k not in ("shuffle_seed", "demonstration_field")
+    }
+    return _digest(key)
 
 
 def _digest(obj) -> str:

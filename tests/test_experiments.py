@@ -580,3 +580,15 @@ def test_episode_table_by_hand():
     assert "| tool | 1 -> 1.9 | 0 -> 4.5 | 0.125 -> 0.125 | 0.25 -> 0.25 |" in md
     assert "| no_tool | – | – | – | – |" in md
     assert aggregate.episode_table({"grpo": [{"seed": 0}]}) == ""
+
+
+def test_base_setup_is_the_same_across_seeds_and_anchors_and_differs_with_tools():
+    """passk.json's base setup: the seed (samples, data shuffle) and a demonstration column
+    the held-out prompts do not read leave it; offering tools changes it."""
+    setup = lambda study, v, seed: passk.base_setup(
+        studies.build_config(studies.get(study), studies.get(study).variant(v), seed)
+    )
+    assert setup("dagrpo", "delta_3", 0) == setup("dagrpo", "delta_3", 3)
+    assert setup("dagrpo", "delta_3", 0) == setup("dagrpo", "no_anchors", 1)
+    assert setup("tool_use", "tool", 0) == setup("tool_use", "tool", 2)
+    assert setup("tool_use", "tool", 0) != setup("tool_use", "no_tool", 0)

@@ -48,8 +48,8 @@ CHAT_TEMPLATE = (
 )
 
 # ChatML with Qwen2.5's tool turns, its `# Tools` block replaced by one line the tiny policy
-# can afford in its 256 positions ("tools: calculator(expression)", ~30 tokens instead of
-# ~760): with `tools`, that line is the system turn (after the system message's text, if any);
+# can afford in its 256 positions ("tools: calculator(expression)": its system turn is 39
+# tokens, gjax's `# Tools` block ~760): with `tools`, that line is the system turn (after the system message's text, if any);
 # an assistant message's `tool_calls` follow its text as `<tool_call>\n{json}\n</tool_call>`;
 # consecutive `tool` messages share one user turn of `\n<tool_response>\n...\n</tool_response>`
 # parts, as gjax.envs.tool_calls.tool_turn writes them.
