@@ -679,6 +679,16 @@ EPISODE_COLS = {
 }
 
 
+def start_to_end(runs: list[dict], key: str) -> str:
+    """ "start -> end ± half-width" of a figure's `key@start` / `key@end` means over the runs
+    (seeds); "–" where no run has an end."""
+    start, _, _ = mean_ci([f.get(f"{key}@start") for f in runs])
+    end, half, _ = mean_ci([f.get(f"{key}@end") for f in runs])
+    if math.isnan(end):
+        return "–"
+    return f"{fmt_ci(start, math.nan, '.3g')} -> {fmt_ci(end, half, '.3g')}"
+
+
 def episode_table(figures: dict[str, list[dict]]) -> str:
     """Per variant, each training-episode figure (`EPISODE_COLS`, per episode) at the start
     -> at the end of training (means over the first / last 10 % of steps, then ± over seeds);
@@ -690,14 +700,7 @@ def episode_table(figures: dict[str, list[dict]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, runs in figures.items():
         cells = [name]
-        for key in EPISODE_COLS:
-            start, _, _ = mean_ci([f.get(f"{key}@start") for f in runs])
-            end, half, _ = mean_ci([f.get(f"{key}@end") for f in runs])
-            cells.append(
-                "–"
-                if math.isnan(end)
-                else f"{fmt_ci(start, math.nan, '.3g')} -> {fmt_ci(end, half, '.3g')}"
-            )
+        cells += [start_to_end(runs, key) for key in EPISODE_COLS]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -713,14 +716,7 @@ def cov_table(figures: dict[str, list[dict]]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, runs in figures.items():
         cells = [name]
-        for p in COV_PERCENTILES:
-            start, _, _ = mean_ci([f.get(f"cov/abs_{p}@start") for f in runs])
-            end, half, _ = mean_ci([f.get(f"cov/abs_{p}@end") for f in runs])
-            cells.append(
-                "–"
-                if math.isnan(end)
-                else f"{fmt_ci(start, math.nan, '.3g')} -> {fmt_ci(end, half, '.3g')}"
-            )
+        cells += [start_to_end(runs, f"cov/abs_{p}") for p in COV_PERCENTILES]
         ratio = [
             f[f"cov/abs_{COV_PERCENTILES[-1]}@end"] / f[f"cov/abs_{COV_PERCENTILES[0]}@end"]
             for f in runs
