@@ -381,15 +381,17 @@ def base_groups(figures: dict[str, list[dict]]) -> list[tuple[str, list[dict]]]:
     sample it): one, "base policy", where the runs' passk.json name at most one base setup
     (`experiments.passk.base_setup`; runs from before it was recorded name none and join
     it) -- the usual case; else one per setup, "base policy (arm, ...)" (arms that prompt or
-    roll out the base differently, e.g. with and without tools), runs naming none in a row
-    of their own."""
+    roll out the base differently, e.g. with and without tools), where a run naming none (one
+    still training) has no base to add."""
     every = [f for fs in figures.values() for f in fs]
     if len({f.get("base_setup") for f in every} - {None}) <= 1:
         return [("base policy", every)]
-    groups: dict[str | None, tuple[list[str], list[dict]]] = {}
+    groups: dict[str, tuple[list[str], list[dict]]] = {}
     for name, runs in figures.items():
         for f in runs:
-            names, members = groups.setdefault(f.get("base_setup"), ([], []))
+            if f.get("base_setup") is None:
+                continue
+            names, members = groups.setdefault(f["base_setup"], ([], []))
             members.append(f)
             if name not in names:
                 names.append(name)

@@ -318,6 +318,7 @@ def test_arms_that_sample_different_bases_get_a_base_row_each():
     one = {"a": [run(0, "x", 0.25), run(1, "x", 0.75)], "b": [run(0, None, 0.25)]}
     assert [(label, len(rs)) for label, rs in aggregate.base_groups(one)] == [("base policy", 3)]
     two = {"tool": [run(0, "x", 0.25)], "no_tool": [run(0, "y", 0.125)], "c": [run(0, "x", 0.25)]}
+    two["no_tool"].append({"seed": 1, "steps": 1})  # still training: no base of its own
     groups = aggregate.base_groups(two)
     assert [label for label, _ in groups] == ["base policy (tool, c)", "base policy (no_tool)"]
     md = aggregate.table(studies.get("smoke"), two)
