@@ -53,14 +53,6 @@ def pass_at_ks(correct_P: np.ndarray, n: int) -> dict[str, float]:
     }
 
 
-def check(config) -> None:
-    """Fails fast, from the config alone (the runner calls it before any run, in a process
-    that must not start a backend), on a run this evaluation would misjudge: none so far
-    (a multi-turn run's episodes are evaluated; `evaluate` itself refuses several
-    processes for them)."""
-    del config
-
-
 @contextlib.contextmanager
 def _samplers(config, verifier, tok):
     """(backend for a model config, scorer(backend, params, data, **kw) -> Samples): single
@@ -79,10 +71,10 @@ def _samplers(config, verifier, tok):
                 make_turns=lambda rows: build_turns(config, runner, rows, tok), **kw,
             )  # fmt: skip
 
-        yield (
-            lambda cfg: LocalSampler(cfg, decoder=continuous_decoder(config.rollout, cfg)),
-            (episodes),
-        )
+        def backend(cfg):
+            return LocalSampler(cfg, decoder=continuous_decoder(config.rollout, cfg))
+
+        yield backend, episodes
 
 
 def evaluate(
@@ -90,8 +82,7 @@ def evaluate(
 ) -> dict:
     """Samples `num_samples` completions per held-out problem (the run's eval temperature and
     top-p) with the base params and with the last checkpoint's (or `step`'s); writes and
-    returns passk.json (`passk_file(step)`). `check` first."""
-    check(config)
+    returns passk.json (`passk_file(step)`)."""
     if config.env.name and jax.process_count() > 1:
         raise ConfigError(
             f"config.env.name={config.env.name!r}: experiments/passk.py samples a multi-turn "

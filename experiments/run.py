@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 
-from experiments import passk, studies
+from experiments import studies
 from experiments.worker import read_done, workdir_of
 from gjax import compile_cache, config_record
 from gjax.errors import ConfigError, run_cli
@@ -44,7 +44,6 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     for seed in range(seeds):
         for v in chosen:
             config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
-            passk.check(config)  # before any run starts, not after its training
             wd = workdir_of(out, study.name, v.name, seed)
             marker = read_done(wd)
             trained = marker is not None or _has_checkpoint(wd)
