@@ -114,6 +114,22 @@ def sft_loss(params, cfg, b):
     return -(logps * m).sum() / m.sum()
 
 
+def sft_step(cfg, lr: float, steps: int):
+    """(the warm-up's AdamW, its jitted step (params, opt, batch) -> (params, opt, loss)):
+    a 20-step warmup to `lr`, cosine decay over `steps`."""
+    tx = optax.adamw(
+        optax.warmup_cosine_decay_schedule(0.0, lr, 20, steps), 0.9, 0.98, weight_decay=0.01
+    )
+
+    @jax.jit
+    def step(params, opt, b):
+        loss, g = jax.value_and_grad(sft_loss)(params, cfg, b)
+        upd, opt = tx.update(g, opt, params)
+        return optax.apply_updates(params, upd), opt, loss
+
+    return tx, step
+
+
 def evaluate(params, cfg, tok, problems) -> dict:
     """Greedy held-out accuracy, and the share of answers given with worked steps."""
     _, (p_ids, p_mask) = encode(tok, problems)
@@ -154,20 +170,9 @@ def main():
     task = synthetic.SyntheticConfig(**EMBEDDED_TASK)
     train = synthetic.generate(args.steps * args.batch, "train", seed=args.seed + 1, config=task)
     heldout = synthetic.generate(256, "test", seed=args.seed + 2, config=task)
-    tx = optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps),
-        0.9,
-        0.98,
-        weight_decay=0.01,
-    )
+    tx, step = sft_step(cfg, args.lr, args.steps)
     opt = tx.init(params)
     bare = np.random.default_rng(args.seed + 3).random(len(train)) < args.bare_fraction
-
-    @jax.jit
-    def step(params, opt, b):
-        loss, g = jax.value_and_grad(sft_loss)(params, cfg, b)
-        upd, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
 
     t0 = time.time()
     log = []

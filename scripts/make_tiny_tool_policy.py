@@ -46,12 +46,11 @@ import time
 
 import jax
 import numpy as np
-import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from make_tiny_policy import sft_loss  # noqa: E402
+from make_tiny_policy import sft_step  # noqa: E402
 
 from configs.common import TOOL_TASK  # noqa: E402
 from gjax.data import synthetic  # noqa: E402
@@ -245,19 +244,8 @@ def main():
     calls = with_tools & (rng.random(len(train)) < args.call_fraction)
     bare = rng.random(len(train)) < args.bare_fraction
     styles = np.where(calls, "call", np.where(bare, "bare", "worked"))
-    tx = optax.adamw(
-        optax.warmup_cosine_decay_schedule(0.0, args.lr, 20, args.steps),
-        0.9,
-        0.98,
-        weight_decay=0.01,
-    )
+    tx, step = sft_step(cfg, args.lr, args.steps)
     opt = tx.init(params)
-
-    @jax.jit
-    def step(params, opt, b):
-        loss, g = jax.value_and_grad(sft_loss)(params, cfg, b)
-        upd, opt = tx.update(g, opt, params)
-        return optax.apply_updates(params, upd), opt, loss
 
     t0 = time.time()
     log = [{"step": 0, **evaluate(params, cfg, enc, heldout)}]
