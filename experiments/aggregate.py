@@ -18,7 +18,8 @@ committed): every table but the equal-cost one, which is kept from the old resul
     python -m experiments.aggregate STUDY --from_results experiments/results/STUDY --add \
         --runs RUNS
 
-adds the variants RUNS holds (arms run after the others) to that runs.json first.
+adds the runs RUNS holds (arms run after the others, or later seeds of committed arms:
+`experiments.run --first_seed`) to that runs.json first.
 
 The paired table's statistics: per cell the paired t test's p, Holm-adjusted over the study's
 paired cells (a verdict is drawn from all of them); TOST equivalence against
@@ -900,13 +901,11 @@ def rerender(
     one, which needs each run's evaluations over steps (not in runs.json) and is carried over
     from the results.md there, if it has one. Returns RESULTS_DIR.
 
-    `add_runs`: a runs dir holding some of the study's variants (arms added to a study after
-    its other runs, whose directories are gone): their finished runs' figures join those of
-    runs.json, written back in the study's variant order, and every table (the paired tests
-    and Holm's correction included) is drawn from the union; the figures (their curves are
-    not in runs.json) and the equal-cost table stay as they were. A variant runs.json has
-    already is refused (its committed seeds would be lost to whatever the runs dir holds),
-    unless `replace`: then the runs dir's finished runs of it replace it whole."""
+    `add_runs`: a runs dir holding runs made after the committed ones (new arms, or later
+    seeds of committed arms), whose directories are gone: their finished runs' figures join
+    those of runs.json (`join_runs`), written back, and every table (the paired tests and
+    Holm's correction included) is drawn from the union; the figures (their curves are not
+    in runs.json) and the equal-cost table stay as they were."""
     study = studies.get(study_name)
     path = os.path.join(results_dir, "runs.json")
     figs = _json(path)
@@ -924,16 +923,8 @@ def rerender(
             "wrote it"
         )
     if add_runs is not None:
-        added = runs_figures(load_runs(add_runs, study, finished_only=True))
-        again = [name for name in added if name in figs]
-        if again and not replace:
-            raise UserError(
-                f"{path} has variants {', '.join(again)} already; {add_runs} holds runs of "
-                "them too. Adding would replace their committed seeds: pass --replace to do "
-                "that, or move those runs out of the runs dir to add only the new arms."
-            )
-        figs = {v.name: added.get(v.name, figs.get(v.name)) for v in study.variants}
-        figs = {name: f for name, f in figs.items() if f}
+        figs = join_runs(figs, runs_figures(load_runs(add_runs, study, finished_only=True)),
+                         study, path=path, add_runs=add_runs, replace=replace)  # fmt: skip
         with open(path, "w") as f:
             json.dump(figs, f, indent=1)
     md_path = os.path.join(results_dir, "results.md")
@@ -948,6 +939,40 @@ def rerender(
     if readme is not None:
         write_readme_block(readme, study.name, table(study, figs, only=HEADLINE_COLS))
     return results_dir
+
+
+def join_runs(
+    figs: dict[str, list[dict]],
+    added: dict[str, list[dict]],
+    study,
+    *,
+    path: str,
+    add_runs: str,
+    replace: bool,
+) -> dict[str, list[dict]]:
+    """runs.json's figures with `added`'s runs joined, per (variant, seed): in the study's
+    variant order, each variant's runs by seed. A (variant, seed) both hold is refused (its
+    committed run would be lost to whatever the runs dir holds), unless `replace`: then the
+    runs dir's run of it replaces the committed one."""
+    again = [
+        f"{name} seed {r['seed']}"
+        for name, rs in added.items()
+        for r in rs
+        if r["seed"] in {c["seed"] for c in figs.get(name, [])}
+    ]
+    if again and not replace:
+        raise UserError(
+            f"{path} has {', '.join(again)} already; {add_runs} holds runs of them too. "
+            "Adding would replace those committed runs: pass --replace to do that, or move "
+            "those runs out of the runs dir to add only the new ones."
+        )
+    out = {}
+    for v in study.variants:
+        by_seed = {r["seed"]: r for r in figs.get(v.name, [])}
+        by_seed.update({r["seed"]: r for r in added.get(v.name, [])})
+        if by_seed:
+            out[v.name] = [by_seed[s] for s in sorted(by_seed)]
+    return out
 
 
 def _equal_section(equal: str) -> str:
@@ -1055,14 +1080,14 @@ def main(argv=None) -> None:
     p.add_argument(
         "--add",
         action="store_true",
-        help="with --from_results: add the variants that --runs holds to DIR/runs.json "
-        "(arms run after the others; theirs replace any figures of the same variant) and "
-        "re-render from the union",
+        help="with --from_results: add the finished runs that --runs holds to DIR/runs.json "
+        "(arms run after the others, or later seeds of its arms) and re-render from the union",
     )
     p.add_argument(
         "--replace",
         action="store_true",
-        help="with --add: variants DIR/runs.json has already are replaced by --runs' runs",
+        help="with --add: runs (variant, seed) DIR/runs.json has already are replaced by "
+        "--runs' runs of them",
     )
     args = p.parse_args(argv)
     if (args.add or args.replace) and args.from_results is None:

@@ -1,7 +1,7 @@
 """Runs a study: every (variant, seed) in its own worker process, N at a time.
 
-    python -m experiments.run STUDY [--workers 2] [--seeds 5] [--out experiments/runs]
-        [--steps N] [--eval_every N] [--variants a,b] [--smoke]
+    python -m experiments.run STUDY [--workers 2] [--seeds 5] [--first_seed 0]
+        [--out experiments/runs] [--steps N] [--eval_every N] [--variants a,b] [--smoke]
 
 Each run trains in OUT/STUDY/VARIANT/seed_S (metrics.jsonl, summary.json, checkpoints),
 then writes passk.json (held-out pass@k, k = 1..64, final vs base params) and done.json.
@@ -31,8 +31,19 @@ from gjax.errors import ConfigError, run_cli
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variants=None):
-    """(variant, seed, workdir, done) of every run; done: finished for these settings.
+def plan(
+    study,
+    seeds: int,
+    *,
+    out: str,
+    steps: int | None,
+    smoke: bool,
+    variants=None,
+    first_seed: int = 0,
+):
+    """(variant, seed, workdir, done) of every run, seeds first_seed..first_seed + seeds - 1
+    (a study's later seeds, added to its committed runs.json with `aggregate --add`); done:
+    finished for these settings.
     Raises ConfigError where OUT holds a run of one (variant, seed) trained (finished or
     checkpointed) with another config, in any field but `config_record.HARMLESS` (the study's
     definition changed since), or finished at another `train.max_sampled_tokens`: neither
@@ -41,7 +52,7 @@ def plan(study, seeds: int, *, out: str, steps: int | None, smoke: bool, variant
     chosen = [study.variant(v) for v in variants] if variants else list(study.variants)
     runs, stale = [], []
     # Seed-major: a study stopped part-way has every arm at the seeds it finished (pairs).
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         for v in chosen:
             config = studies.build_config(study, v, seed, steps=steps, smoke=smoke)
             wd = workdir_of(out, study.name, v.name, seed)
@@ -125,7 +136,13 @@ def run_study(args) -> int:
     study = studies.get(args.study)
     variants = args.variants.split(",") if args.variants else None
     runs = plan(
-        study, args.seeds, out=args.out, steps=args.steps, smoke=args.smoke, variants=variants
+        study,
+        args.seeds,
+        out=args.out,
+        steps=args.steps,
+        smoke=args.smoke,
+        variants=variants,
+        first_seed=args.first_seed,
     )
     todo = [r for r in runs if not r[3]]
     print(f"{study.name}: {len(runs)} runs, {len(runs) - len(todo)} done, {len(todo)} to run "
@@ -205,7 +222,8 @@ def main(argv=None) -> None:
     )
     p.add_argument("study", help=f"one of: {', '.join(studies.STUDIES)}")
     p.add_argument("--workers", type=int, default=2, help="runs in parallel (default: 2)")
-    p.add_argument("--seeds", type=int, default=5, help="seeds 0..N-1 (default: 5)")
+    p.add_argument("--seeds", type=int, default=5, help="how many seeds (default: 5)")
+    p.add_argument("--first_seed", type=int, default=0, help="seeds from this one (default: 0)")
     p.add_argument("--out", default="experiments/runs", help="runs dir (default: %(default)s)")
     p.add_argument("--steps", type=int, help="train.steps (default: each config's)")
     p.add_argument("--eval_every", type=int, help="held-out eval every N steps (default: steps/8)")
@@ -214,6 +232,8 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     if args.workers < 1 or args.seeds < 1 or (args.steps is not None and args.steps < 1):
         p.error("--workers, --seeds and --steps must be >= 1")
+    if args.first_seed < 0:
+        p.error("--first_seed must be >= 0")
     run_cli(lambda: sys.exit(1 if run_study(args) else 0))
 
 

@@ -99,6 +99,10 @@ def test_plan_skips_finished_runs_only(tmp_path):
                     ("dr_grpo", 1): False}  # fmt: skip
     # more steps asked for: the finished run resumes from its checkpoint
     assert not any(d for *_, d in run.plan(study, 2, out=out, steps=3, smoke=True))
+    # later seeds only (`--first_seed 1 --seeds 2`): 1 (done) and 2, seed-major
+    later = run.plan(study, 2, out=out, steps=2, smoke=True, first_seed=1)
+    assert [(v, s, d) for v, s, _, d in later] == [("grpo", 1, True), ("dr_grpo", 1, False),
+                                                   ("grpo", 2, False), ("dr_grpo", 2, False)]  # fmt: skip
 
 
 def test_tool_use_study_s_heldout_prompts_offer_the_tools_its_runs_offer():

@@ -219,7 +219,7 @@ def test_arms_run_later_join_the_committed_runs_json(tmp_path):
     """`--add`: a study's runs.json holds grpo (its run directories gone); dr_grpo's finished
     runs, made later, join it in the study's order and the paired table covers them (an
     unfinished one stays out); adding them again is refused, and with `replace` replaces
-    them instead of appending."""
+    them instead of appending; later seeds of a committed arm join it in seed order."""
     from tests.test_experiments import _fake_run
 
     d = tmp_path / "results"
@@ -233,7 +233,9 @@ def test_arms_run_later_join_the_committed_runs_json(tmp_path):
             worker.write_done(worker.workdir_of(runs, "smoke", "dr_grpo", seed), steps=6)
     for again in (False, True):  # added, then replaced (refused without `replace`)
         if again:
-            with pytest.raises(UserError, match="dr_grpo already"):
+            with pytest.raises(
+                UserError, match="dr_grpo seed 0, dr_grpo seed 1, dr_grpo seed 2 al"
+            ):
                 aggregate.rerender("smoke", str(d), add_runs=runs)
         assert aggregate.rerender("smoke", str(d), add_runs=runs, replace=again) == str(d)
         got = json.loads((d / "runs.json").read_text())
@@ -245,6 +247,16 @@ def test_arms_run_later_join_the_committed_runs_json(tmp_path):
     assert "| dr_grpo | pass@1 | 3 | +0.650 ± 0.124 |" in md
     with pytest.raises(SystemExit):  # --add without the runs.json to add to
         aggregate.main(["smoke", "--add", "--runs", runs])
+    # Seeds 3 and 4 of grpo, run later (`experiments.run --first_seed 3`), join its 0-2.
+    later = str(tmp_path / "later")
+    for seed in (4, 3):
+        _fake_run(later, "grpo", seed, final_counts=[0] * 5, grad_norms=[1.0] * 6)
+        worker.write_done(worker.workdir_of(later, "smoke", "grpo", seed), steps=6)
+    aggregate.rerender("smoke", str(d), add_runs=later)
+    got = json.loads((d / "runs.json").read_text())
+    assert [r["seed"] for r in got["grpo"]] == [0, 1, 2, 3, 4]
+    assert got["grpo"][:3] == grpo and [r["pass@1"] for r in got["grpo"][3:]] == [0.0, 0.0]
+    assert [r["seed"] for r in got["dr_grpo"]] == [0, 1, 2]
 
 
 def test_rerender_refuses_a_missing_or_foreign_runs_json(tmp_path):
