@@ -502,8 +502,8 @@ SCHEMA: dict[str, Any] = {
         },
     },
     # gjax.envs: multi-turn environments and tools, rolled out by the continuous decoder
-    # (gjax.rollout.turns) and trained on by gjax.rollout.episodes (local backend, continuous
-    # decoder, synchronous, one process; gjax.envs.check_config refuses the other paths).
+    # (gjax.rollout.turns) or JetStream (gjax.rollout.jetstream_episodes) and trained on by
+    # gjax.rollout.episodes (gjax.envs.check_config refuses the paths without episodes).
     "env": {
         "name": Field(
             "",

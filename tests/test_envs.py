@@ -475,20 +475,13 @@ def test_default_config_is_single_turn_and_validates():
     "overrides, match",
     [
         ({"rollout.decoder": "static"}, "the static sampler has no turns"),
-        (
-            {"rollout.backend": "jetstream", "processes": 2},
-            "the jetstream backend drives environments in one process only",
-        ),
         ({"rollout.backend": "jetstream", "anchors.per_group": 1}, "DaGRPO's anchors"),
         ({"anchors.per_group": 1}, "DaGRPO's anchors"),
         ({"reward.judge.name": "rule"}, "a judge's scores"),
     ],
 )
-def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, match, monkeypatch):
+def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, match):
     cfg = _env_cfg(name="tool")
-    overrides = dict(overrides)
-    if processes := overrides.pop("processes", None):
-        monkeypatch.setattr(envs_environments.jax, "process_count", lambda: processes)
     for k, v in overrides.items():
         section, _, key = k.rpartition(".")
         node = cfg
@@ -503,12 +496,26 @@ def test_env_name_is_refused_in_training_naming_what_its_path_lacks(overrides, m
             validate(cfg, 1, checks=CONFIG_CHECKS)
 
 
-@pytest.mark.parametrize("backend", ["jetstream", "jetstream_grpc"])
-def test_env_name_on_a_jetstream_backend_in_one_process_validates(backend):
-    """JetStream's backends drive episodes in one process (gjax.rollout.jetstream_episodes)."""
+@pytest.mark.parametrize(
+    "backend, processes", [("jetstream", 1), ("jetstream_grpc", 1), ("jetstream_grpc", 2)]
+)
+def test_env_name_on_a_jetstream_backend_validates(backend, processes, monkeypatch):
+    """JetStream's backends drive episodes (gjax.rollout.jetstream_episodes); gjax.serve
+    replicas in several processes too (each process its own rows; tests/
+    test_multihost_jetstream.py). The in-process engine on several processes is refused for
+    every run, single-turn too, by the factory."""
+    import jax
+
+    from gjax.rollout import factory
+
     cfg = _env_cfg(name="tool")
     cfg.rollout.backend = backend
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
     envs_environments.check_config(cfg)
+    if processes > 1:
+        cfg.rollout.backend = "jetstream"
+        with pytest.raises(ConfigError, match="serves one process's rollouts in that process"):
+            factory.make_backend(cfg, None, None)
 
 
 @pytest.mark.parametrize("name", ["math", "tool"])

@@ -1,6 +1,7 @@
 """Multi-host x JetStream x async: two trainer processes (gloo) sampling from two `gjax.serve`
 replicas at rollout.max_staleness = 1 train exactly as one process sampling from one server at
-k = 1, while one replica is SIGKILLed mid-run.
+k = 1, while one replica is SIGKILLed mid-run; and multi-turn episodes
+(gjax.rollout.jetstream_episodes) on two processes train as on one, at k = 0 and k = 1.
 
 Sampling is deterministic (top_k = 1), so which replica serves a request does not change its
 tokens. Each trainer process's producer thread sends its own rows' requests and exchanges only
@@ -23,6 +24,7 @@ import pytest
 from tests.test_multihost import (
     ARGS,
     EMBEDDED,
+    EPISODE_VOLATILE,
     ROOT,
     _assert_same_run,
     _env,
@@ -46,13 +48,14 @@ SAMPLING = ["--config.rollout.top_k=1", "--config.anchors.per_group=1"]
 STEPS = 4  # k = 1: versions 0, 0, 1, 2 (three pushes; the kill falls between the last two)
 
 
-def _serve(port: int, push_dir, log_path) -> subprocess.Popen:
+def _serve(port: int, push_dir, log_path, extra=()) -> subprocess.Popen:
     cmd = [
         sys.executable,
         "-m",
         "gjax.serve",
         ARGS[0],
         *SAMPLING,
+        *extra,
         f"--config.rollout.server_address=127.0.0.1:{port}",
         f"--config.rollout.push_dir={push_dir}",
         "--config.rollout.decode_slots=8",
@@ -68,14 +71,23 @@ def _wait_ready(proc, log_path, deadline):
         time.sleep(0.2)
 
 
-def _train(workdir, addresses: list[str], processes: int) -> list[subprocess.Popen]:
-    cmd = [sys.executable, "-m", "gjax.train", f"--workdir={workdir}", *ARGS, *SAMPLING]
+def _train(
+    workdir,
+    addresses: list[str],
+    processes: int,
+    *,
+    steps=STEPS,
+    k=1,
+    sampling=SAMPLING,
+    module="gjax.train",
+) -> list[subprocess.Popen]:
+    cmd = [sys.executable, "-m", module, f"--workdir={workdir}", *ARGS, *sampling]
     cmd += [
-        f"--config.train.steps={STEPS}",
+        f"--config.train.steps={steps}",
         "--config.rollout.backend=jetstream_grpc",
         f"--config.rollout.server_addresses={','.join(addresses)}",
         "--config.rollout.request_timeout_s=120",
-        "--config.rollout.max_staleness=1",
+        f"--config.rollout.max_staleness={k}",
         "--config.eval.num_samples=0",
     ]
     if processes == 1:
@@ -106,6 +118,24 @@ def _train(workdir, addresses: list[str], processes: int) -> list[subprocess.Pop
         )
         for i in range(2)
     ]
+
+
+def _run_all(trainers, deadline_s: float = 600) -> list[str]:
+    """Each trainer's output once all exit (0, or the test fails with its output's tail)."""
+    outs = [[] for _ in trainers]
+    readers = [
+        threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True)
+        for p, o in zip(trainers, outs)
+    ]
+    for t in readers:
+        t.start()
+    for p in trainers:
+        p.wait(timeout=deadline_s)
+    for t in readers:
+        t.join(30)
+    for p, o in zip(trainers, outs):
+        assert p.returncode == 0, "".join(o)[-6000:]
+    return ["".join(o) for o in outs]
 
 
 def _without_serving(rows):
@@ -178,3 +208,65 @@ def test_two_processes_two_replicas_at_k1_equal_one_process_one_server_with_a_re
         updates=STEPS,
     )
     print(json.dumps({k: v for k, v in two_rows[-1].items() if k.startswith("rollout/")}))
+
+
+# Multi-turn (tests/two_step_env.py: two turns, an observation inserted after the first).
+# Greedy (top_k = 1) makes a group's episodes equal, so its advantages are 0; the entropy bonus
+# gives the update a gradient that depends on every row (the learner's log-probs of them all).
+EPISODES = [
+    "--config.rollout.top_k=1",
+    "--config.env.name=two_step",
+    "--config.env.max_turns=2",
+    "--config.objective.entropy_coef=0.01",
+]
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_two_processes_train_jetstream_episodes_as_one(tmp_path, k):
+    """Episodes on `gjax.serve` (each turn a request with the history resent): two trainer
+    processes, each playing its own rows' episodes through its own client, train as one
+    process on its own server, to `_assert_same_run` (the env/ figures pooled over both);
+    synchronously (k = 0: the global batch's rows, each process its block) and at k = 1 (the
+    producer's process-local rows). The servers size their prefill bucket for a turn's
+    history (`served_prompt_len`: env.name set)."""
+    ref, two = tmp_path / "one", tmp_path / "two"
+    ports = [_free_port() for _ in range(2)]
+    logs = [tmp_path / f"serve{i}.log" for i in range(2)]
+    serve_extra = EPISODES[1:3]  # the server's bucket: prompt + trajectory
+    servers = [
+        _serve(ports[0], ref / "push", logs[0], serve_extra),
+        _serve(ports[1], two / "push", logs[1], serve_extra),
+    ]
+    trainers = []
+    try:
+        deadline = time.monotonic() + 300
+        for proc, log in zip(servers, logs):
+            _wait_ready(proc, log, deadline)
+        addresses = [f"127.0.0.1:{p}" for p in ports]
+        run = lambda wd, address, n: _train(  # noqa: E731
+            wd, [address], n, steps=2, k=k, sampling=EPISODES, module="tests.two_step_env"
+        )
+        trainers = run(ref, addresses[0], 1) + run(two, addresses[1], 2)
+        _run_all(trainers)
+    finally:
+        for p in [*trainers, *servers]:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    ref_rows, two_rows = _rows(ref), _rows(two)
+    assert [r["step"] for r in two_rows] == [1, 2]
+    for r in two_rows:  # every process's episodes: two turns each (a few cut at 32 tokens)
+        assert 1.5 < r["env/turns_per_episode"] <= 2.0 and r["env/tokens_inserted"] > 0
+        assert r["rollout/requests_dropped"] == 0 and r["optim/grad_norm"] > 0  # (entropy's)
+        assert r["env/prefill_tokens_per_episode_sent"] > r["env/prefill_tokens_per_episode_kept"]
+    _assert_same_run(
+        _without_serving(ref_rows),
+        _without_serving(two_rows),
+        _state(ref, 2),
+        _state(two, 2),
+        updates=2,
+        volatile=EPISODE_VOLATILE,
+    )
+    assert json.loads((two / "summary.json").read_text()) == json.loads(
+        (ref / "summary.json").read_text()
+    )

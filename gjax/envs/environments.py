@@ -31,7 +31,6 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import jax
 import numpy as np
 
 from gjax.envs import tools as tools_lib
@@ -315,10 +314,12 @@ def check_config(config) -> None:
     Multi-turn training (gjax.rollout.episodes) runs on the local backend's continuous
     decoder, in one process or several, synchronously or asynchronously (rollout.max_staleness
     >= 0, on the train mesh or on mesh.rollout_devices: the producer thread rolls the episodes
-    out), and on the JetStream backends (in-process engine, gjax.serve replicas) in one
-    process (gjax.rollout.jetstream_episodes: the history resent each turn, so the server's
-    prefill bucket must hold prompt + trajectory); a run with env.name set on another path is
-    refused rather than silently trained
+    out), and on the JetStream backends (gjax.rollout.jetstream_episodes: the history resent
+    each turn, so the server's prefill bucket must hold prompt + trajectory): the in-process
+    engine in one process, gjax.serve replicas in one or several (each process plays its own
+    rows' episodes on the servers, as it sends its own single completions; the in-process
+    engine is refused on several processes by `gjax.rollout.factory` for every run). A run
+    with env.name set on another path is refused rather than silently trained
     single-turn, and the message names the missing piece of the run's own path. Not part of
     an episode either: DaGRPO's anchors (demonstrations are single completions) and a judge's
     scores."""
@@ -334,9 +335,7 @@ def check_config(config) -> None:
         return
     if r.backend != "local":
         _check_served_episodes(config)
-    if r.backend != "local" and jax.process_count() > 1:
-        missing = f"the {r.backend} backend drives environments in one process only so far"
-    elif r.backend == "local" and r.decoder == "static":
+    if r.backend == "local" and r.decoder == "static":
         missing = "the static sampler has no turns (the continuous decoder has)"
     elif config.anchors.per_group > 0:
         missing = "DaGRPO's anchors (anchors.per_group > 0) are single completions, not episodes"
@@ -348,8 +347,8 @@ def check_config(config) -> None:
     raise ConfigError(
         f"config.env.name={e.name!r}: multi-turn training is not available on this path: "
         f"{missing}. Multi-turn training runs on --config.rollout.backend=local with the "
-        "continuous decoder (--config.rollout.decoder=continuous), or on a JetStream backend "
-        "in one process; or leave config.env.name='' (the default) for single-turn runs."
+        "continuous decoder (--config.rollout.decoder=continuous), or on a JetStream backend; "
+        "or leave config.env.name='' (the default) for single-turn runs."
     )
 
 

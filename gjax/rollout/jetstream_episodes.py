@@ -22,6 +22,11 @@ its own keys (no row keys: a rerun draws other episodes). A request the client d
 retries spent) ends its episode unscored: the row is invalid (`EnvTurns.fail`), as a dropped
 single completion is; a wave with every request dropped stops the run (`ServingFailed`).
 
+Several processes (jax.distributed, `jetstream_grpc`): each process's client plays the episodes
+of its own rows, as it sends its own single completions (the client's `generate_episodes` takes
+this process's block of the global prompts), with its own environment runner; the step's env/
+figures are pooled by `gjax.rollout.episodes` (tests/test_multihost_jetstream.py).
+
 Sizes: a turn's prompt can be as long as prompt + trajectory, so the server's prefill bucket
 must hold `data.max_prompt_len + rollout.max_new_tokens` (`gjax.rollout.buckets.served_prompt_len`:
 the in-process engine and `gjax.serve` size themselves with it; the client refuses a longer
