@@ -19,6 +19,16 @@ Measured (this default, CPU): contiguous 16 slots (4224 KV tokens), 12.4 rows in
 555 decode steps; paged (the same bytes: 264 pages of 16, 128 slots) 41.4 rows in flight,
 166 steps: 3.3x, no row preempted, greedy tokens equal. `--kv-budget 2200`: 8 slots, 6.4 rows
 vs 64 slots, 33.4 rows (5.2x).
+
+    python benchmarks/paged_kv.py --engine   # the JetStream engine (in-process backend)
+
+`--engine`: the same workload through JetStream's orchestrator on gjax's engine
+(`gjax.rollout.engine`, the in-process backend; each request its own `max_tokens`): contiguous,
+S slots of N and S regions of the prefill bucket Sb (the engine's layout: S*N + S*Sb <= M),
+against paged at those KV bytes with `--paged-slots` slots. A request the pool cannot grow is
+preempted (RESTART_TOKEN) and sent again by the client: `rows_preempted` counts them, and
+their tokens decoded before the preemption are in the decode steps but not in the useful
+tokens. Decode steps are the engine's own count over its generate calls.
 Prints one JSON line per decoder and a summary line (the LAST line).
 """
 
@@ -60,6 +70,7 @@ def main():
     ap.add_argument("--kv-budget", type=int, default=0, help="KV tokens (0: 16 x (N + Sp))")
     ap.add_argument("--paged-slots", type=int, default=0, help="0: 8 x the contiguous slots")
     ap.add_argument("--tokens-per-dispatch", type=int, default=8)
+    ap.add_argument("--engine", action="store_true", help="the JetStream engine, not the decoder")
     args = ap.parse_args()
 
     cfg = model_config(args)
@@ -73,20 +84,27 @@ def main():
     def regions_for(s):
         return ContinuousDecoder(cfg, slots=s, tokens_per_dispatch=1).regions_for(g_)
 
+    def kv_tokens_for(s):  # the contiguous layout: the decoder's, or the engine's
+        if args.engine:  # S regions of the prefill bucket
+            from gjax.rollout.buckets import prefill_bucket
+
+            return s * (n_ + prefill_bucket(sp_len))
+        return s * n_ + regions_for(s) * sp_len
+
     slots = 1
-    while (slots + 1) * n_ + regions_for(slots + 1) * sp_len <= budget:
+    while kv_tokens_for(slots + 1) <= budget:
         slots += 1
-    contiguous_kv = slots * n_ + regions_for(slots) * sp_len
+    contiguous_kv = kv_tokens_for(slots)
     pool = contiguous_kv // args.page  # the null page included: no more bytes than contiguous
     paged_slots = args.paged_slots or 8 * slots
     sp = SamplingParams(max_new_tokens=n_, temperature=0.0)
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
     common = dict(tokens_per_dispatch=args.tokens_per_dispatch)
+    if args.engine:
+        return engine_runs(args, cfg, params, tokens, mask, lengths, slots, pool, paged_slots,
+                           budget, contiguous_kv, kv_token_bytes)  # fmt: skip
     runs = {
-        "contiguous": (
-            ContinuousDecoder(cfg, slots=slots, **common),
-            slots * n_ + regions_for(slots) * sp_len,
-        ),
+        "contiguous": (ContinuousDecoder(cfg, slots=slots, **common), contiguous_kv),
         "paged": (
             ContinuousDecoder(
                 cfg, slots=paged_slots, kv_page_size=args.page, kv_pages=pool, **common
@@ -141,6 +159,76 @@ def main():
         "greedy_tokens_equal": equal,
     }
     print(json.dumps(summary), flush=True)
+
+
+def engine_runs(args, cfg, params, tokens, mask, lengths, slots, pool, paged_slots, budget,
+                contiguous_kv, kv_token_bytes):  # fmt: skip
+    """`--engine`: the workload on the in-process JetStream backend, contiguous vs paged."""
+    from gjax.rollout.jetstream_backend import JetStreamBackend
+
+    p_, g_, n_ = args.prompts, args.samples, args.new_tokens
+    sp = SamplingParams(max_new_tokens=n_, temperature=0.0)
+    useful = int(lengths.sum())
+    results, tokens_out = {}, {}
+    for name, kw, kv_tokens in (
+        ("contiguous", dict(slots=slots), contiguous_kv),
+        (
+            "paged",
+            dict(slots=paged_slots, kv_page_size=args.page, kv_pages=pool),
+            pool * args.page,
+        ),
+    ):
+        be = JetStreamBackend(
+            cfg,
+            params,
+            sampling=sp,
+            max_prompt_len=args.max_prompt,
+            tokens_per_dispatch=args.tokens_per_dispatch,
+            max_retries=1000,  # a preempted request is sent again
+            backoff_s=0.001,
+            **kw,
+        )
+        try:
+            out = be.generate(params, tokens, mask, None, num_samples=g_, sampling=sp,
+                              max_tokens_B=lengths)  # fmt: skip
+            engine = be.engine
+            assert np.array_equal(np.asarray(out.lengths_B), lengths)
+            tokens_out[name] = np.asarray(out.tokens_BxN)
+            stats = engine.kv_stats
+            results[name] = {
+                "what": f"engine_{name}",
+                "slots": kw["slots"],
+                "kv_tokens": kv_tokens,
+                "kv_bytes": kv_tokens * kv_token_bytes,
+                "decode_steps": engine.decode_steps,
+                "useful_tokens_per_step": useful / engine.decode_steps,
+                "rows_preempted": stats.get("requests_preempted", 0),
+                "requests_retried": be.counters["retried"],
+                "kv_pages_peak": stats.get("kv_pages_peak"),
+            }
+        finally:
+            be.close()
+        print(json.dumps(results[name]), flush=True)
+    equal = bool(np.array_equal(tokens_out["paged"], tokens_out["contiguous"]))
+    if jax.default_backend() == "cpu" and args.dtype == "float32":
+        assert equal, "greedy tokens differ"
+    c, p = results["contiguous"], results["paged"]
+    print(json.dumps({
+        "what": "summary",
+        "backend": "jetstream engine",
+        "requests": p_ * g_,
+        "max_new_tokens": n_,
+        "page_size": args.page,
+        "kv_budget_tokens": budget,
+        "length_mean": float(lengths.mean()),
+        "length_max": int(lengths.max()),
+        "useful_tokens": useful,
+        "decode_steps_contiguous_over_paged": c["decode_steps"] / p["decode_steps"],
+        "useful_per_step_paged_over_contiguous": (
+            p["useful_tokens_per_step"] / c["useful_tokens_per_step"]
+        ),
+        "greedy_tokens_equal": equal,
+    }), flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

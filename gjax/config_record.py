@@ -60,6 +60,7 @@ HARMLESS = frozenset(
         "rollout.tokens_per_dispatch",
         "rollout.prefill_chunk",
         "rollout.kv_page_size",
+        "rollout.kv_pages",
         "reward.workers",
     }
 )

@@ -327,6 +327,13 @@ def plan_rollout(config, model_cfg, mesh) -> dict[str, int]:
         state = with_shardings(state, jax.tree.map(lambda _: replicated, state))
         kv = [*state.cache_k, *state.cache_v, *state.prompt_k, *state.prompt_v]
         out = {"kv": tree_bytes(kv), "decode_state": tree_bytes(state)}
+        if r.kv_page_size and r.kv_pages:  # paged, a pool of its own size (the default pool
+            # has the contiguous layout's bytes, as above); the programs' temporaries are
+            # the contiguous ones'
+            page_bytes = tree_bytes(state.cache_k[:1]) // (slots * n) * r.kv_page_size
+            pool = 2 * model_cfg.num_layers * r.kv_pages * page_bytes
+            out["decode_state"] += pool - out["kv"]
+            out["kv"] = pool
         layers_c = dec._layers_jit.lower(params, cfg=model_cfg).compile()
         layers = with_shardings(
             jax.eval_shape(functools.partial(transformer.decode_layers, cfg=model_cfg), params),

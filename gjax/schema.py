@@ -280,11 +280,20 @@ SCHEMA: dict[str, Any] = {
         ),
         "kv_page_size": Field(
             0,
-            "decoder=continuous: tokens per KV page (gjax.rollout.pages: pages allocated as a "
-            "row grows and freed when it ends, a group's prompt pages shared by its rows, a "
-            "page table per slot; divides max_new_tokens; whole prefill; the pool has the "
-            "contiguous layout's KV bytes) | 0: each slot a contiguous max_new_tokens cache "
-            "(the default)",
+            "tokens per KV page (gjax.rollout.pages: pages allocated as a row grows and "
+            "freed when it ends, a group's prompt pages shared by its rows, a page table per "
+            "slot; divides max_new_tokens; whole prefill) for the local continuous decoder and "
+            "the JetStream engine (in-process, and gjax.serve's) | 0: each slot a contiguous "
+            "max_new_tokens cache (the default)",
+            _NONNEG,
+        ),
+        "kv_pages": Field(
+            0,
+            "kv_page_size > 0: pages in the pool (0: the contiguous layout's KV bytes at "
+            "decode_slots, so no row ever waits; fewer pages, or more slots on the same "
+            "pages, hold more rows in flight when lengths are long-tailed: the local decoder "
+            "holds a row back or preempts it, the JetStream engine preempts it and its client "
+            "sends it again)",
             _NONNEG,
         ),
         "weight_change": Field(

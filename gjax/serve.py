@@ -146,6 +146,8 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         record=False,  # log-probs travel only in-process; gRPC clients recompute them
         tokens_per_dispatch=config.rollout.tokens_per_dispatch,
         weight_change=config.rollout.weight_change,
+        kv_page_size=config.rollout.kv_page_size,
+        kv_pages=config.rollout.kv_pages or None,
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
     watcher = WeightWatcher(push_dir, holder, handoff=handoff)

@@ -111,17 +111,30 @@ def test_config_kv_page_size(static_greedy):
     out = backend.generate(PARAMS, TOKENS, MASK, jax.random.key(0), num_samples=G, sampling=GREEDY)
     assert_same(jax.tree.map(np.asarray, out), static_greedy, atol=1e-5)
     assert backend.decoder.stats["kv_page_size"] == 4
-    for field, value, match in (
-        ("max_new_tokens", 66, "must divide config.rollout.max_new_tokens=66"),
-        ("prefill_chunk", 8, "prefill_chunk=8"),
-        ("decoder", "static", "rollout.decoder='static'"),
+    for fields, match in (
+        ({"max_new_tokens": 66}, "must divide config.rollout.max_new_tokens=66"),
+        ({"prefill_chunk": 8}, "prefill_chunk=8"),
+        ({"decoder": "static"}, "rollout.decoder='static'"),
+        # tiny's 24-token prompts: 6 pages of 4, 16 for 64 tokens, the null page
+        ({"kv_pages": 22}, "kv_pages=22 cannot hold one row: 22 pages of 4 tokens"),
+        ({"kv_page_size": 0, "kv_pages": 40}, "kv_pages=40 sizes the paged KV pool, but"),
     ):
         bad = common.tiny(common.base())
         bad.rollout.kv_page_size = 4
         bad.rollout.max_new_tokens = 64
-        bad.rollout[field] = value
+        bad.rollout.update(fields)
         with pytest.raises(ConfigError, match=match):
             check_config(bad)
+    ok = common.tiny(common.base())
+    ok.rollout.update(kv_page_size=4, max_new_tokens=64, kv_pages=23)
+    check_config(ok)
+    # the JetStream engine pages too (its prefill bucket, 32 for 24 tokens: 8 pages), and
+    # prefill_chunk is the local decoder's alone
+    ok.rollout.update(backend="jetstream", prefill_chunk=8, kv_pages=25)
+    check_config(ok)
+    ok.rollout.kv_pages = 24
+    with pytest.raises(ConfigError, match="kv_pages=24 cannot hold one row: 24 pages"):
+        check_config(ok)
 
 
 @pytest.mark.slow  # compiles the re-entry programs (15-40 s on a busy 2-core CPU)

@@ -56,6 +56,7 @@ copy is then a temporary of every call) and cost 3-7% more CPU per token at 8 to
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 
 import jax
@@ -64,7 +65,7 @@ import numpy as np
 
 from gjax.models.config import ModelConfig
 from gjax.models.transformer import decode_layers, logits_from_hidden, prefill
-from gjax.rollout import decoder
+from gjax.rollout import decoder, pages
 from gjax.rollout.buckets import PREFILL_BUCKETS, prefill_bucket  # noqa: F401 - re-exported
 from gjax.rollout.jetstream_compat import jetstream
 from gjax.rollout.sampler import SamplingParams
@@ -74,7 +75,8 @@ ERROR_TOKEN = -2  # a slot's logits were not finite: its request ends with an er
 RESTART_TOKEN = -3  # weight_change='restart': new weights landed; the request is sent again
 # ResultTokens columns, k = tokens per generate call: JetStream reads [tokens k | valid k |
 # length 1]; gjax's backend also reads [serial 1 | first token's index 1 | log-probs k (f32
-# bits) | first token's version 1 | the other tokens' version 1]. A token's version is that of
+# bits) | first token's version 1 | the other tokens' version 1 | the call's decode steps 1
+# (every slot's row)]. A token's version is that of
 # the params whose logits it was drawn from (its log-prob's): a call's first token comes from
 # logits computed before it (the previous call's, or the prompt's at insert).
 
@@ -121,14 +123,19 @@ def _unwrap(params):
 class _Prefix:
     """One request's prompt KV. Deliberately not a pytree: JetStream deletes the arrays of
     every inserted prefix (`delete_pytree`), and G requests share these through the cache.
-    `key` (tokens, length, params version) names the prompt region it may share."""
+    `key` (tokens, length, params version) names the prompt region it may share. `limit`: the
+    request's max_tokens, which gjax's generate thread (`jetstream_compat.Driver`) sets before
+    the insert, so its slot stops there (None: the engine's max_new_tokens). JetStream checks
+    max_tokens itself but does not tell the engine, whose slot would decode on, unread (and,
+    paged, hold pages), until its next insert."""
 
-    __slots__ = ("k", "v", "logits", "length", "serial", "key", "version", "rejected")
+    __slots__ = ("k", "v", "logits", "length", "serial", "key", "version", "rejected", "limit")
 
     def __init__(self, k, v, logits, length, serial, key=None, version=0, rejected=False):
         self.k, self.v, self.logits = k, v, logits
         self.length, self.serial, self.key, self.rejected = length, serial, key, rejected
         self.version = version
+        self.limit = None
 
 
 class Tokenizer(jetstream.tokenizer_api.Tokenizer):
@@ -170,6 +177,120 @@ class Tokenizer(jetstream.tokenizer_api.Tokenizer):
         return set()
 
 
+class _PagedKV:
+    """The paged engine's host bookkeeping (`kv_page_size` > 0; generate thread only): the page
+    pool, each slot's page table (its prompt's Q pages, then its own), which pages hold each
+    region's prompt, and which requests end at the next `generate` call with RESTART_TOKEN.
+
+    JetStream's orchestrator inserts a request whenever a slot is free and ends a request at
+    the first column a call marks invalid, so a slot can neither wait for pages nor be held
+    back from a call (the local decoder's `_PagedSchedule` does both). Where the pool runs
+    short the engine preempts instead, as weight_change='restart' does: the request emits
+    RESTART_TOKEN and ends, and its client sends it again (the in-process backend and the
+    gRPC client retry it, within their deadline). A prompt's pages stay with its region while
+    the region is cached (a later request with that prompt reads them, as with contiguous
+    regions); regions no slot reads give their pages back first when the pool is short. Then
+    `grow` gives each live request its pages for the call's tokens, oldest first, preempting
+    the youngest until the oldest can grow; `room_for_prompt` preempts the request being
+    inserted when even that leaves no room for its prompt. A request whose pages the pool
+    holds is never preempted by the default pool (the contiguous layout's bytes)."""
+
+    def __init__(self, engine: Engine, on_free=None):
+        self.e = engine
+        s_ = engine._slots
+        self.pool = pages.PagePool(engine._num_pages, on_free=on_free)
+        self.table_SxP = np.full((s_, engine._width), pages.NULL_PAGE, np.int32)
+        self.own: list[list[int]] = [[] for _ in range(s_)]
+        self.region_pages: dict[int, list[int]] = {}
+        self.live = [False] * s_  # inserted, not yet seen done
+        self.limit = [0] * s_
+        self.age = [0] * s_
+        self.inserted = 0
+        self.preempt_S = np.zeros((s_,), bool)  # end with RESTART_TOKEN at the next call
+        self.preempted = 0
+
+    def end(self, slot: int) -> None:
+        """`slot`'s request is over (or preempted): its own pages freed, its region released."""
+        self.pool.release(self.own[slot])
+        self.own[slot] = []
+        self.table_SxP[slot] = pages.NULL_PAGE
+        self.live[slot] = False
+        self.e._release(slot)
+
+    def _evict(self, need: int) -> bool:
+        """Frees cached prompts' pages (regions no slot reads, least recently used first)
+        until `need` pages are free; whether they are."""
+        e = self.e
+        idle = [r for r in self.region_pages if e._refs[r] == 0]
+        for r in sorted(idle, key=e._last_use.__getitem__):
+            if self.pool.available() >= need:
+                break
+            self.pool.release(self.region_pages.pop(r))
+            e._region_of.pop(e._region_key[r], None)
+            e._region_key[r] = None
+        return self.pool.available() >= need
+
+    def room_for_prompt(self, prefix, slot: int) -> bool:
+        """Whether `prefix`'s prompt has its pages (a cached region's, or free ones); if not,
+        the request inserted in `slot` is preempted (RESTART_TOKEN at the next call)."""
+        if prefix.key in self.e._region_of or self._evict(self.e._q):
+            return True
+        self.preempt_S[slot] = True
+        self.preempted += 1
+        return False
+
+    def write_region(self, region: int) -> jax.Array:
+        """The Q pages `region`'s new prompt is written into (its old prompt's freed)."""
+        self.pool.release(self.region_pages.pop(region, []))
+        got = self.pool.alloc(self.e._q)  # room_for_prompt made the room
+        self.region_pages[region] = got
+        return jnp.asarray(got, jnp.int32)
+
+    def start(self, slot: int, region: int, limit: int) -> None:
+        self.table_SxP[slot, : self.e._q] = self.region_pages[region]
+        self.live[slot] = True
+        self.limit[slot] = limit
+        self.inserted += 1
+        self.age[slot] = self.inserted
+
+    def grow(self, state) -> tuple[jax.Array, jax.Array]:
+        """Before a call: the requests the device finished end here (their pages freed);
+        each live one gets its pages for the call's tokens, oldest first, the youngest
+        preempted while the oldest cannot grow. Returns the call's (table, preempt mask).
+        Reads n_S and done_S of the last call (one host sync per call)."""
+        n_S, done_S = jax.device_get((state["n_S"], state["done_S"]))
+        for s, live in enumerate(self.live):
+            if live and done_S[s] and not self.preempt_S[s]:
+                self.end(s)
+        page, steps = self.e._page, self.e._steps
+        while True:
+            order = sorted(
+                (s for s, live in enumerate(self.live) if live and not self.preempt_S[s]),
+                key=self.age.__getitem__,
+            )
+            short = False
+            for s in order:
+                own = -(-min(int(n_S[s]) + steps, self.limit[s]) // page)
+                more = own - len(self.own[s])
+                if more > 0 and not self._evict(more):
+                    short = True
+                    break
+                if more > 0:
+                    got = self.pool.alloc(more)
+                    q0 = self.e._q + len(self.own[s])
+                    self.table_SxP[s, q0 : q0 + more] = got
+                    self.own[s] += got
+            if not short:
+                break
+            youngest = order[-1]  # the oldest alone always fits (the pool holds a request)
+            self.end(youngest)
+            self.preempt_S[youngest] = True
+            self.preempted += 1
+        preempt_S = jnp.asarray(self.preempt_S)
+        self.preempt_S[:] = False  # this call ends them
+        return jnp.asarray(self.table_SxP), preempt_S
+
+
 class Engine(jetstream.engine_api.Engine):
     """JetStream Engine for gjax's decoder (see the module docstring).
 
@@ -185,6 +306,10 @@ class Engine(jetstream.engine_api.Engine):
         than its prompt's: 'finish' (decode on with the new ones; each token's version and
         log-prob are recorded) or 'restart' (emit RESTART_TOKEN and end; the client sends
         the request again).
+      kv_page_size: tokens per KV page (`gjax.rollout.pages`; 0: the contiguous slots);
+        kv_pages: the pool's pages (None: the contiguous layout's bytes at these slots, so
+        nothing is ever preempted); poison_freed_pages: a debug hook (tests): each freed
+        page is filled with NaN before the next call reads the state. See `_PagedKV`.
     """
 
     def __init__(
@@ -201,6 +326,9 @@ class Engine(jetstream.engine_api.Engine):
         record: bool = True,
         tokens_per_dispatch: int = 1,
         weight_change: str = "finish",
+        kv_page_size: int = 0,
+        kv_pages: int | None = None,
+        poison_freed_pages: bool = False,
     ):
         if weight_change not in ("finish", "restart"):
             raise ValueError(f"weight_change must be 'finish' or 'restart', got {weight_change!r}")
@@ -222,15 +350,25 @@ class Engine(jetstream.engine_api.Engine):
         self._key = jax.random.key(seed)
         self._record = record
         self._records: collections.deque = collections.deque()
+        self.decode_steps = 0  # decode steps of the calls drained (`drain_records`)
         self._next_serial = 0
         self._steps = tokens_per_dispatch
         self._restart = weight_change == "restart"
+        self._page = kv_page_size
+        if kv_page_size:
+            self._paged_shape(kv_page_size, kv_pages)
+        self._poison = poison_freed_pages
+        self.pages_poisoned = 0  # (the debug hook's count)
         self._prefix_cache = None  # (key, k, v, logits): the last prompt, for its G requests
         self._layers = (None, None)  # (params, decode_layers(params)): rebuilt on a swap
         self._regions_reset()
         self._prefill_jit = jax.jit(self._prefill_fn)
-        self._region_jit = jax.jit(_write_region, donate_argnums=(0,))
-        self._insert_jit = jax.jit(_start_slot, donate_argnums=(0,))
+        self._region_jit = jax.jit(
+            _paged_write_region if kv_page_size else _write_region, donate_argnums=(0,)
+        )
+        self._insert_jit = jax.jit(
+            _paged_start_slot if kv_page_size else _start_slot, donate_argnums=(0,)
+        )
         self._generate_jit = jax.jit(
             self._generate_fn, static_argnames=("sampling",), donate_argnums=(2,)
         )
@@ -258,6 +396,7 @@ class Engine(jetstream.engine_api.Engine):
         k, out = self._steps, []
         while self._records:
             data = np.asarray(self._records.popleft())
+            self.decode_steps += int(data[0, 3 * k + 5])
             valid = data[:, k : 2 * k] == 1
             s_, j = np.nonzero(valid)
             cols = [
@@ -273,7 +412,40 @@ class Engine(jetstream.engine_api.Engine):
     def compile_count(self) -> int:
         """Compiled variants of prefill + insert + generate (a weight swap adds none)."""
         fns = (self._prefill_jit, self._region_jit, self._insert_jit, self._generate_jit)
+        # (paged: the debug hook's NaN fill is not counted)
         return sum(f._cache_size() for f in fns)
+
+    def _paged_shape(self, page: int, kv_pages: int | None) -> None:
+        n_, s_ = self.max_new_tokens, self._slots
+        if page < 0 or n_ % page:
+            raise ValueError(
+                f"kv_page_size={page} must divide max_new_tokens={n_} (a row's own tokens "
+                "fill whole pages)"
+            )
+        self._q = pages.prompt_pages(self._max_prefill, page)
+        self._width = self._q + n_ // page
+        # the default pool: the contiguous layout's bytes (S slots of N, R = S regions of
+        # the prefill bucket) plus the null page: no row is ever preempted
+        self._num_pages = kv_pages or s_ * (n_ // page) + s_ * self._q + 1
+        if self._num_pages - 1 < self._width:
+            raise ValueError(
+                f"kv_pages={self._num_pages} holds fewer than one request's {self._width} "
+                f"pages ({self._q} of its prompt, {n_ // page} of its tokens) and the null page"
+            )
+
+    @property
+    def kv_stats(self) -> dict[str, int]:
+        """Paged KV: the pool's size and peak, pages handed out, requests preempted (ended
+        with RESTART_TOKEN for their client to send again); {} on contiguous slots."""
+        kv = getattr(self, "_kv", None)
+        if kv is None:
+            return {}
+        return {
+            "kv_pages": self._num_pages,
+            "kv_pages_peak": kv.pool.peak_used,
+            "pages_allocated": kv.pool.allocated,
+            "requests_preempted": kv.preempted,
+        }
 
     # --- prompt regions (generate thread only) ------------------------------------------
 
@@ -285,6 +457,9 @@ class Engine(jetstream.engine_api.Engine):
         self._slot_region = [-1] * s
         self._last_use = [0] * s
         self.region_writes = 0  # prompts written into a region (the rest shared one)
+        if self._page:
+            self._poisoned: list[int] = []  # freed pages not yet filled with NaN (the hook)
+            self._kv = _PagedKV(self, on_free=self._poisoned.extend if self._poison else None)
 
     def _region_for(self, prefix: _Prefix, slot: int) -> tuple[int, bool]:
         """(the region `slot` reads `prefix`'s prompt from, whether it must be written)."""
@@ -321,7 +496,18 @@ class Engine(jetstream.engine_api.Engine):
         del args, kwargs
         s = self._slots
         self._regions_reset()
-        state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
+        if self._page:
+            state = pages.init_paged_state(
+                self.cfg,
+                s,
+                s,
+                self._max_prefill,
+                self.max_new_tokens,
+                pages=self._num_pages,
+                page_size=self._page,
+            )
+        else:
+            state = decoder.init_state(self.cfg, s, s, self._max_prefill, self.max_new_tokens)
         zeros = lambda: jnp.zeros((s,), jnp.int32)  # separate buffers: all are donated
         return {
             **state._asdict(),
@@ -358,20 +544,38 @@ class Engine(jetstream.engine_api.Engine):
         return _Prefix(k, v, logits, true_length, serial, key=key, version=version)
 
     def insert(self, prefix: _Prefix, decode_state, slot: int):
+        if self._page:
+            self._kv.end(slot)  # its previous request's pages
+            decode_state = self._poison_freed(decode_state)
         if prefix.rejected:
             self._release(slot)
             return _reject(decode_state, jnp.int32(slot))
+        if self._page and not self._kv.room_for_prompt(prefix, slot):
+            # preempted: done, and RESTART_TOKEN (recorded under its own serial) next call
+            return _preempted_jit(decode_state, jnp.int32(slot), jnp.int32(prefix.serial))
         region, write = self._region_for(prefix, slot)
         if write:
+            where = (self._kv.write_region(region),) if self._page else ()
             decode_state = self._region_jit(
-                decode_state, prefix.k, prefix.v, prefix.logits, jnp.int32(prefix.length), region
+                decode_state,
+                prefix.k,
+                prefix.v,
+                prefix.logits,
+                jnp.int32(prefix.length),
+                region,
+                *where,
             )
+        limit = self.sampling.max_new_tokens
+        if prefix.limit is not None:
+            limit = max(1, min(limit, int(prefix.limit)))
+        if self._page:
+            self._kv.start(slot, region, limit)
         key_data = jax.random.key_data(jax.random.fold_in(self._key, prefix.serial))
         return self._insert_jit(
             decode_state,
             jnp.int32(slot),
             jnp.int32(region),
-            jnp.int32(self.sampling.max_new_tokens),
+            jnp.int32(limit),
             key_data,
             jnp.int32(prefix.serial),
             jnp.int32(prefix.version),
@@ -382,8 +586,17 @@ class Engine(jetstream.engine_api.Engine):
         if self._layers[0] is not params:  # per params version, not per call
             self._layers = (None, None)  # the old copy (and params) go before the new is built
             self._layers = (params, _layers_jit(params, cfg=self.cfg))
+        paged = ()
+        if self._page:  # each live request's pages for this call's tokens; the table, who ends
+            paged = self._kv.grow(decode_state)
+            decode_state = self._poison_freed(decode_state)
         decode_state, data = self._generate_jit(
-            params, self._layers[1], decode_state, jnp.int32(version), sampling=self.sampling
+            params,
+            self._layers[1],
+            decode_state,
+            jnp.int32(version),
+            *paged,
+            sampling=self.sampling,
         )
         if self._record:
             self._records.append(data)
@@ -396,6 +609,16 @@ class Engine(jetstream.engine_api.Engine):
             samples_per_slot=1,
         )
         return decode_state, result
+
+    def _poison_freed(self, state):
+        """poison_freed_pages: NaN into the pages freed since the last call (tests)."""
+        if not self._poison or not self._poisoned:
+            return state
+        ids = np.zeros((self._num_pages,), np.int32)  # padding: the null page, never read
+        ids[: len(self._poisoned)] = self._poisoned
+        self.pages_poisoned += len(self._poisoned)
+        self._poisoned.clear()
+        return _poison_jit(state, ids)
 
     def get_prefix_destination_sharding(self):
         return None  # interleaved mode only: prefill and generate share this engine
@@ -444,17 +667,30 @@ class Engine(jetstream.engine_api.Engine):
         logits_V = logits_from_hidden(params, self.cfg, hidden_1xSxD[0, true_length - 1])
         return k[:, 0], v[:, 0], logits_V.astype(jnp.float32)  # k, v: [L, K, S, Dh]
 
-    def _generate_fn(self, params, layers, state, version, *, sampling: SamplingParams):
+    def _generate_fn(
+        self, params, layers, state, version, table_SxP=None, preempt_S=None, *, sampling
+    ):
         k = self._steps
         core = _core(state)
         n0_S = core.n_S
+        restart_S = jnp.zeros_like(core.done_S)
         if self._restart:  # a slot started on other weights ends now, emitting RESTART_TOKEN
             restart_S = ~core.done_S & (state["version_S"] != version)
-            core = core._replace(done_S=core.done_S | restart_S)
-        core, tok_SxK, logp_SxK, live_SxK, _ = decoder._dispatch(
-            params, self.cfg, layers, core, sampling, k, error_token=ERROR_TOKEN
+        if preempt_S is not None:  # paged: requests the pool cannot hold end the same way
+            restart_S = restart_S | preempt_S
+            core = core._replace(table_SxP=table_SxP)
+        core = core._replace(done_S=core.done_S | restart_S)
+        core, tok_SxK, logp_SxK, live_SxK, steps = decoder._dispatch(
+            params,
+            self.cfg,
+            layers,
+            core,
+            sampling,
+            k,
+            error_token=ERROR_TOKEN,
+            slot_step=pages.paged_slot_step if self._page else None,
         )
-        if self._restart:
+        if self._restart or self._page:
             tok_SxK = tok_SxK.at[:, 0].set(jnp.where(restart_S, RESTART_TOKEN, tok_SxK[:, 0]))
             live_SxK = live_SxK.at[:, 0].set(live_SxK[:, 0] | restart_S)
         col = lambda x: x[:, None].astype(jnp.int32)
@@ -468,6 +704,7 @@ class Engine(jetstream.engine_api.Engine):
                 jax.lax.bitcast_convert_type(logp_SxK.astype(jnp.float32), jnp.int32),
                 col(state["logits_version_S"]),  # the first token's logits: computed before
                 col(jnp.broadcast_to(version, n0_S.shape)),
+                col(jnp.broadcast_to(steps, n0_S.shape)),  # decode steps the call ran
             ],
             axis=1,
         )
@@ -476,8 +713,9 @@ class Engine(jetstream.engine_api.Engine):
         return {**state, **core._asdict(), "logits_version_S": logits_version_S}, data
 
 
-def _core(state) -> decoder.SlotState:
-    return decoder.SlotState(**{f: state[f] for f in decoder.SlotState._fields})
+def _core(state) -> decoder.SlotState | pages.PagedState:
+    cls = pages.PagedState if "table_SxP" in state else decoder.SlotState
+    return cls(**{f: state[f] for f in cls._fields})
 
 
 def _write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region):
@@ -497,6 +735,65 @@ def _start_slot(state, slot, region, limit, key_data, serial, version):
         "version_S": state["version_S"].at[slot].set(version),
         "logits_version_S": state["logits_version_S"].at[slot].set(version),
     }
+
+
+def _paged_write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region, pages_Q):
+    """`_write_region` on pages: the prompt's KV into its Q pages `pages_Q`, its mask, length
+    and logits into `region`."""
+    core = _core(state)
+    page = core.pages_k[0].shape[1]
+    kv_, sq_, dh = k_LxKxSxDh.shape[1:]
+    q_ = pages_Q.shape[0]
+
+    def to_pages(x_KxSqxDh):  # -> [Q, page, K, Dh]
+        x = jnp.pad(x_KxSqxDh, ((0, 0), (0, q_ * page - sq_), (0, 0)))
+        return x.transpose(1, 0, 2).reshape(q_, page, kv_, dh)
+
+    put = lambda dst, src: dst.at[pages_Q].set(to_pages(src).astype(dst.dtype))
+    sp_ = core.prompt_mask_RxSp.shape[1]
+    mask_Sp = (jnp.arange(sp_) < length).astype(jnp.int32)
+    core = core._replace(
+        pages_k=[put(d, k_LxKxSxDh[i]) for i, d in enumerate(core.pages_k)],
+        pages_v=[put(d, v_LxKxSxDh[i]) for i, d in enumerate(core.pages_v)],
+        prompt_mask_RxSp=core.prompt_mask_RxSp.at[region].set(mask_Sp),
+        prompt_len_R=core.prompt_len_R.at[region].set(length),
+        prompt_logits_RxV=core.prompt_logits_RxV.at[region].set(logits_V),
+    )
+    return {**state, **core._asdict()}
+
+
+def _paged_start_slot(state, slot, region, limit, key_data, serial, version):
+    """`_start_slot` on pages: nothing to zero (a row's pages are read only where written)."""
+    put = lambda name, x: state[name].at[slot].set(x)
+    return {
+        **state,
+        "region_S": put("region_S", region),
+        "n_S": put("n_S", 0),
+        "limit_S": put("limit_S", limit),
+        "logits_SxV": put("logits_SxV", state["prompt_logits_RxV"][region]),
+        "done_S": put("done_S", False),
+        "keys_S": put("keys_S", key_data),
+        "serial_S": put("serial_S", serial),
+        "version_S": put("version_S", version),
+        "logits_version_S": put("logits_version_S", version),
+    }
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _preempted_jit(state, slot, serial):
+    """A request preempted at insert: its slot done at token 0, under the request's serial."""
+    return {
+        **state,
+        "done_S": state["done_S"].at[slot].set(True),
+        "n_S": state["n_S"].at[slot].set(0),
+        "serial_S": state["serial_S"].at[slot].set(serial),
+    }
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _poison_jit(state, pages_M):
+    core = pages._poison(_core(state), pages_M)
+    return {**state, **core._asdict()}
 
 
 def _reject(state, slot):

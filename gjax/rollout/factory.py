@@ -48,18 +48,24 @@ def check_config(config) -> None:
 
 
 def check_paged(config) -> None:
-    """`rollout.kv_page_size` > 0: the local continuous decoder, a page size dividing
-    max_new_tokens, whole prefill; else one ConfigError paragraph."""
+    """`rollout.kv_page_size` > 0: the local continuous decoder (whole prefill) or a JetStream
+    engine (in-process, or gjax.serve's, which read the same config), a page size dividing
+    max_new_tokens, a pool holding one row; else one ConfigError paragraph."""
     r, page = config.rollout, config.rollout.kv_page_size
+    if r.kv_pages and not page:
+        raise ConfigError(
+            f"config.rollout.kv_pages={r.kv_pages} sizes the paged KV pool, but "
+            "rollout.kv_page_size=0 (contiguous slots). Set kv_page_size too, or leave "
+            "kv_pages=0."
+        )
     if not page:
         return
     where = f"config.rollout.kv_page_size={page} (paged KV)"
-    if r.backend != "local" or local_decoder(r.decoder) != "continuous":
+    if r.backend == "local" and local_decoder(r.decoder) != "continuous":
         raise ConfigError(
-            f"{where} pages the local continuous decoder's KV, but this run samples with "
-            f"rollout.backend={r.backend!r}, rollout.decoder={r.decoder!r}. Use "
-            "--config.rollout.backend=local with decoder auto or continuous, or leave "
-            "kv_page_size=0."
+            f"{where} pages the continuous decoder's KV, but this run samples with the "
+            f"static sampler (rollout.decoder={r.decoder!r}). Use decoder auto or continuous, "
+            "or leave kv_page_size=0."
         )
     if r.max_new_tokens % page:
         raise ConfigError(
@@ -67,7 +73,20 @@ def check_paged(config) -> None:
             f"own tokens fill whole pages. Choose a page size that divides it (e.g. "
             f"{math.gcd(page, r.max_new_tokens)}), or leave kv_page_size=0."
         )
-    if r.prefill_chunk:
+    if r.kv_pages:
+        from gjax.rollout.buckets import prefill_bucket, served_prompt_len
+
+        engine = r.backend != "local"  # a region: the prefill bucket (a turn's history)
+        width = prefill_bucket(served_prompt_len(config)) if engine else config.data.max_prompt_len
+        need = -(-width // page) + r.max_new_tokens // page + 1
+        if r.kv_pages < need:
+            raise ConfigError(
+                f"config.rollout.kv_pages={r.kv_pages} cannot hold one row: {need - 1} pages of "
+                f"{page} tokens ({-(-width // page)} for a {width}-token prompt, "
+                f"{r.max_new_tokens // page} for max_new_tokens) and the null page. Give at "
+                f"least {need}, or 0 for the contiguous layout's bytes."
+            )
+    if r.backend == "local" and r.prefill_chunk:
         raise ConfigError(
             f"{where} prefills each prompt whole; config.rollout.prefill_chunk="
             f"{r.prefill_chunk} (chunked prefill) is for the contiguous slots. Set one of "
@@ -116,6 +135,7 @@ def continuous_decoder(r, model_cfg: ModelConfig) -> ContinuousDecoder:
         tokens_per_dispatch=r.tokens_per_dispatch,
         prefill_chunk=r.prefill_chunk,
         kv_page_size=r.kv_page_size,
+        kv_pages=r.kv_pages or None,
     )
 
 

@@ -89,8 +89,9 @@ class Servicer(jetstream.orchestrator.LLMOrchestrator):
                 await _abort(
                     context,
                     grpc.StatusCode.ABORTED,
-                    "new weights landed while this request decoded "
-                    "(rollout.weight_change='restart'): send it again",
+                    "the engine restarted this request (new weights landed with "
+                    "rollout.weight_change='restart', or its paged KV pool was short): send "
+                    "it again",
                 )
             if any(t < 0 for s in response.stream_content.samples for t in s.token_ids):
                 await _abort(

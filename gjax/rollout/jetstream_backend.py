@@ -215,32 +215,41 @@ class _JetStreamClient:
     def _send(self, requests) -> tuple[dict, int, int]:
         """(replies by row, requests retried, requests dropped): every request sent, the
         failed ones again after a backoff (`max_retries` times) within one deadline for the
-        whole batch; a rejected one (INVALID_ARGUMENT) is not retried. What is still missing
-        at the end is dropped, with one warning line."""
+        whole batch; a rejected one (INVALID_ARGUMENT) is not retried. A request the engine
+        restarted (`Restarted`: weight_change='restart', or preempted for its paged KV) is
+        no fault: it goes again with the next round at once, outside the retry budget (a
+        retried request, counted). What is still missing at the end is dropped, with one
+        warning line."""
         rows, retried, error, pending, rejected = {}, 0, None, list(range(len(requests))), []
         deadline = time.monotonic() + self.timeout_s  # the whole batch, retries included
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                wait = self.backoff_s * 2 ** (attempt - 1)
-                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
-                retried += len(pending)
-            if time.monotonic() >= deadline:
-                break
+        attempt = 0
+        while time.monotonic() < deadline:
             futures = {b: self._submit(requests[b], deadline) for b in pending}
-            failed = []
+            failed, restarted = [], []
             for b, fut in futures.items():
                 try:
                     rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
                 except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
                     fut.cancel()
+                    if _restarted(e):
+                        restarted.append(b)
+                        continue
                     error = e
                     if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
                         rejected.append(b)
                     else:
                         failed.append(b)
-            pending = failed
+            if failed and attempt == self.max_retries:  # out of retries: they are dropped
+                rejected += failed
+                failed = []
+            pending = failed + restarted
             if not pending:
                 break
+            if failed:  # a fault: back off first
+                attempt += 1
+                wait = self.backoff_s * 2 ** (attempt - 1)
+                time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
+            retried += len(pending)
         pending += rejected
         if pending:
             self.last_error = _short(error, self.timeout_s)
@@ -314,6 +323,18 @@ def _global_rows(x: np.ndarray, like) -> jax.Array:
     return jax.make_array_from_process_local_data(sharding, x, shape)
 
 
+class Restarted(RuntimeError):
+    """The engine ended the request with RESTART_TOKEN: send it again (not a fault)."""
+
+
+def _restarted(error) -> bool:
+    """The engine restarted the request (in-process: `Restarted`; gRPC: ABORTED)."""
+    if isinstance(error, Restarted):
+        return True
+    code = getattr(error, "code", None)
+    return callable(code) and getattr(code(), "name", "") == "ABORTED"
+
+
 def _rejected(error) -> bool:
     """The server answered INVALID_ARGUMENT: a retry would get the same answer."""
     code = getattr(error, "code", None)
@@ -340,8 +361,8 @@ def _token_ids(responses, max_tokens: int) -> list[int]:
         for sample in resp.stream_content.samples:
             ids.extend(sample.token_ids)
     ids = ids[:max_tokens]
-    if RESTART_TOKEN in ids:  # weight_change='restart': retried, on the new weights
-        raise RuntimeError("new weights landed while this request decoded; it is sent again")
+    if RESTART_TOKEN in ids:  # weight_change='restart' or paged KV preemption: sent again
+        raise Restarted("the engine restarted this request; it is sent again")
     if any(t < 0 for t in ids):  # the engine's ERROR_TOKEN: the request's slot failed
         raise RuntimeError("the engine produced non-finite logits for this request")
     return ids
@@ -375,6 +396,9 @@ class JetStreamBackend(_JetStreamClient):
         backoff_s: float = 0.5,
         tokens_per_dispatch: int = 1,
         weight_change: str = "finish",
+        kv_page_size: int = 0,
+        kv_pages: int | None = None,
+        poison_freed_pages: bool = False,
     ):
         max_prefill = prefill_bucket(max_prompt_len)
         super().__init__(
@@ -395,6 +419,9 @@ class JetStreamBackend(_JetStreamClient):
             seed=seed,
             tokens_per_dispatch=tokens_per_dispatch,
             weight_change=weight_change,
+            kv_page_size=kv_page_size,
+            kv_pages=kv_pages,
+            poison_freed_pages=poison_freed_pages,
         )
         self.driver = Driver(
             prefill_engines=[self.engine],
@@ -419,6 +446,21 @@ class JetStreamBackend(_JetStreamClient):
 
     def _push(self, params):
         return self.holder.swap(params), 0  # the same process: nothing is sent
+
+    def _replica_metrics(self) -> dict[str, float]:
+        """Paged KV (rollout.kv_page_size): requests the engine preempted since the last
+        call (its pool short; each sent again) and the pool's peak pages in use."""
+        stats = self.engine.kv_stats
+        if not stats:
+            return {}
+        seen, self._preempted_seen = (
+            getattr(self, "_preempted_seen", 0),
+            stats["requests_preempted"],
+        )
+        return {
+            "rollout/requests_preempted": float(stats["requests_preempted"] - seen),
+            "rollout/kv_pages_peak": float(stats["kv_pages_peak"]),
+        }
 
     def _prepare(self, sampling):
         self.engine.set_sampling(sampling)
@@ -602,6 +644,8 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             max_retries=r.max_retries,
             tokens_per_dispatch=r.tokens_per_dispatch,
             weight_change=r.weight_change,
+            kv_page_size=r.kv_page_size,
+            kv_pages=r.kv_pages or None,
         )
     # grpc is optional (the jetstream extra): imported only for the gRPC client.
     from gjax.rollout.replicas import ReplicaPool, ReplicaWeights

@@ -167,6 +167,8 @@ class Driver(jetstream.orchestrator.Driver):
                     break
                 if request is None:  # stop()
                     return
+                if hasattr(request.prefill_result, "limit"):  # gjax's engine: stop at it
+                    request.prefill_result.limit = request.max_tokens
                 state = engine.insert(request.prefill_result, state, slot=slot)
                 jetstream.orchestrator.delete_pytree(request.prefill_result)
                 request.generate_timestep_added = step
