@@ -192,14 +192,15 @@ def test_rollout_backends_benchmark_smoke():
 
 @pytest.mark.slow  # a subprocess: jax import and compiles
 def test_paged_kv_benchmark_smoke():
-    """benchmarks/paged_kv.py at toy sizes: both layouts decode the same greedy tokens (the
-    script asserts it) within the same KV budget; the ratios are the per-step counts'."""
-    records = _benchmark_records(
-        "paged_kv.py",
+    """benchmarks/paged_kv.py at toy sizes, the decoder's and (--engine) the JetStream
+    engine's: both layouts decode the same greedy tokens (the script asserts it) within the
+    same KV budget; the ratios are the per-step counts'."""
+    toy = (
         *("--vocab", "64", "--hidden", "32", "--mlp", "48", "--layers", "1", "--heads", "2"),
         *("--kv-heads", "1", "--prompts", "8", "--samples", "2", "--max-prompt", "5"),
         *("--new-tokens", "32", "--page", "4", "--kv-budget", "148"),
     )
+    records = _benchmark_records("paged_kv.py", *toy)
     contiguous, paged, s = records
     assert (contiguous["what"], paged["what"], s["what"]) == ("contiguous", "paged", "summary")
     assert max(contiguous["kv_tokens"], paged["kv_tokens"]) <= s["kv_budget_tokens"] == 148
@@ -209,6 +210,13 @@ def test_paged_kv_benchmark_smoke():
     assert s["rows_in_flight_paged_over_contiguous"] == pytest.approx(
         paged["rows_in_flight"] / contiguous["rows_in_flight"]
     )
+    # --engine: the same workload on the JetStream engine (JetStream's Driver, in-process)
+    contiguous, paged, s = _benchmark_records("paged_kv.py", *toy, "--engine")
+    assert (contiguous["what"], paged["what"]) == ("engine_contiguous", "engine_paged")
+    assert max(contiguous["kv_tokens"], paged["kv_tokens"]) <= s["kv_budget_tokens"] == 148
+    assert s["greedy_tokens_equal"] is True and paged["slots"] == 8 * contiguous["slots"]
+    for r in (contiguous, paged):
+        assert r["useful_tokens_per_step"] == s["useful_tokens"] / r["decode_steps"]
 
 
 @pytest.mark.slow
