@@ -139,26 +139,9 @@ def main():
             "kv_pages_peak": st.get("kv_pages_peak"),
         }
         print(json.dumps(results[name]), flush=True)
-    equal = bool(np.array_equal(tokens_out["paged"], tokens_out["contiguous"]))
-    if jax.default_backend() == "cpu" and args.dtype == "float32":
-        assert equal, "greedy tokens differ"
     c, p = results["contiguous"], results["paged"]
-    summary = {
-        "what": "summary",
-        "requests": p_ * g_,
-        "max_new_tokens": n_,
-        "page_size": args.page,
-        "kv_budget_tokens": budget,
-        "length_mean": float(lengths.mean()),
-        "length_max": int(lengths.max()),
-        "useful_tokens": useful,
-        "rows_in_flight_paged_over_contiguous": p["rows_in_flight"] / c["rows_in_flight"],
-        "useful_per_step_paged_over_contiguous": (
-            p["useful_tokens_per_step"] / c["useful_tokens_per_step"]
-        ),
-        "greedy_tokens_equal": equal,
-    }
-    print(json.dumps(summary), flush=True)
+    ratio = {"rows_in_flight_paged_over_contiguous": p["rows_in_flight"] / c["rows_in_flight"]}
+    print_summary(args, results, tokens_out, lengths, budget, ratio)
 
 
 def engine_runs(args, cfg, params, tokens, mask, lengths, slots, pool, paged_slots, budget,
@@ -166,7 +149,7 @@ def engine_runs(args, cfg, params, tokens, mask, lengths, slots, pool, paged_slo
     """`--engine`: the workload on the in-process JetStream backend, contiguous vs paged."""
     from gjax.rollout.jetstream_backend import JetStreamBackend
 
-    p_, g_, n_ = args.prompts, args.samples, args.new_tokens
+    g_, n_ = args.samples, args.new_tokens
     sp = SamplingParams(max_new_tokens=n_, temperature=0.0)
     useful = int(lengths.sum())
     results, tokens_out = {}, {}
@@ -209,26 +192,36 @@ def engine_runs(args, cfg, params, tokens, mask, lengths, slots, pool, paged_slo
         finally:
             be.close()
         print(json.dumps(results[name]), flush=True)
+    c, p = results["contiguous"], results["paged"]
+    ratio = {"decode_steps_contiguous_over_paged": c["decode_steps"] / p["decode_steps"]}
+    print_summary(args, results, tokens_out, lengths, budget, ratio,
+                  backend="jetstream engine")  # fmt: skip
+
+
+def print_summary(args, results, tokens_out, lengths, budget, ratio, **extra) -> None:
+    """The summary line (the LAST line): the workload, the ratios, greedy tokens equal (on
+    the CPU in float32 asserted: rounding cannot depend on the batch there)."""
     equal = bool(np.array_equal(tokens_out["paged"], tokens_out["contiguous"]))
     if jax.default_backend() == "cpu" and args.dtype == "float32":
         assert equal, "greedy tokens differ"
     c, p = results["contiguous"], results["paged"]
-    print(json.dumps({
+    summary = {
         "what": "summary",
-        "backend": "jetstream engine",
-        "requests": p_ * g_,
-        "max_new_tokens": n_,
+        **extra,
+        "requests": args.prompts * args.samples,
+        "max_new_tokens": args.new_tokens,
         "page_size": args.page,
         "kv_budget_tokens": budget,
         "length_mean": float(lengths.mean()),
         "length_max": int(lengths.max()),
-        "useful_tokens": useful,
-        "decode_steps_contiguous_over_paged": c["decode_steps"] / p["decode_steps"],
+        "useful_tokens": int(lengths.sum()),
+        **ratio,
         "useful_per_step_paged_over_contiguous": (
             p["useful_tokens_per_step"] / c["useful_tokens_per_step"]
         ),
         "greedy_tokens_equal": equal,
-    }), flush=True)  # fmt: skip
+    }
+    print(json.dumps(summary), flush=True)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,28 @@ def _serve(port: int, push_dir, log_path, extra=()) -> subprocess.Popen:
         return subprocess.Popen(cmd, env=_env(1), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
 
 
+def _start_servers(tmp_path, push_dirs, extra=()) -> tuple[list, list, list[str]]:
+    """(servers, their logs, addresses): one `gjax.serve` per push dir, each ready."""
+    ports = [_free_port() for _ in push_dirs]
+    logs = [tmp_path / f"serve{i}.log" for i in range(len(push_dirs))]
+    servers = [_serve(port, d, log, extra) for port, d, log in zip(ports, push_dirs, logs)]
+    try:
+        deadline = time.monotonic() + 300
+        for proc, log in zip(servers, logs):
+            _wait_ready(proc, log, deadline)
+    except BaseException:
+        _kill(servers)
+        raise
+    return servers, logs, [f"127.0.0.1:{p}" for p in ports]
+
+
+def _kill(procs) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
 def _wait_ready(proc, log_path, deadline):
     while "gjax.serve: ready" not in log_path.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
@@ -120,8 +142,8 @@ def _train(
     ]
 
 
-def _run_all(trainers, deadline_s: float = 600) -> list[str]:
-    """Each trainer's output once all exit (0, or the test fails with its output's tail)."""
+def _read(trainers) -> tuple[list[list[str]], list[threading.Thread]]:
+    """Each trainer's output lines as they come (a thread each: no pipe fills up)."""
     outs = [[] for _ in trainers]
     readers = [
         threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True)
@@ -129,13 +151,17 @@ def _run_all(trainers, deadline_s: float = 600) -> list[str]:
     ]
     for t in readers:
         t.start()
+    return outs, readers
+
+
+def _wait_all(trainers, outs, readers, deadline_s: float = 600) -> None:
+    """Every trainer exits 0 (or the test fails with its output's tail)."""
     for p in trainers:
         p.wait(timeout=deadline_s)
     for t in readers:
         t.join(30)
     for p, o in zip(trainers, outs):
         assert p.returncode == 0, "".join(o)[-6000:]
-    return ["".join(o) for o in outs]
 
 
 def _without_serving(rows):
@@ -149,45 +175,22 @@ def test_two_processes_two_replicas_at_k1_equal_one_process_one_server_with_a_re
     tmp_path,
 ):
     ref, two = tmp_path / "one", tmp_path / "two"
-    ports = [_free_port() for _ in range(3)]
-    logs = [tmp_path / f"serve{i}.log" for i in range(3)]
-    servers = [
-        _serve(ports[0], ref / "push", logs[0]),
-        _serve(ports[1], two / "push", logs[1]),
-        _serve(ports[2], two / "push", logs[2]),
-    ]
+    servers, logs, addresses = _start_servers(tmp_path, [ref / "push", two / "push", two / "push"])
     trainers = []
     try:
-        deadline = time.monotonic() + 300
-        for proc, log in zip(servers, logs):
-            _wait_ready(proc, log, deadline)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
         trainers = _train(ref, addresses[:1], 1) + _train(two, addresses[1:], 2)
-        outs = [[] for _ in trainers]
-        readers = [
-            threading.Thread(target=lambda p=p, o=o: o.extend(p.stdout), daemon=True)
-            for p, o in zip(trainers, outs)
-        ]
-        for t in readers:
-            t.start()
+        outs, readers = _read(trainers)
+        deadline = time.monotonic() + 300
         # SIGKILL replica 1 of the two-process run once it serves version 2 (the first update's
         # params): mid-run, with steps 3 and 4 still to sample and version 3 to push.
         while "serving policy version 2" not in logs[2].read_text():
             assert all(p.poll() is None for p in trainers[1:]), "".join(outs[1])[-4000:]
-            assert time.monotonic() < deadline + 300, "".join(outs[1])[-4000:]
+            assert time.monotonic() < deadline, "".join(outs[1])[-4000:]
             time.sleep(0.05)
         servers[2].send_signal(signal.SIGKILL)
-        for p in trainers:
-            p.wait(timeout=600)
-        for t in readers:
-            t.join(30)
-        for p, o in zip(trainers, outs):
-            assert p.returncode == 0, "".join(o)[-6000:]
+        _wait_all(trainers, outs, readers)
     finally:
-        for p in [*trainers, *servers]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill([*trainers, *servers])
     ref_rows, two_rows = _rows(ref), _rows(two)
     assert [r["step"] for r in two_rows] == list(range(1, STEPS + 1))
     assert [r["async/version_lag_max"] for r in two_rows] == [0, 1, 1, 1]  # v(j) = max(j-1, 0)
@@ -230,29 +233,17 @@ def test_two_processes_train_jetstream_episodes_as_one(tmp_path, k):
     producer's process-local rows). The servers size their prefill bucket for a turn's
     history (`served_prompt_len`: env.name set)."""
     ref, two = tmp_path / "one", tmp_path / "two"
-    ports = [_free_port() for _ in range(2)]
-    logs = [tmp_path / f"serve{i}.log" for i in range(2)]
-    serve_extra = EPISODES[1:3]  # the server's bucket: prompt + trajectory
-    servers = [
-        _serve(ports[0], ref / "push", logs[0], serve_extra),
-        _serve(ports[1], two / "push", logs[1], serve_extra),
-    ]
+    # the servers' bucket: prompt + trajectory (env.name set)
+    servers, _, addresses = _start_servers(tmp_path, [ref / "push", two / "push"], EPISODES[1:3])
     trainers = []
     try:
-        deadline = time.monotonic() + 300
-        for proc, log in zip(servers, logs):
-            _wait_ready(proc, log, deadline)
-        addresses = [f"127.0.0.1:{p}" for p in ports]
         run = lambda wd, address, n: _train(  # noqa: E731
             wd, [address], n, steps=2, k=k, sampling=EPISODES, module="tests.two_step_env"
         )
         trainers = run(ref, addresses[0], 1) + run(two, addresses[1], 2)
-        _run_all(trainers)
+        _wait_all(trainers, *_read(trainers))
     finally:
-        for p in [*trainers, *servers]:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        _kill([*trainers, *servers])
     ref_rows, two_rows = _rows(ref), _rows(two)
     assert [r["step"] for r in two_rows] == [1, 2]
     for r in two_rows:  # every process's episodes: two turns each (a few cut at 32 tokens)
