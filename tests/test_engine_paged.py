@@ -11,7 +11,7 @@ import pytest
 
 from gjax.rollout import generate
 from tests.test_decoder import GREEDY, MASK, TOKENS, G, N, assert_same
-from tests.test_sampler import CFG, PARAMS, S
+from tests.test_sampler import CFG, PARAMS, PROMPTS, S, left_pad
 
 jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 
@@ -19,10 +19,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 PAGE = 2
 LONG = dataclasses.replace(GREEDY, stop_token_ids=())  # every request decodes N tokens
+# six prompts: more than the short pool's regions hold at once (cached prompts are evicted)
+SIX = left_pad([*PROMPTS, [2, 4, 6], [13, 21, 34, 55], [50, 1, 9, 9, 9, 9]], S)
 
 
-def serve(sampling=GREEDY, *, slots=3, steps=2, **kv):
-    """The rows of TOKENS x G from an in-process backend; and its engine's kv_stats."""
+def serve(sampling=GREEDY, *, slots=3, steps=2, prompts=(TOKENS, MASK), **kv):
+    """The rows of `prompts` x G from an in-process backend; its engine's kv_stats."""
     be = jetstream_backend.JetStreamBackend(
         CFG,
         PARAMS,
@@ -34,7 +36,7 @@ def serve(sampling=GREEDY, *, slots=3, steps=2, **kv):
         **kv,
     )
     try:
-        out = be.generate(PARAMS, TOKENS, MASK, None, num_samples=G, sampling=sampling)
+        out = be.generate(PARAMS, *prompts, None, num_samples=G, sampling=sampling)
         stats = {**be.engine.kv_stats, "pages_poisoned": be.engine.pages_poisoned}
         return jax.tree.map(np.asarray, out), stats, be.counters["retried"]
     finally:
@@ -62,14 +64,16 @@ def test_paged_engine_equals_the_contiguous_engine_and_the_static_sampler(sampli
 
 
 @pytest.mark.parametrize("poison", [False, True])
-def test_a_pool_short_of_pages_preempts_requests_and_returns_the_same_rows(poison):
+@pytest.mark.parametrize("prompts", [(TOKENS, MASK), SIX], ids=["3_prompts", "6_prompts"])
+def test_a_pool_short_of_pages_preempts_requests_and_returns_the_same_rows(prompts, poison):
     """6 slots on 25 pages (one request needs its prompt's 8 and its own 4): the engine
     preempts the youngest requests, their clients send them again, and every row equals the
-    contiguous engine's (3 slots). With every freed page filled with NaN before the next call,
-    no row reads one: the rows stay finite and equal."""
-    contiguous, _, _ = serve(LONG)
+    contiguous engine's (3 slots); with six prompts, cached prompts' pages are evicted for new
+    ones too. With every freed page filled with NaN before the next call, no row reads one:
+    the rows stay finite and equal."""
+    contiguous, _, _ = serve(LONG, prompts=prompts)
     paged, stats, retried = serve(
-        LONG, slots=6, kv_page_size=PAGE, kv_pages=25, poison_freed_pages=poison
+        LONG, slots=6, kv_page_size=PAGE, kv_pages=25, poison_freed_pages=poison, prompts=prompts
     )
     assert stats["requests_preempted"] > 0 and retried >= stats["requests_preempted"]
     assert stats["kv_pages_peak"] <= 24

@@ -30,6 +30,12 @@ other slot reads it. `insert` zeroes its slot's own cache, so what a slot held b
 previous request's tokens, NaN from a failed one) never reaches the next: attention gives
 masked positions probability 0, but 0 x NaN in a stale V would still be NaN.
 
+Paged KV (`kv_page_size` > 0): the state is `gjax.rollout.pages.PagedState` instead, a slot
+reading its prompt's pages and its own through a page table, and `_PagedKV` keeps the pages on
+the host: a slot's pages and region go back as soon as a call finds its request done (not at
+its next insert), nothing is zeroed at insert (a row reads only what it has written), and a
+request the pool cannot hold is preempted with RESTART_TOKEN (see `_PagedKV`).
+
 Requests arrive with JetStream's BOS in front (its token path without a BOS is broken in
 0.2.2: `pad_tokens` reads `.shape` of a list), so the tokenizer's `bos_id` is the sentinel
 -1 and `prefill` drops that position: the model sees exactly the client's token ids.
@@ -253,12 +259,16 @@ class _PagedKV:
         self.inserted += 1
         self.age[slot] = self.inserted
 
-    def grow(self, state) -> tuple[jax.Array, jax.Array]:
-        """Before a call: the requests the device finished end here (their pages freed);
-        each live one gets its pages for the call's tokens, oldest first, the youngest
-        preempted while the oldest cannot grow. Returns the call's (table, preempt mask).
-        Reads n_S and done_S of the last call (one host sync per call)."""
-        n_S, done_S = jax.device_get((state["n_S"], state["done_S"]))
+    def grow(self, state, version: int | None = None) -> tuple[jax.Array, jax.Array]:
+        """Before a call: the requests the device finished end here (their pages freed), and
+        so do those the call ends for new weights (`version`: weight_change='restart', the
+        params version of the call); each live one gets its pages for the call's tokens,
+        oldest first, the youngest preempted while the oldest cannot grow. Returns the
+        call's (table, preempt mask). Reads n_S, done_S (and version_S) of the last call:
+        one host sync per call."""
+        n_S, done_S, version_S = jax.device_get((state["n_S"], state["done_S"], state["version_S"]))
+        if version is not None:  # restarted by this call on the device: no pages needed
+            done_S = done_S | (version_S != version)
         for s, live in enumerate(self.live):
             if live and done_S[s] and not self.preempt_S[s]:
                 self.end(s)
@@ -546,16 +556,19 @@ class Engine(jetstream.engine_api.Engine):
     def insert(self, prefix: _Prefix, decode_state, slot: int):
         if self._page:
             self._kv.end(slot)  # its previous request's pages
-            decode_state = self._poison_freed(decode_state)
         if prefix.rejected:
             self._release(slot)
-            return _reject(decode_state, jnp.int32(slot))
+            return _reject(self._poison_freed(decode_state), jnp.int32(slot))
         if self._page and not self._kv.room_for_prompt(prefix, slot):
             # preempted: done, and RESTART_TOKEN (recorded under its own serial) next call
-            return _preempted_jit(decode_state, jnp.int32(slot), jnp.int32(prefix.serial))
+            state = self._poison_freed(decode_state)
+            return _preempted_jit(state, jnp.int32(slot), jnp.int32(prefix.serial))
         region, write = self._region_for(prefix, slot)
+        where = (self._kv.write_region(region),) if self._page and write else ()
+        # the hook's NaN goes into every page freed so far (some just handed out again)
+        # before this prompt is written into its pages
+        decode_state = self._poison_freed(decode_state)
         if write:
-            where = (self._kv.write_region(region),) if self._page else ()
             decode_state = self._region_jit(
                 decode_state,
                 prefix.k,
@@ -588,7 +601,7 @@ class Engine(jetstream.engine_api.Engine):
             self._layers = (params, _layers_jit(params, cfg=self.cfg))
         paged = ()
         if self._page:  # each live request's pages for this call's tokens; the table, who ends
-            paged = self._kv.grow(decode_state)
+            paged = self._kv.grow(decode_state, version if self._restart else None)
             decode_state = self._poison_freed(decode_state)
         decode_state, data = self._generate_jit(
             params,
@@ -614,7 +627,9 @@ class Engine(jetstream.engine_api.Engine):
         """poison_freed_pages: NaN into the pages freed since the last call (tests)."""
         if not self._poison or not self._poisoned:
             return state
-        ids = np.zeros((self._num_pages,), np.int32)  # padding: the null page, never read
+        # padding: the null page, which free table entries and done slots' writes point at;
+        # NaN there is masked out as a stale entry is
+        ids = np.zeros((self._num_pages,), np.int32)
         ids[: len(self._poisoned)] = self._poisoned
         self.pages_poisoned += len(self._poisoned)
         self._poisoned.clear()

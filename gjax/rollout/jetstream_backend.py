@@ -231,10 +231,10 @@ class _JetStreamClient:
                     rows[b] = (fut.result(max(0.0, deadline - time.monotonic())), fut)
                 except Exception as e:  # noqa: BLE001 - any failure is retried, then counted
                     fut.cancel()
+                    error = e
                     if _restarted(e):
                         restarted.append(b)
                         continue
-                    error = e
                     if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
                         rejected.append(b)
                     else:
@@ -459,7 +459,7 @@ class JetStreamBackend(_JetStreamClient):
         )
         return {
             "rollout/requests_preempted": float(stats["requests_preempted"] - seen),
-            "rollout/kv_pages_peak": float(stats["kv_pages_peak"]),
+            "rollout/kv_pages_peak_max": float(stats["kv_pages_peak"]),
         }
 
     def _prepare(self, sampling):
