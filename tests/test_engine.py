@@ -56,7 +56,9 @@ def test_engine_equals_static_for_any_tokens_per_call_and_writes_each_prompt_onc
     np.testing.assert_allclose(capped.logps_BxN[keep], one.logps_BxN[keep], atol=1e-6)
 
 
-def _decode_with_a_push(weight_change, push_after=2, calls=8, steps=1, prefill_early=False):
+def _decode_with_a_push(
+    weight_change, push_after=2, calls=8, steps=1, prefill_early=False, **engine_kw
+):
     """Two prompts' requests in slots 0, 1 (engine API, no threads, `steps` tokens per generate
     call); new weights swapped in after `push_after` generate calls; then a third request
     (prefilled before the swap if `prefill_early`, on the old weights). Returns (each call's
@@ -71,6 +73,7 @@ def _decode_with_a_push(weight_change, push_after=2, calls=8, steps=1, prefill_e
         max_prefill_length=eng.prefill_bucket(S),
         weight_change=weight_change,
         tokens_per_dispatch=steps,
+        **engine_kw,
     )
     new = jax.tree.map(lambda x: x * 1.5, PARAMS)
 

@@ -18,6 +18,7 @@ jetstream_backend = pytest.importorskip("gjax.rollout.jetstream_backend")
 jax.config.update("jax_default_matmul_precision", "highest")
 
 PAGE = 2
+RESTART = -3  # gjax.rollout.engine.RESTART_TOKEN (the engine imports JetStream)
 LONG = dataclasses.replace(GREEDY, stop_token_ids=())  # every request decodes N tokens
 # six prompts: more than the short pool's regions hold at once (cached prompts are evicted)
 SIX = left_pad([*PROMPTS, [2, 4, 6], [13, 21, 34, 55], [50, 1, 9, 9, 9, 9]], S)
@@ -122,3 +123,31 @@ def test_a_restarted_request_is_sent_again_at_once_outside_the_retry_budget():
     client.max_retries = 1
     rows, retried, dropped = client._send([0, 1])
     assert sorted(rows) == [0] and dropped == 1  # the fault's one retry spent
+
+
+def test_requests_restarted_for_new_weights_give_their_pages_back_first():
+    """The engine API driven by hand (tests/test_engine.py: two requests, new weights after 2
+    calls, then a third request). Paged with the default pool: the same tokens, valid flags
+    and records as contiguous, both ways (finish, restart). On 31 pages (30 usable: the two
+    requests' prompts and 4 tokens each, 20, the third's prompt, 8, leave 2): 'finish' has
+    the two grow by a page each and preempts the third (RESTART_TOKEN at its first call);
+    'restart' ends the two in that call, so their pages go back first and the third decodes
+    as on contiguous slots."""
+    from tests.test_engine import _decode_with_a_push
+
+    def same(paged, ref):  # tokens, valid flags, records; log-probs to the paged tolerance
+        (tok, valid, rec), (tok0, valid0, rec0) = paged, ref
+        np.testing.assert_array_equal(tok, tok0)
+        np.testing.assert_array_equal(valid, valid0)
+        cols = [0, 1, 2, 4]  # serial, index, token, version
+        np.testing.assert_array_equal(rec[:, cols], rec0[:, cols])
+        logp = lambda r: r[:, 3].view(np.float32)  # noqa: E731
+        np.testing.assert_allclose(logp(rec), logp(rec0), atol=1e-5)
+
+    for weight_change in ("finish", "restart"):
+        ref = _decode_with_a_push(weight_change, steps=2)
+        same(_decode_with_a_push(weight_change, steps=2, kv_page_size=PAGE), ref)
+    restart = _decode_with_a_push("restart", steps=2, kv_page_size=PAGE, kv_pages=31)
+    same(restart, _decode_with_a_push("restart", steps=2))
+    tok, valid, _ = _decode_with_a_push("finish", steps=2, kv_page_size=PAGE, kv_pages=31)
+    assert tok[2, 2] == RESTART and valid[2, 2] and not valid[3:, 2].any()
