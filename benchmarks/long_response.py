@@ -113,13 +113,19 @@ def config(policy: str, args):
     c.rollout.prompts_per_step = 2
     c.rollout.num_samples = 4
     c.rollout.kv_page_size = args.page
+    # one slot per row: every slot runs each decode step, live or not (64 slots, the default,
+    # made a step 8x the work on this CPU)
+    c.rollout.decode_slots = c.rollout.prompts_per_step * c.rollout.num_samples
     c.reward.functions = register_reward(args.max_new_tokens)
     c.mesh.data, c.mesh.seq = -1, args.seq
     c.train.steps = 1
     c.checkpoint.every = 1
     c.checkpoint.async_save = False
-    c.data.heldout_size = 2
-    c.eval.num_samples = 0  # greedy held-out only: random weights, nothing to measure there
+    c.data.heldout_size = 1
+    c.eval.num_samples = 0  # one held-out row only: random weights, nothing to measure there
+    # sampled, not greedy: greedy never draws the EOS held under every other logit, so each
+    # evaluation would decode max_new_tokens (8192 steps, before and after training)
+    c.eval.greedy_temperature = 1.0
     c.log.progress = c.log.tensorboard = False
     return c
 
