@@ -3,7 +3,7 @@
 the update's token axis split over `--seq` devices (ring attention), then resumed from the
 checkpoint of its first step.
 
-    python benchmarks/long_response.py                  # 8192 new tokens (> 30 min on 2 cores)
+    python benchmarks/long_response.py                  # 8192 new tokens (see below)
     python benchmarks/long_response.py --tiny           # 256 new tokens (CI)
 
 The policy is a random-weight Qwen2 shape (`--hidden`, `--layers`; the embedded character
@@ -14,6 +14,11 @@ so that the EOS probability per token is about 3 / max_new_tokens (geometric len
 ~max/3, some rows cut at the cap). The reward is a length-bounded one registered here
 (`long_length_<N>`: the completion's length over max_new_tokens, in [0, 1]): it varies within a
 group, so the advantages and the gradients are not zero.
+
+At 8192 tokens on a 2-core CPU (2026-12-03) the held-out evaluation before training took 5-12
+minutes and the first rollout was still decoding 10 minutes later (beside the test suite),
+when it was stopped: the whole run (two rollouts, three evaluations) takes over an hour there,
+and has not been completed on that machine yet.
 
 Prints one JSON line: the lengths decoded (max, mean, rows at the cap), the packed bins
 (`pack/*`), the step times, and whether the second run resumed from step 1 and went on to
