@@ -39,6 +39,10 @@ def serve(sampling=GREEDY, *, slots=3, steps=2, prompts=(TOKENS, MASK), **kv):
     try:
         out = be.generate(PARAMS, *prompts, None, num_samples=G, sampling=sampling)
         stats = {**be.engine.kv_stats, "pages_poisoned": be.engine.pages_poisoned}
+        metrics = be.metrics()  # the step's rollout/ figures: the batch's preemptions
+        if "requests_preempted" in stats:
+            assert metrics["rollout/requests_preempted"] == stats["requests_preempted"]
+            assert metrics["rollout/kv_pages_peak_max"] == stats["kv_pages_peak"]
         return jax.tree.map(np.asarray, out), stats, be.counters["retried"]
     finally:
         be.close()

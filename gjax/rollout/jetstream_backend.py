@@ -443,6 +443,7 @@ class JetStreamBackend(_JetStreamClient):
         self._loop_thread.start()
         self._serial_of: dict[int, int] = {}  # id(future) -> request serial
         self._placed = 0
+        self._preempted_seen = 0  # the engine's preemptions already reported (`metrics`)
 
     def _push(self, params):
         return self.holder.swap(params), 0  # the same process: nothing is sent
@@ -453,10 +454,7 @@ class JetStreamBackend(_JetStreamClient):
         stats = self.engine.kv_stats
         if not stats:
             return {}
-        seen, self._preempted_seen = (
-            getattr(self, "_preempted_seen", 0),
-            stats["requests_preempted"],
-        )
+        seen, self._preempted_seen = self._preempted_seen, stats["requests_preempted"]
         return {
             "rollout/requests_preempted": float(stats["requests_preempted"] - seen),
             "rollout/kv_pages_peak_max": float(stats["kv_pages_peak"]),
