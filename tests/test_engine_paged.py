@@ -97,12 +97,11 @@ def test_paged_engine_refuses_a_page_size_or_pool_that_cannot_work():
         eng.Engine(CFG, PARAMS, kv_page_size=PAGE, kv_pages=12, **kw)
 
 
-def test_a_restarted_request_is_sent_again_at_once_outside_the_retry_budget():
+def test_a_restarted_request_is_sent_again_at_once_outside_the_retry_budget(monkeypatch):
     """`_send`: a request ended by RESTART_TOKEN (`Restarted`; over gRPC, ABORTED) goes again
     with the next round, without a backoff and however often, while a fault backs off and
     counts against max_retries; both count as retried."""
     import concurrent.futures
-    import time
 
     answers = {0: ["restart"] * 5 + ["ok"], 1: ["fault", "fault", "ok"], 2: ["ok"]}
 
@@ -118,15 +117,17 @@ def test_a_restarted_request_is_sent_again_at_once_outside_the_retry_budget():
             return fut
 
     client = Client(max_prefill_length=16, timeout_s=30.0, max_retries=2, backoff_s=0.2)
-    t0 = time.monotonic()
+    waits = []
+    monkeypatch.setattr(jetstream_backend.time, "sleep", waits.append)
     rows, retried, dropped = client._send([0, 1, 2])
     assert sorted(rows) == [0, 1, 2] and dropped == 0
     assert retried == 5 + 2  # request 0 five times, request 1 twice
-    assert time.monotonic() - t0 >= 0.2 + 0.4  # the two faults' backoffs only
+    assert waits == pytest.approx([0.2, 0.4], abs=1e-9)  # the two faults' backoffs only
     answers.update({0: ["restart", "ok"], 1: ["fault"] * 3})
     client.max_retries = 1
     rows, retried, dropped = client._send([0, 1])
     assert sorted(rows) == [0] and dropped == 1  # the fault's one retry spent
+    assert waits[2:] == pytest.approx([0.2], abs=1e-9)
 
 
 def test_requests_restarted_for_new_weights_give_their_pages_back_first():

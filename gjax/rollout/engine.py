@@ -369,6 +369,7 @@ class Engine(jetstream.engine_api.Engine):
             self._paged_shape(kv_page_size, kv_pages)
         self._poison = poison_freed_pages
         self.pages_poisoned = 0  # (the debug hook's count)
+        self._kv: _PagedKV | None = None  # paged: the host's page bookkeeping (_regions_reset)
         self._prefix_cache = None  # (key, k, v, logits): the last prompt, for its G requests
         self._layers = (None, None)  # (params, decode_layers(params)): rebuilt on a swap
         self._regions_reset()
@@ -447,7 +448,7 @@ class Engine(jetstream.engine_api.Engine):
     def kv_stats(self) -> dict[str, int]:
         """Paged KV: the pool's size and peak, pages handed out, requests preempted (ended
         with RESTART_TOKEN for their client to send again); {} on contiguous slots."""
-        kv = getattr(self, "_kv", None)
+        kv = self._kv
         if kv is None:
             return {}
         return {

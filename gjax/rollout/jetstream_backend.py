@@ -220,7 +220,7 @@ class _JetStreamClient:
         no fault: it goes again with the next round at once, outside the retry budget (a
         retried request, counted). What is still missing at the end is dropped, with one
         warning line."""
-        rows, retried, error, pending, rejected = {}, 0, None, list(range(len(requests))), []
+        rows, retried, error, pending, given_up = {}, 0, None, list(range(len(requests))), []
         deadline = time.monotonic() + self.timeout_s  # the whole batch, retries included
         attempt = 0
         while time.monotonic() < deadline:
@@ -236,11 +236,11 @@ class _JetStreamClient:
                         restarted.append(b)
                         continue
                     if _rejected(e):  # INVALID_ARGUMENT: a retry gets the same answer
-                        rejected.append(b)
+                        given_up.append(b)
                     else:
                         failed.append(b)
             if failed and attempt == self.max_retries:  # out of retries: they are dropped
-                rejected += failed
+                given_up += failed
                 failed = []
             pending = failed + restarted
             if not pending:
@@ -250,7 +250,7 @@ class _JetStreamClient:
                 wait = self.backoff_s * 2 ** (attempt - 1)
                 time.sleep(max(0.0, min(wait, deadline - time.monotonic())))
             retried += len(pending)
-        pending += rejected
+        pending += given_up
         if pending:
             self.last_error = _short(error, self.timeout_s)
             log.warning(
