@@ -44,6 +44,7 @@ from gjax.models import quant
 from gjax.models import transformer as tr
 from gjax.models.config import ModelConfig
 from gjax.rollout import decoder as dec
+from gjax.rollout import pages as pg
 from gjax.rollout.sampler import SamplingParams
 
 _DTYPE_BYTES = {
@@ -237,6 +238,7 @@ def decode_step_bytes(
     tokens_per_dispatch: int = 8,
     top: int = 8,
     quantize: str = "none",
+    kv_page_size: int = 0,
 ) -> dict:
     """Bytes one continuous-decoder step accesses (XLA's cost analysis of `_dispatch` at one
     step, compiled on abstract shapes: nothing is allocated) over the ideal: the weights the
@@ -252,18 +254,38 @@ def decode_step_bytes(
     ideal then counts their codes and scales, and `convert_touched_bytes` the bytes of the
     step's dtype conversions (XLA:CPU converts each kernel's codes to a float copy before
     its dot; a GPU/TPU fuses the convert into the dot, so these bytes are not traffic
-    there)."""
+    there).
+
+    `kv_page_size` P > 0: the paged step (`gjax.rollout.pages.paged_slot_step`) on the
+    decoder's default pool (the contiguous layout's KV, S x N/P own pages and R x Q prompt
+    pages, plus the null page); the ideal's KV is that pool less the null page (so equal to
+    the contiguous ideal where P divides the prompt width), and `kv_in_place` checks the pool
+    (`pages_k` / `pages_v`)."""
     sp = sampling or SamplingParams(max_new_tokens=max_new, temperature=1.0)
     params = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.key(0)))
     if quantize != "none":
         params = jax.eval_shape(lambda p: quant.quantize_policy(p, quantize), params)
     layers = jax.eval_shape(lambda p: tr.decode_layers(p, cfg), params)
-    state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
-    compiled = dec._dispatch_jit.lower(params, cfg, layers, state, sp=sp, steps=1).compile()
+    if kv_page_size:
+        q_ = pg.prompt_pages(prompt_len, kv_page_size)
+        pool = slots * (max_new // kv_page_size) + regions * q_ + 1
+        state = jax.eval_shape(
+            lambda: pg.init_paged_state(
+                cfg, slots, regions, prompt_len, max_new, pages=pool, page_size=kv_page_size
+            )
+        )
+        kv = nbytes((state.pages_k, state.pages_v)) * (pool - 1) // pool
+        slot_step, cache = pg.paged_slot_step, ("state.pages_k", "state.pages_v")
+    else:
+        state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
+        kv = nbytes((state.cache_k, state.cache_v, state.prompt_k, state.prompt_v))
+        slot_step, cache = None, ("state.cache_k", "state.cache_v")
+    compiled = dec._dispatch_jit.lower(
+        params, cfg, layers, state, sp=sp, steps=1, slot_step=slot_step
+    ).compile()
     text = compiled.as_text()
     counted = _cost_bytes(compiled)
     weights = nbytes(layers) + nbytes({k: v for k, v in params.items() if k != "layers"})
-    kv = nbytes((state.cache_k, state.cache_v, state.prompt_k, state.prompt_v))
     ideal = weights + kv
     ops = hlo_op_bytes(text)
     parsed = sum(o.bytes for o in ops)
@@ -297,6 +319,7 @@ def decode_step_bytes(
             "max_new": max_new,
             "dtype": cfg.dtype,
             "quantize": quantize,
+            "kv_page_size": kv_page_size,
             "layers": cfg.num_layers,
             "hidden": cfg.hidden_size,
             "vocab": cfg.vocab_size,
@@ -316,7 +339,7 @@ def decode_step_bytes(
         "convert_touched_bytes": sum(o.touched for o in ops if "convert_element_type" in o.op_name),
         "counted_not_touched": by_jax_op(lambda r: r["bytes"] - r["touched"]),
         "most_touched": by_jax_op(lambda r: r["touched"]),
-        "kv_in_place": kv_in_place(text),
+        "kv_in_place": kv_in_place(text, cache),
     }
 
 

@@ -757,15 +757,15 @@ def _paged_write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region,
     """`_write_region` on pages: the prompt's KV into its Q pages `pages_Q`, its mask, length
     and logits into `region`."""
     core = _core(state)
-    page = core.pages_k[0].shape[1]
+    page = core.pages_k[0].shape[2]
     kv_, sq_, dh = k_LxKxSxDh.shape[1:]
     q_ = pages_Q.shape[0]
 
-    def to_pages(x_KxSqxDh):  # -> [Q, page, K, Dh]
+    def to_pages(x_KxSqxDh):  # -> [K, Q, page, Dh]
         x = jnp.pad(x_KxSqxDh, ((0, 0), (0, q_ * page - sq_), (0, 0)))
-        return x.transpose(1, 0, 2).reshape(q_, page, kv_, dh)
+        return x.reshape(kv_, q_, page, dh)
 
-    put = lambda dst, src: dst.at[pages_Q].set(to_pages(src).astype(dst.dtype))
+    put = lambda dst, src: dst.at[:, pages_Q].set(to_pages(src).astype(dst.dtype))
     sp_ = core.prompt_mask_RxSp.shape[1]
     mask_Sp = (jnp.arange(sp_) < length).astype(jnp.int32)
     core = core._replace(

@@ -4,8 +4,9 @@ gjax.rollout.decoder's contiguous slots).
 Instead of N cache columns per slot and a prompt region per group, every layer's KV lives in
 one pool of fixed-size pages and each slot reads its row's through a page table:
 
-    pages_k/pages_v  L x [Pg, page, K, Dh]   the pool (page 0: the null page, never allocated:
-                                             free table entries and finished slots' writes)
+    pages_k/pages_v  L x [K, Pg, page, Dh]   the pool (page 0: the null page, never allocated:
+                                             free table entries and finished slots' writes),
+                                             heads major as the TPU paged-attention kernel's
     table_SxP        int32 [S, Q + N/page]   a row's pages: its group's Q = ceil(Sp / page)
                                              prompt pages (shared by the group's rows), then
                                              its own, allocated as it grows
@@ -73,7 +74,7 @@ def init_paged_state(
 ) -> PagedState:
     """Empty state: every slot done (free), every table entry the null page, pages zero."""
     dtype, kv, dh = cfg.jnp_dtype, cfg.num_kv_heads, cfg.head_dim
-    pool = lambda: [jnp.zeros((pages, page_size, kv, dh), dtype) for _ in range(cfg.num_layers)]
+    pool = lambda: [jnp.zeros((kv, pages, page_size, dh), dtype) for _ in range(cfg.num_layers)]
     width = prompt_pages(prompt_len, page_size) + max_new // page_size
     key_shape = jax.random.key_data(jax.random.key(0)).shape
     return PagedState(
@@ -155,17 +156,17 @@ def paged_prefill(params, cfg, state: PagedState, tokens_AxSp, mask_AxSp, region
     last_A = tokens_AxSp.shape[1] - 1 - jnp.argmax(mask[:, ::-1], axis=-1)
     hidden_AxD = jnp.take_along_axis(hidden_AxSpxD, last_A[:, None, None], axis=1)[:, 0]
     logits_AxV = logits_from_hidden(params, cfg, hidden_AxD)
-    page = state.pages_k[0].shape[1]
+    page = state.pages_k[0].shape[2]
     a_, q_ = pages_AxQ.shape
     sp_ = mask.shape[1]
 
-    def to_pages(x_AxKxSpxDh):  # -> [A*Q, page, K, Dh], the prompt's columns page by page
+    def to_pages(x_AxKxSpxDh):  # -> [K, A*Q, page, Dh], the prompt's columns page by page
         _, kv_, _, dh = x_AxKxSpxDh.shape
         x = jnp.pad(x_AxKxSpxDh, ((0, 0), (0, 0), (0, q_ * page - sp_), (0, 0)))
-        return x.transpose(0, 2, 1, 3).reshape(a_ * q_, page, kv_, dh)
+        return x.transpose(1, 0, 2, 3).reshape(kv_, a_ * q_, page, dh)
 
     ids = pages_AxQ.reshape(-1)
-    put = lambda dst, src: dst.at[ids].set(to_pages(src).astype(dst.dtype))
+    put = lambda dst, src: dst.at[:, ids].set(to_pages(src).astype(dst.dtype))
     reg = lambda dst, src: dst.at[region_A].set(src.astype(dst.dtype), mode="drop")
     return state._replace(
         pages_k=[put(d, k[i]) for i, d in enumerate(state.pages_k)],
@@ -192,26 +193,38 @@ def paged_insert(state: PagedState, rng, slot_M, region_M, row_M, limit_M) -> Pa
     )
 
 
+def gather_pages(pool_KxPgxPxDh, table_SxP):
+    """A row's pages through its table, as one sequence per head: [K, S, P * page, Dh] (the
+    pool's heads-major layout makes the reshape free)."""
+    kv_, _, page, dh = pool_KxPgxPxDh.shape
+    s_, p_ = table_SxP.shape
+    # every table entry is a page of the pool (free ones the null page): no bounds select
+    got = pool_KxPgxPxDh.at[:, table_SxP].get(mode="promise_in_bounds")
+    return got.reshape(kv_, s_, p_ * page, dh)
+
+
 def paged_attention(q_SxKxRxDh, pages_k, pages_v, table_SxP, valid_SxC, dtype):
     """One query per slot against its row's pages, gathered through the page table (an XLA
     gather: the CPU path). The place for a Pallas paged-attention kernel on TPU / GPU
-    (jax.experimental.pallas.ops.tpu.paged_attention reads the same [pages, page, K, Dh]-per-
+    (jax.experimental.pallas.ops.tpu.paged_attention reads the same [K, pages, page, Dh]-per-
     layer pool through the same table, without materialising the gather); not used here.
     Columns not `valid` weigh 0 and their values are zeroed, so a page's stale or NaN
-    entries never reach the output."""
-    s_, p_ = table_SxP.shape
-    k_SxCxKxDh = jnp.take(pages_k, table_SxP, axis=0).reshape(s_, -1, *pages_k.shape[2:])
-    v_SxCxKxDh = jnp.take(pages_v, table_SxP, axis=0).reshape(s_, -1, *pages_v.shape[2:])
-    v_SxCxKxDh = jnp.where(valid_SxC[:, :, None, None], v_SxCxKxDh, 0)
+    entries never reach the output. Heads lead both operands of both matmuls (batch dims
+    k, s), so neither needs a transposed copy of the gathered keys."""
+    k_KxSxCxDh = gather_pages(pages_k, table_SxP)
+    v_KxSxCxDh = gather_pages(pages_v, table_SxP)
+    v_KxSxCxDh = jnp.where(valid_SxC[None, :, :, None], v_KxSxCxDh, 0)
+    q_KxSxRxDh = q_SxKxRxDh.transpose(1, 0, 2, 3)
     scores = jnp.einsum(
-        "skrd,sckd->skrc", q_SxKxRxDh, k_SxCxKxDh, preferred_element_type=jnp.float32
+        "ksrd,kscd->ksrc", q_KxSxRxDh, k_KxSxCxDh, preferred_element_type=jnp.float32
     )
     scale = 1.0 / math.sqrt(q_SxKxRxDh.shape[-1])
-    scores = jnp.where(valid_SxC[:, None, None, :], scores * scale, _MASK_VALUE)
+    scores = jnp.where(valid_SxC[None, :, None, :], scores * scale, _MASK_VALUE)
     m = scores.max(-1, keepdims=True)
     e = jnp.exp(scores - m)
-    out = jnp.einsum("skrc,sckd->skrd", e.astype(dtype), v_SxCxKxDh)
-    return out / e.sum(-1)[..., None].astype(dtype)
+    out = jnp.einsum("ksrc,kscd->ksrd", e.astype(dtype), v_KxSxCxDh)
+    out = out / e.sum(-1)[..., None].astype(dtype)
+    return out.transpose(1, 0, 2, 3)
 
 
 def paged_slot_step(params, cfg: ModelConfig, layers, state: PagedState, tokens_S):
@@ -222,7 +235,7 @@ def paged_slot_step(params, cfg: ModelConfig, layers, state: PagedState, tokens_
     state with the new pages."""
     dtype, eps = cfg.jnp_dtype, cfg.rms_norm_eps
     s_, p_ = state.table_SxP.shape
-    page = state.pages_k[0].shape[1]
+    page = state.pages_k[0].shape[2]
     sp_ = state.prompt_mask_RxSp.shape[1]
     q_ = prompt_pages(sp_, page)
     h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -242,8 +255,10 @@ def paged_slot_step(params, cfg: ModelConfig, layers, state: PagedState, tokens_
     pages_k, pages_v = list(state.pages_k), list(state.pages_v)
     for i, lp in enumerate(layers):
         q, k, v = decode_qkv(lp, x, cos, sin, cfg)
-        pages_k[i] = pages_k[i].at[write_page_S, write_off_S].set(k.astype(dtype))
-        pages_v[i] = pages_v[i].at[write_page_S, write_off_S].set(v.astype(dtype))
+        put = lambda pool, new_SxKxDh: pool.at[:, write_page_S, write_off_S].set(
+            new_SxKxDh.transpose(1, 0, 2).astype(dtype)
+        )
+        pages_k[i], pages_v[i] = put(pages_k[i], k), put(pages_v[i], v)
         out = paged_attention(
             q.reshape(s_, kv_, h_ // kv_, dh),
             pages_k[i],
@@ -260,7 +275,7 @@ def paged_slot_step(params, cfg: ModelConfig, layers, state: PagedState, tokens_
 
 
 def _poison(state: PagedState, pages_M) -> PagedState:
-    nan = lambda pool: [p.at[pages_M].set(jnp.nan) for p in pool]
+    nan = lambda pool: [p.at[:, pages_M].set(jnp.nan) for p in pool]
     return state._replace(pages_k=nan(state.pages_k), pages_v=nan(state.pages_v))
 
 
@@ -279,7 +294,7 @@ def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, co
     dtype, f32 = cfg.jnp_dtype, jnp.float32
     m_, c_ = tokens_MxC.shape
     s_, p_ = state.table_SxP.shape
-    page = state.pages_k[0].shape[1]
+    page = state.pages_k[0].shape[2]
     sp_ = state.prompt_mask_RxSp.shape[1]
     q_ = prompt_pages(sp_, page)
     h_, kv_, dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -309,24 +324,24 @@ def paged_reenter(params, cfg, layers, state: PagedState, slot_M, tokens_MxC, co
     scale = 1.0 / math.sqrt(dh)
     for i, lp in enumerate(layers):
         q, k, v = decode_qkv(lp, x, cos, sin, cfg)  # [M*C, H|K, Dh]
-        put = lambda pool, new: pool.at[page_MxC, off_MxC].set(
-            new.reshape(m_, c_, kv_, dh).astype(dtype)
+        put = lambda pool, new: pool.at[:, page_MxC, off_MxC].set(
+            new.reshape(m_, c_, kv_, dh).transpose(2, 0, 1, 3).astype(dtype)
         )
         pages_k[i], pages_v[i] = put(pages_k[i], k), put(pages_v[i], v)
-        k_MxWxKxDh = jnp.take(pages_k[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
-        v_MxWxKxDh = jnp.take(pages_v[i], table_MxP, axis=0).reshape(m_, -1, kv_, dh)
-        q_MxKxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(0, 2, 3, 1, 4)
+        k_KxMxWxDh = gather_pages(pages_k[i], table_MxP)
+        v_KxMxWxDh = gather_pages(pages_v[i], table_MxP)
+        q_KxMxRxCxDh = q.reshape(m_, c_, kv_, r_, dh).transpose(2, 0, 3, 1, 4)
         scores = jnp.einsum(
-            "mkrcd,mwkd->mkrcw", q_MxKxRxCxDh, k_MxWxKxDh, preferred_element_type=f32
+            "kmrcd,kmwd->kmrcw", q_KxMxRxCxDh, k_KxMxWxDh, preferred_element_type=f32
         )
-        valid = valid_MxCxW[:, None, None]
+        valid = valid_MxCxW[None, :, None]
         scores = jnp.where(valid, scores * scale, _MASK_VALUE)
         e = jnp.exp(scores - scores.max(-1, keepdims=True))
         e = jnp.where(valid, e, 0.0)  # a stale column's value never meets a nonzero weight
-        v_MxWxKxDh = jnp.where(valid_MxCxW.any(1)[:, :, None, None], v_MxWxKxDh, 0)
-        out = jnp.einsum("mkrcw,mwkd->mkrcd", e.astype(dtype), v_MxWxKxDh)
+        v_KxMxWxDh = jnp.where(valid_MxCxW.any(1)[None, :, :, None], v_KxMxWxDh, 0)
+        out = jnp.einsum("kmrcw,kmwd->kmrcd", e.astype(dtype), v_KxMxWxDh)
         out = out / e.sum(-1)[..., None].astype(dtype)
-        x = decode_layer_out(lp, x, out.transpose(0, 3, 1, 2, 4).reshape(m_ * c_, h_ * dh), cfg)
+        x = decode_layer_out(lp, x, out.transpose(1, 3, 0, 2, 4).reshape(m_ * c_, h_ * dh), cfg)
     state = state._replace(pages_k=pages_k, pages_v=pages_v)
     return reentry_result(params, cfg, state, x, slot_M, count_M, n0_M, limit_M)
 
