@@ -124,6 +124,48 @@ _MASKS = (("the masks", "adv/masked_fraction"),)  # DaGRPO's indistinct-pair mas
 # all_algorithms' matched budget: its GRPO arm's sampled tokens over 200 steps, 443.4k-448.1k
 # over 5 seeds (mean 445.1k); DAPO's and GPG's arms sampled 2.9x and 2.4x that.
 MATCHED_TOKENS = 445_000
+# The headline table's arms (all_algorithms), each its own preset, and their shared
+# setup: off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout
+# batch): the ratios leave 1 and the clips act (experiments/README.md, "Off-policy updates").
+_HEADLINE = (
+    Variant("grpo", "grpo", "GRPO (DeepSeekMath), k3 KL 0.04"),
+    Variant("dr_grpo", "dr_grpo", "Dr.GRPO: no std, token sum / constant"),
+    Variant(
+        "dapo",
+        "dapo",
+        "DAPO: clip-higher, token mean, dynamic sampling, overlong",
+        acts=(("the clip (eps_high 0.28)", "clipped_pct"),),
+    ),
+    Variant(
+        "gspo",
+        "grpo",
+        "GSPO: sequence-level ratio and clip",
+        objective="gspo",
+        acts=(("the sequence clip", "clipped_pct"),),
+    ),
+    Variant("gpg", "gpg", "GPG: -logp * A, alpha = B/(B-M), beta_th 0.6"),
+    Variant("a_grae", "a_grae", "A-GRAE: DDAS eq. (12) + ASS eq. (13)"),
+    Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance token weights"),
+    Variant(
+        "dagrpo",
+        "dagrpo",
+        "DaGRPO: delta 3, one anchor per group, rule judge",
+        acts=_MASKS,
+    ),
+    Variant(
+        "cispo",
+        "cispo",
+        "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)",
+        acts=(("the IS-weight clip", "clipped_pct"),),
+    ),
+    Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
+)
+_HEADLINE_OVERRIDES = {"train.minibatches": 4}
+# Issue 37 item 5: each of these arms at a third and three times the task's rate (1e-5,
+# `configs.common.headroom`, tuned on GRPO); all_algorithms' seed 0 is the middle point.
+LR_SWEEP = (3e-6, 3e-5)
+_LR_SWEPT = ("grpo", "gpg", "a_grae", "cw_grpo", "dagrpo")
+
 
 _STUDIES = (
     Study(
@@ -131,37 +173,7 @@ _STUDIES = (
         "every algorithm on one task: held-out pass@1 over steps, pass@k at the end against the "
         "base policy, entropy, response length and grad norm over steps",
         (
-            Variant("grpo", "grpo", "GRPO (DeepSeekMath), k3 KL 0.04"),
-            Variant("dr_grpo", "dr_grpo", "Dr.GRPO: no std, token sum / constant"),
-            Variant(
-                "dapo",
-                "dapo",
-                "DAPO: clip-higher, token mean, dynamic sampling, overlong",
-                acts=(("the clip (eps_high 0.28)", "clipped_pct"),),
-            ),
-            Variant(
-                "gspo",
-                "grpo",
-                "GSPO: sequence-level ratio and clip",
-                objective="gspo",
-                acts=(("the sequence clip", "clipped_pct"),),
-            ),
-            Variant("gpg", "gpg", "GPG: -logp * A, alpha = B/(B-M), beta_th 0.6"),
-            Variant("a_grae", "a_grae", "A-GRAE: DDAS eq. (12) + ASS eq. (13)"),
-            Variant("cw_grpo", "cw_grpo", "CW-GRPO: Gaussian covariance token weights"),
-            Variant(
-                "dagrpo",
-                "dagrpo",
-                "DaGRPO: delta 3, one anchor per group, rule judge",
-                acts=_MASKS,
-            ),
-            Variant(
-                "cispo",
-                "cispo",
-                "CISPO: clipped IS weight, stop-gradient (MiniMax-M1)",
-                acts=(("the IS-weight clip", "clipped_pct"),),
-            ),
-            Variant("pass_at_k", "pass_at_k", "pass@k advantage, k = 4 (Chen et al. 2025)"),
+            *_HEADLINE,
             # Issue 37 item 4: the arms that sample more per step, stopped at GRPO's sampling
             # cost instead of its step count (`train.max_sampled_tokens`).
             *(
@@ -206,9 +218,28 @@ _STUDIES = (
                 for base, name in (("dapo", "DAPO"), ("dr_grpo", "Dr.GRPO"))
             ),
         ),
-        # Off-policy, as A-GRAE App. C.2 and GSPO (four mini-batch updates per rollout batch):
-        # the ratios leave 1 and the clips act (experiments/README.md, "Off-policy updates").
-        overrides={"train.minibatches": 4},
+        overrides=_HEADLINE_OVERRIDES,
+    ),
+    # Issue 37 item 5: the learning rate swept per method, seed 0, so that no headline verdict
+    # rests on a rate picked for GRPO alone (as lora_lr_sweep picks each LoRA rank's).
+    #   python -m experiments.run all_algorithms_lr --seeds 1
+    Study(
+        "all_algorithms_lr",
+        "none: each headline method's final held-out pass@1 at lr 3e-6 and 3e-5, beside "
+        "all_algorithms' seed 0 at 1e-5",
+        tuple(
+            dataclasses.replace(
+                v,
+                name=f"{v.name}_lr{lr:g}",
+                doc=f"{v.doc}; lr {lr:g}",
+                overrides={**v.overrides, "optim.lr": lr},
+                versus=None,
+            )
+            for v in _HEADLINE
+            if v.name in _LR_SWEPT
+            for lr in LR_SWEEP
+        ),
+        overrides=_HEADLINE_OVERRIDES,
     ),
     Study(
         "a_grae_variants",
