@@ -267,6 +267,8 @@ def decode_step_bytes(
         params = jax.eval_shape(lambda p: quant.quantize_policy(p, quantize), params)
     layers = jax.eval_shape(lambda p: tr.decode_layers(p, cfg), params)
     if kv_page_size:
+        if max_new % kv_page_size:
+            raise ValueError(f"kv_page_size={kv_page_size} must divide max_new={max_new}")
         q_ = pg.prompt_pages(prompt_len, kv_page_size)
         pool = slots * (max_new // kv_page_size) + regions * q_ + 1
         state = jax.eval_shape(
