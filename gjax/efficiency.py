@@ -227,6 +227,26 @@ def _cost_bytes(compiled) -> float:
     return float(analysis["bytes accessed"])
 
 
+def _decode_state(cfg, slots, regions, prompt_len, max_new, kv_page_size):
+    """The abstract decode state `decode_step_bytes` compiles on, the KV bytes of its ideal,
+    the step function and the cache leaves' names: contiguous, or paged on the default pool
+    (its null page left out of the ideal)."""
+    if not kv_page_size:
+        state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
+        kv = nbytes((state.cache_k, state.cache_v, state.prompt_k, state.prompt_v))
+        return state, kv, None, ("state.cache_k", "state.cache_v")
+    if max_new % kv_page_size:
+        raise ValueError(f"kv_page_size={kv_page_size} must divide max_new={max_new}")
+    pool = pg.default_pages(slots, regions, prompt_len, max_new, kv_page_size)
+    state = jax.eval_shape(
+        lambda: pg.init_paged_state(
+            cfg, slots, regions, prompt_len, max_new, pages=pool, page_size=kv_page_size
+        )
+    )
+    kv = nbytes((state.pages_k, state.pages_v)) * (pool - 1) // pool
+    return state, kv, pg.paged_slot_step, ("state.pages_k", "state.pages_v")
+
+
 def decode_step_bytes(
     cfg: ModelConfig,
     *,
@@ -266,22 +286,9 @@ def decode_step_bytes(
     if quantize != "none":
         params = jax.eval_shape(lambda p: quant.quantize_policy(p, quantize), params)
     layers = jax.eval_shape(lambda p: tr.decode_layers(p, cfg), params)
-    if kv_page_size:
-        if max_new % kv_page_size:
-            raise ValueError(f"kv_page_size={kv_page_size} must divide max_new={max_new}")
-        q_ = pg.prompt_pages(prompt_len, kv_page_size)
-        pool = slots * (max_new // kv_page_size) + regions * q_ + 1
-        state = jax.eval_shape(
-            lambda: pg.init_paged_state(
-                cfg, slots, regions, prompt_len, max_new, pages=pool, page_size=kv_page_size
-            )
-        )
-        kv = nbytes((state.pages_k, state.pages_v)) * (pool - 1) // pool
-        slot_step, cache = pg.paged_slot_step, ("state.pages_k", "state.pages_v")
-    else:
-        state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
-        kv = nbytes((state.cache_k, state.cache_v, state.prompt_k, state.prompt_v))
-        slot_step, cache = None, ("state.cache_k", "state.cache_v")
+    state, kv, slot_step, cache = _decode_state(
+        cfg, slots, regions, prompt_len, max_new, kv_page_size
+    )
     compiled = dec._dispatch_jit.lower(
         params, cfg, layers, state, sp=sp, steps=1, slot_step=slot_step
     ).compile()

@@ -955,9 +955,9 @@ class _PagedSchedule(_Schedule):
     def init_device_state(self):
         # the default pool: the contiguous layout's bytes (S slots of N, its R = self.r_
         # regions of the prompt width), plus the null page
-        n_pages_row = -(-self.n_ // self.page)
-        q_ = pages.prompt_pages(self.sp_len, self.page)
-        self.num_pages = self.dec.kv_pages or self.s_ * n_pages_row + self.r_ * q_ + 1
+        self.num_pages = self.dec.kv_pages or pages.default_pages(
+            self.s_, self.r_, self.sp_len, self.n_, self.page
+        )
         # a region holds a prompt's mask, length and logits only; keeping the contiguous R
         # keeps the default pool sufficient: no row is ever held back or preempted
         return pages.init_paged_state(

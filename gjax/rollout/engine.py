@@ -437,7 +437,7 @@ class Engine(jetstream.engine_api.Engine):
         self._width = self._q + n_ // page
         # the default pool: the contiguous layout's bytes (S slots of N, R = S regions of
         # the prefill bucket) plus the null page: no row is ever preempted
-        self._num_pages = kv_pages or s_ * (n_ // page) + s_ * self._q + 1
+        self._num_pages = kv_pages or pages.default_pages(s_, s_, self._max_prefill, n_, page)
         if self._num_pages - 1 < self._width:
             raise ValueError(
                 f"kv_pages={self._num_pages} holds fewer than one request's {self._width} "

@@ -69,6 +69,12 @@ def prompt_pages(prompt_len: int, page_size: int) -> int:
     return -(-prompt_len // page_size)
 
 
+def default_pages(slots: int, regions: int, prompt_len: int, max_new: int, page: int) -> int:
+    """The default pool: the contiguous layout's KV (S slots of N own tokens, R regions of
+    Q prompt pages) plus the null page, so no row ever waits or is preempted."""
+    return slots * (max_new // page) + regions * prompt_pages(prompt_len, page) + 1
+
+
 def init_paged_state(
     cfg: ModelConfig, slots: int, regions: int, prompt_len: int, max_new: int, *, pages, page_size
 ) -> PagedState:
