@@ -230,7 +230,8 @@ def _cost_bytes(compiled) -> float:
 def _decode_state(cfg, slots, regions, prompt_len, max_new, kv_page_size):
     """The abstract decode state `decode_step_bytes` compiles on, the KV bytes of its ideal,
     the step function and the cache leaves' names: contiguous, or paged on the default pool
-    (its null page left out of the ideal)."""
+    (its null page and the slots' copies of their prompts' partial last pages left out of the
+    ideal: the live KV is the contiguous layout's)."""
     if not kv_page_size:
         state = jax.eval_shape(lambda: dec.init_state(cfg, slots, regions, prompt_len, max_new))
         kv = nbytes((state.cache_k, state.cache_v, state.prompt_k, state.prompt_v))
@@ -243,7 +244,8 @@ def _decode_state(cfg, slots, regions, prompt_len, max_new, kv_page_size):
             cfg, slots, regions, prompt_len, max_new, pages=pool, page_size=kv_page_size
         )
     )
-    kv = nbytes((state.pages_k, state.pages_v)) * (pool - 1) // pool
+    tails = slots if kv_page_size > 1 else 0  # as `default_pages` counts them
+    kv = nbytes((state.pages_k, state.pages_v)) * (pool - 1 - tails) // pool
     return state, kv, pg.paged_slot_step, ("state.pages_k", "state.pages_v")
 
 
@@ -278,9 +280,9 @@ def decode_step_bytes(
 
     `kv_page_size` P > 0: the paged step (`gjax.rollout.pages.paged_slot_step`) on the
     decoder's default pool (the contiguous layout's KV, S x N/P own pages and R x Q prompt
-    pages, plus the null page); the ideal's KV is that pool less the null page (so equal to
-    the contiguous ideal where P divides the prompt width), and `kv_in_place` checks the pool
-    (`pages_k` / `pages_v`)."""
+    pages, plus a page per slot for its copy of its prompt's partial last page and the null
+    page); the ideal's KV is the first two (so equal to the contiguous ideal where P divides
+    the prompt width), and `kv_in_place` checks the pool (`pages_k` / `pages_v`)."""
     sp = sampling or SamplingParams(max_new_tokens=max_new, temperature=1.0)
     params = jax.eval_shape(lambda: tr.init_params(cfg, jax.random.key(0)))
     if quantize != "none":

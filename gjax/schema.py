@@ -296,6 +296,12 @@ SCHEMA: dict[str, Any] = {
             "sends it again)",
             _NONNEG,
         ),
+        "paged_attention": Field(
+            "auto",
+            "kv_page_size > 0: how a decode step reads a row's pages | auto (the platform's "
+            "Pallas paged-attention kernel on a GPU or TPU, XLA's gather on a CPU) | xla | "
+            "pallas_gpu | pallas_tpu (on a CPU: Pallas's interpret mode, slow; tests)",
+        ),
         "weight_change": Field(
             "finish",
             "jetstream*: requests decoding when new weights land (between generate calls): "

@@ -148,6 +148,7 @@ def build_server(config, workdir: str, *, sampling: str = "rollout"):
         weight_change=config.rollout.weight_change,
         kv_page_size=config.rollout.kv_page_size,
         kv_pages=config.rollout.kv_pages or None,
+        paged_attention=config.rollout.paged_attention,
     )
     push_dir = config.rollout.push_dir or os.path.join(workdir, "push")
     watcher = WeightWatcher(push_dir, holder, handoff=handoff)

@@ -38,7 +38,8 @@ def test_paged_greedy_equals_static_and_contiguous(static_greedy, contiguous_gre
     bytes; pages of 2 in a pool of 9 usable pages, below what 3 live rows need at once: rows
     are held back or preempted, decode again from their first token, the same rows."""
     paged, stats = decode(steps=4, kv_page_size=4)
-    assert stats["kv_pages"] == 3 * 2 + 3 * 2 + 1  # slots x N/4 + regions x Q + null page
+    # slots x N/4, a tail copy per slot, regions x Q, the null page
+    assert stats["kv_pages"] == 3 * 2 + 3 + 3 * 2 + 1
     assert_same(paged, static_greedy, atol=1e-5)  # the static sampler's tolerance
     # The same tokens; log-probs to the same tolerance, for the same reason: paged attention
     # reads the keys through the page table in another layout than a slot's contiguous cache,
@@ -115,8 +116,9 @@ def test_config_kv_page_size(static_greedy):
         ({"max_new_tokens": 66}, "must divide config.rollout.max_new_tokens=66"),
         ({"prefill_chunk": 8}, "prefill_chunk=8"),
         ({"decoder": "static"}, "rollout.decoder='static'"),
-        # tiny's 24-token prompts: 6 pages of 4, 16 for 64 tokens, the null page
-        ({"kv_pages": 22}, "kv_pages=22 cannot hold one row: 22 pages of 4 tokens"),
+        # tiny's 24-token prompts: 6 pages of 4, 16 for 64 tokens, a partial last page's copy
+        # (a shorter prompt's), the null page
+        ({"kv_pages": 23}, "kv_pages=23 cannot hold one row: 23 pages of 4 tokens"),
         ({"kv_page_size": 0, "kv_pages": 40}, "kv_pages=40 sizes the paged KV pool, but"),
     ):
         bad = common.tiny(common.base())
@@ -126,14 +128,14 @@ def test_config_kv_page_size(static_greedy):
         with pytest.raises(ConfigError, match=match):
             check_config(bad)
     ok = common.tiny(common.base())
-    ok.rollout.update(kv_page_size=4, max_new_tokens=64, kv_pages=23)
+    ok.rollout.update(kv_page_size=4, max_new_tokens=64, kv_pages=24)
     check_config(ok)
     # the JetStream engine pages too (its prefill bucket, 32 for 24 tokens: 8 pages), and
     # prefill_chunk is the local decoder's alone
-    ok.rollout.update(backend="jetstream", prefill_chunk=8, kv_pages=25)
+    ok.rollout.update(backend="jetstream", prefill_chunk=8, kv_pages=26)
     check_config(ok)
-    ok.rollout.kv_pages = 24
-    with pytest.raises(ConfigError, match="kv_pages=24 cannot hold one row: 24 pages"):
+    ok.rollout.kv_pages = 25
+    with pytest.raises(ConfigError, match="kv_pages=25 cannot hold one row: 25 pages"):
         check_config(ok)
 
 

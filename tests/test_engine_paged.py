@@ -62,8 +62,9 @@ def test_paged_engine_equals_the_contiguous_engine_and_the_static_sampler(sampli
     assert_same(paged, contiguous, atol=1e-5)
     assert_same(paged, static, atol=1e-5)  # the static sampler's tolerance
     # the default pool, the contiguous layout's bytes: 3 slots x N / PAGE own pages, 3 regions
-    # of the 16-token prefill bucket (8 pages each), the null page; nothing preempted
-    assert stats["kv_pages"] == 3 * N // PAGE + 3 * 8 + 1
+    # of the 16-token prefill bucket (8 pages each); a page per slot for its copy of its
+    # prompt's partial last page, the null page; nothing preempted
+    assert stats["kv_pages"] == 3 * N // PAGE + 3 + 3 * 8 + 1
     assert stats["requests_preempted"] == 0 and retried == 0
     assert 0 < stats["kv_pages_peak"] <= stats["kv_pages"] - 1
 
@@ -133,11 +134,12 @@ def test_a_restarted_request_is_sent_again_at_once_outside_the_retry_budget(monk
 def test_requests_restarted_for_new_weights_give_their_pages_back_first():
     """The engine API driven by hand (tests/test_engine.py: two requests, new weights after 2
     calls, then a third request). Paged with the default pool: the same tokens, valid flags
-    and records as contiguous, both ways (finish, restart). On 31 pages (30 usable: the two
-    requests' prompts and 4 tokens each, 20, the third's prompt, 8, leave 2): 'finish' has
-    the two grow by a page each and preempts the third (RESTART_TOKEN at its first call);
-    'restart' ends the two in that call, so their pages go back first and the third decodes
-    as on contiguous slots."""
+    and records as contiguous, both ways (finish, restart). On 16 pages (15 usable; prompts
+    of 5, 2 and 7 tokens in pages of 2): the two requests' prompts (3 + 1 pages) and first 4
+    tokens (3 + 2 own pages, request 0's first a copy of its prompt's last page), 13 with
+    the third's prompt (4), leave 2: 'finish' has the two grow by a page each and preempts
+    the third (its first call needs 2: RESTART_TOKEN); 'restart' ends the two in that call,
+    so their pages go back first and the third decodes as on contiguous slots."""
     from tests.test_engine import _decode_with_a_push
 
     def same(paged, ref):  # tokens, valid flags, records; log-probs to the paged tolerance
@@ -152,7 +154,7 @@ def test_requests_restarted_for_new_weights_give_their_pages_back_first():
     for weight_change in ("finish", "restart"):
         ref = _decode_with_a_push(weight_change, steps=2)
         same(_decode_with_a_push(weight_change, steps=2, kv_page_size=PAGE), ref)
-    restart = _decode_with_a_push("restart", steps=2, kv_page_size=PAGE, kv_pages=31)
+    restart = _decode_with_a_push("restart", steps=2, kv_page_size=PAGE, kv_pages=16)
     same(restart, _decode_with_a_push("restart", steps=2))
-    tok, valid, _ = _decode_with_a_push("finish", steps=2, kv_page_size=PAGE, kv_pages=31)
+    tok, valid, _ = _decode_with_a_push("finish", steps=2, kv_page_size=PAGE, kv_pages=16)
     assert tok[2, 2] == RESTART and valid[2, 2] and not valid[3:, 2].any()

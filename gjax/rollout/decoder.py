@@ -416,7 +416,11 @@ class ContinuousDecoder:
         tokens (gjax.rollout.pages: a page table per slot, pages allocated as a row grows,
         a group's prompt pages shared); P divides max_new_tokens. Whole prefill.
       kv_pages: the page pool (None: the KV bytes of the contiguous layout, slots * N/P pages
-        of tokens and its default regions' prompt pages, plus the null page).
+        of tokens and its default regions' prompt pages, plus a page per slot for its copy
+        of its prompt's partial last page and the null page).
+      paged_attention: how a paged step reads its pages (`gjax.rollout.pages.
+        PAGED_ATTENTION`): 'auto' (the platform's Pallas kernel on a GPU / TPU, XLA's
+        gather on a CPU), 'xla', 'pallas_gpu', 'pallas_tpu' (interpret mode on a CPU).
       poison_freed_pages: a debug hook: every page freed is filled with NaN (tests: no row
         reads a page after it is freed).
 
@@ -438,6 +442,7 @@ class ContinuousDecoder:
         observation_chunk: int = 32,
         kv_page_size: int = 0,
         kv_pages: int | None = None,
+        paged_attention: str = "auto",
         poison_freed_pages: bool = False,
     ):
         if prefill_chunk < 0:
@@ -465,6 +470,7 @@ class ContinuousDecoder:
         self.prefill_chunk = prefill_chunk
         self.observation_chunk = observation_chunk
         self.kv_page_size, self.kv_pages = kv_page_size, kv_pages
+        self.paged_attention = pages.attention_for(paged_attention)  # resolved: fails fast
         self.poison_freed_pages = poison_freed_pages
         self._local = threading.local()
 
@@ -917,13 +923,14 @@ class _Schedule:
 
 class _PagedSchedule(_Schedule):
     """`_Schedule` on paged KV (`kv_page_size` > 0, gjax.rollout.pages): a group's prompt gets
-    Q pages when its first row is admitted (one reference for the group, one per row), a row
-    gets its own pages in `grow`, before each dispatch, for `tokens_per_dispatch` more tokens,
-    and `retire` releases them. A row is admitted only while the pool can also give every
-    live row its next pages. A live row that cannot grow is held back from the dispatch
-    (`stalled`: done on the device, its logits and pages kept); if every row is held back, the
-    youngest is preempted: its pages freed, it is decoded again from its first token later
-    (the same tokens: its keys depend only on its row index and token index)."""
+    ceil(Sq / page) pages when its first row is admitted (one reference for the group, one per
+    row), a row gets its own pages in `grow`, before each dispatch, for `tokens_per_dispatch`
+    more tokens (the first a copy of its prompt's partial last page), and `retire` releases
+    them. A row is admitted only while the pool can also give every live row its next pages.
+    A live row that cannot grow is held back from the dispatch (`stalled`: done on the device,
+    its logits and pages kept); if every row is held back, the youngest is preempted: its
+    pages freed, it is decoded again from its first token later (the same tokens: its keys
+    depend only on its row index and token index)."""
 
     def __init__(self, dec: ContinuousDecoder, *args, **kw):
         self.page = dec.kv_page_size
@@ -936,20 +943,27 @@ class _PagedSchedule(_Schedule):
             )
         self.q_ = pages.prompt_pages(self.sp_len, page)
         self.width = self.q_ + n_ // page
-        self.slot_step = pages.paged_slot_step
+        self.slot_step = pages.SLOT_STEPS[dec.paged_attention]
         self.reenter_fn = pages.paged_reenter_jit
+        self.plen_P = self.mask_PxS.sum(-1)  # each prompt's length: its rows' first column
         self.limit_of = [0] * self.s_  # the slot's row's length limit (its turn's)
         self.table_SxP = np.full((self.s_, self.width), pages.NULL_PAGE, np.int32)
         self.own_pages: list[list[int]] = [[] for _ in range(self.s_)]
         self.group_pages: dict[int, list[int]] = {}
+        # (source, page) fills before the next dispatch: a prompt's tail into a row's first
+        # page, and (a kernel reads its pages: pages.kernel_attention) zeros into new ones
+        self.fills: list[tuple[int, int]] = []
+        self.zero_new = dec.paged_attention != "xla"
         self.admitted_at = [0] * self.s_
         self.admissions = 0
         on_free = self.poison if dec.poison_freed_pages else None
         self.pool = pages.PagePool(self.num_pages, on_free=on_free)
-        if self.num_pages - 1 < self.width:
+        need = pages.min_pages(self.sp_len, n_, page)
+        if self.num_pages < need:
             raise ValueError(
                 f"kv_pages={self.num_pages} holds fewer than one row's {self.width} pages "
-                f"({self.q_} of its prompt, {n_ // page} of its tokens) and the null page"
+                f"({self.q_} of its prompt, {n_ // page} of its tokens), its prompt's tail "
+                f"and the null page ({need})"
             )
 
     def init_device_state(self):
@@ -971,25 +985,45 @@ class _PagedSchedule(_Schedule):
         )
 
     def poison(self, freed) -> None:
-        ids = np.zeros((self.num_pages,), np.int32)  # padding: the null page, never valid
+        ids = np.full((self.num_pages,), self.num_pages, np.int32)  # padding: dropped
         ids[: len(freed)] = freed
         self.state = pages.poison_jit(self.state, ids)
         self.stats["pages_poisoned"] += len(freed)
+
+    def plen(self, s: int) -> int:
+        """Slot `s`'s row's prompt length."""
+        return int(self.plen_P[self.slot_row[s] // self.g_])
 
     def pages_for(self, s: int) -> int:
         """Own pages slot `s`'s row needs for the next dispatch."""
         b = self.slot_row[s]
         end = min(int(self.out_len[b]) + self.dec.steps, self.limit_of[s])
-        return -(-end // self.page)
+        return pages.own_pages(self.plen(s), end, self.page)
 
     def grow_to(self, s: int, own: int) -> None:
-        """Slot `s`'s row holds `own` own pages (the pool has them)."""
+        """Slot `s`'s row holds `own` own pages (the pool has them); the first, if its prompt
+        ends inside a page, is to be a copy of that page, the others zeros where a kernel
+        reads them (`flush_fills`)."""
         more = own - len(self.own_pages[s])
         if more > 0:
             got = self.pool.alloc(more)
-            n0 = self.q_ + len(self.own_pages[s])
+            plen = self.plen(s)
+            fresh = got
+            if not self.own_pages[s] and plen % self.page:
+                tail = self.group_pages[self.group(self.slot_row[s])][-1]
+                self.fills.append((tail, got[0]))
+                fresh = got[1:]
+            if self.zero_new:
+                self.fills += [(pages.ZERO, p) for p in fresh]
+            n0 = pages.shared_pages(plen, self.page) + len(self.own_pages[s])
             self.table_SxP[s, n0 : n0 + more] = got
             self.own_pages[s] += got
+
+    def flush_fills(self) -> None:
+        """The fills `grow_to` queued, into the device's pool (one call per S pages)."""
+        for src, dst in pages.fill_chunks(self.fills, self.s_):
+            self.state = pages.fill_pages_jit(self.state, src, dst)
+        self.fills = []
 
     def growth_need(self) -> int:
         return sum(
@@ -1003,9 +1037,11 @@ class _PagedSchedule(_Schedule):
         spare = self.pool.available() - self.growth_need()
         for b in self.queue:
             g = self.group(b)
-            first = -(-min(self.dec.steps, int(self.limits[b])) // self.page)
-            need = first + (0 if g in self.region_of else self.q_)
+            plen = int(self.plen_P[b // self.g_])
+            first = pages.own_pages(plen, min(self.dec.steps, int(self.limits[b])), self.page)
             new_group = g not in self.region_of
+            prompt = pages.prompt_pages(plen, self.page)
+            need = first + (prompt if new_group else 0)
             if (
                 not self.free_slots
                 or self.stalled
@@ -1016,13 +1052,14 @@ class _PagedSchedule(_Schedule):
                 continue
             if new_group:
                 self.region_of[g] = self.free_regions.pop(0)
-                self.group_pages[g] = self.pool.alloc(self.q_)  # the group's reference
+                self.group_pages[g] = self.pool.alloc(prompt)  # the group's reference
                 new_prompts.append((b // self.g_, self.region_of[g], self.group_pages[g]))
             spare -= need
             s = self.free_slots.pop(0)
             self.slot_row[s] = b
             self.pool.ref(self.group_pages[g])  # the row's reference
-            self.table_SxP[s, : self.q_] = self.group_pages[g]
+            shared = pages.shared_pages(plen, self.page)
+            self.table_SxP[s, :shared] = self.group_pages[g][:shared]
             self.admissions += 1
             self.admitted_at[s] = self.admissions
             self.limit_of[s] = int(self.limits[b])
@@ -1037,7 +1074,8 @@ class _PagedSchedule(_Schedule):
             pad = a_ - len(chunk)
             idx = [p for p, _, _ in chunk] + [chunk[0][0]] * pad
             reg = [r for _, r, _ in chunk] + [r_] * pad
-            ids = [q for _, _, q in chunk] + [[pages.NULL_PAGE] * self.q_] * pad
+            ids = [q + [pages.NULL_PAGE] * (self.q_ - len(q)) for _, _, q in chunk]
+            ids += [[pages.NULL_PAGE] * self.q_] * pad
             self.state = pages.paged_prefill_jit(
                 self.params,
                 self.cfg,
@@ -1072,6 +1110,7 @@ class _PagedSchedule(_Schedule):
             if not live or len(self.stalled) < len(live):
                 break
             self.preempt_youngest(f"{len(live)} live rows' next pages")
+        self.flush_fills()
         self.stats["slots_stalled"] += len(self.stalled)
         done_S = np.asarray(
             [b < 0 or s in self.stalled or s in self.waiting for s, b in enumerate(self.slot_row)]
@@ -1101,16 +1140,18 @@ class _PagedSchedule(_Schedule):
         """Pages for each observation (the row's own pages to its end), preempting first-turn
         rows if the pool is short; then the observation goes into them."""
         for s, ids, limit in entries:
-            own = -(-int(self.out_len[self.slot_row[s]]) // self.page)
+            own = pages.own_pages(self.plen(s), int(self.out_len[self.slot_row[s]]), self.page)
             while own - len(self.own_pages[s]) > self.pool.available():
                 self.preempt_youngest(f"an observation of {len(ids)} tokens")
             self.grow_to(s, own)
             self.limit_of[s] = int(limit)
+        self.flush_fills()
         self.state = self.state._replace(table_SxP=jnp.asarray(self.table_SxP))
         super().reenter_rows(entries)
 
     def release_slot(self, s: int) -> None:
         """The pages slot `s`'s row holds: its own, and its reference to its group's."""
+        self.fills = [f for f in self.fills if f[1] not in self.own_pages[s]]
         self.pool.release(self.own_pages[s])
         self.own_pages[s] = []
         self.pool.release(self.group_pages[self.group(self.slot_row[s])])

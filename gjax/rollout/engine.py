@@ -185,8 +185,10 @@ class Tokenizer(jetstream.tokenizer_api.Tokenizer):
 
 class _PagedKV:
     """The paged engine's host bookkeeping (`kv_page_size` > 0; generate thread only): the page
-    pool, each slot's page table (its prompt's Q pages, then its own), which pages hold each
-    region's prompt, and which requests end at the next `generate` call with RESTART_TOKEN.
+    pool, each slot's page table (its prompt's full pages, then its own: the first a copy of
+    the prompt's partial last page, made before the call that first writes it), which pages
+    hold each region's prompt, and which requests end at the next `generate` call with
+    RESTART_TOKEN.
 
     JetStream's orchestrator inserts a request whenever a slot is free and ends a request at
     the first column a call marks invalid, so a slot can neither wait for pages nor be held
@@ -201,13 +203,20 @@ class _PagedKV:
     inserted when even that leaves no room for its prompt. A request whose pages the pool
     holds is never preempted by the default pool (the contiguous layout's bytes)."""
 
-    def __init__(self, engine: Engine, on_free=None):
+    def __init__(self, engine: Engine, on_free=None, zero_new: bool = False):
         self.e = engine
         s_ = engine._slots
         self.pool = pages.PagePool(engine._num_pages, on_free=on_free)
         self.table_SxP = np.full((s_, engine._width), pages.NULL_PAGE, np.int32)
         self.own: list[list[int]] = [[] for _ in range(s_)]
         self.region_pages: dict[int, list[int]] = {}
+        self.region_len: dict[int, int] = {}  # its prompt's length
+        self.plen = [0] * s_  # the slot's prompt's length: its first own column
+        self.tail: list[int | None] = [None] * s_  # its prompt's partial last page
+        # (source, page) fills before the next call: a prompt's tail into a slot's first
+        # page, and (a kernel reads its pages: pages.kernel_attention) zeros into new ones
+        self.fills: list[tuple[int, int]] = []
+        self.zero_new = zero_new
         self.live = [False] * s_  # inserted, not yet seen done
         self.limit = [0] * s_
         self.age = [0] * s_
@@ -217,6 +226,7 @@ class _PagedKV:
 
     def end(self, slot: int) -> None:
         """`slot`'s request is over (or preempted): its own pages freed, its region released."""
+        self.fills = [f for f in self.fills if f[1] not in self.own[slot]]
         self.pool.release(self.own[slot])
         self.own[slot] = []
         self.table_SxP[slot] = pages.NULL_PAGE
@@ -232,6 +242,7 @@ class _PagedKV:
             if self.pool.available() >= need:
                 break
             self.pool.release(self.region_pages.pop(r))
+            self.region_len.pop(r)
             e._region_of.pop(e._region_key[r], None)
             e._region_key[r] = None
         return self.pool.available() >= need
@@ -239,21 +250,27 @@ class _PagedKV:
     def room_for_prompt(self, prefix, slot: int) -> bool:
         """Whether `prefix`'s prompt has its pages (a cached region's, or free ones); if not,
         the request inserted in `slot` is preempted (RESTART_TOKEN at the next call)."""
-        if prefix.key in self.e._region_of or self._evict(self.e._q):
+        need = pages.prompt_pages(prefix.length, self.e._page)
+        if prefix.key in self.e._region_of or self._evict(need):
             return True
         self.preempt_S[slot] = True
         self.preempted += 1
         return False
 
-    def write_region(self, region: int) -> jax.Array:
-        """The Q pages `region`'s new prompt is written into (its old prompt's freed)."""
+    def write_region(self, region: int, length: int) -> jax.Array:
+        """The Q entries (ceil(length / page) pages, then the null page) that `region`'s new
+        prompt of `length` tokens is written into (its old prompt's pages freed)."""
         self.pool.release(self.region_pages.pop(region, []))
-        got = self.pool.alloc(self.e._q)  # room_for_prompt made the room
-        self.region_pages[region] = got
-        return jnp.asarray(got, jnp.int32)
+        got = self.pool.alloc(pages.prompt_pages(length, self.e._page))  # room_for_prompt's
+        self.region_pages[region], self.region_len[region] = got, length
+        return jnp.asarray(got + [pages.NULL_PAGE] * (self.e._q - len(got)), jnp.int32)
 
     def start(self, slot: int, region: int, limit: int) -> None:
-        self.table_SxP[slot, : self.e._q] = self.region_pages[region]
+        length, page = self.region_len[region], self.e._page
+        shared = pages.shared_pages(length, page)
+        self.table_SxP[slot, :shared] = self.region_pages[region][:shared]
+        self.plen[slot] = length
+        self.tail[slot] = self.region_pages[region][-1] if length % page else None
         self.live[slot] = True
         self.limit[slot] = limit
         self.inserted += 1
@@ -263,9 +280,9 @@ class _PagedKV:
         """Before a call: the requests the device finished end here (their pages freed), and
         so do those the call ends for new weights (`version`: weight_change='restart', the
         params version of the call); each live one gets its pages for the call's tokens,
-        oldest first, the youngest preempted while the oldest cannot grow. Returns the
-        call's (table, preempt mask). Reads n_S, done_S (and version_S) of the last call:
-        one host sync per call."""
+        oldest first, the youngest preempted while the oldest cannot grow (the prompt tails
+        and zeros to fill into new pages: `take_fills`). Returns the call's (table, preempt
+        mask). Reads n_S, done_S (and version_S) of the last call: one host sync per call."""
         n_S, done_S, version_S = jax.device_get((state["n_S"], state["done_S"], state["version_S"]))
         if version is not None:  # restarted by this call on the device: no pages needed
             done_S = done_S | (version_S != version)
@@ -280,14 +297,20 @@ class _PagedKV:
             )
             short = False
             for s in order:
-                own = -(-min(int(n_S[s]) + steps, self.limit[s]) // page)
-                more = own - len(self.own[s])
+                end = min(int(n_S[s]) + steps, self.limit[s])
+                more = pages.own_pages(self.plen[s], end, page) - len(self.own[s])
                 if more > 0 and not self._evict(more):
                     short = True
                     break
                 if more > 0:
                     got = self.pool.alloc(more)
-                    q0 = self.e._q + len(self.own[s])
+                    fresh = got
+                    if not self.own[s] and self.tail[s] is not None:
+                        self.fills.append((self.tail[s], got[0]))
+                        fresh = got[1:]
+                    if self.zero_new:
+                        self.fills += [(pages.ZERO, p) for p in fresh]
+                    q0 = pages.shared_pages(self.plen[s], page) + len(self.own[s])
                     self.table_SxP[s, q0 : q0 + more] = got
                     self.own[s] += got
             if not short:
@@ -299,6 +322,11 @@ class _PagedKV:
         preempt_S = jnp.asarray(self.preempt_S)
         self.preempt_S[:] = False  # this call ends them
         return jnp.asarray(self.table_SxP), preempt_S
+
+    def take_fills(self) -> list:
+        """The fills `grow` queued, as `fill_pages` arguments (one call per S pages)."""
+        chunks, self.fills = pages.fill_chunks(self.fills, len(self.live)), []
+        return chunks
 
 
 class Engine(jetstream.engine_api.Engine):
@@ -320,6 +348,7 @@ class Engine(jetstream.engine_api.Engine):
         kv_pages: the pool's pages (None: the contiguous layout's bytes at these slots, so
         nothing is ever preempted); poison_freed_pages: a debug hook (tests): each freed
         page is filled with NaN before the next call reads the state. See `_PagedKV`.
+        paged_attention: how a paged call reads its pages (`ContinuousDecoder`'s argument).
     """
 
     def __init__(
@@ -338,6 +367,7 @@ class Engine(jetstream.engine_api.Engine):
         weight_change: str = "finish",
         kv_page_size: int = 0,
         kv_pages: int | None = None,
+        paged_attention: str = "auto",
         poison_freed_pages: bool = False,
     ):
         if weight_change not in ("finish", "restart"):
@@ -365,6 +395,7 @@ class Engine(jetstream.engine_api.Engine):
         self._steps = tokens_per_dispatch
         self._restart = weight_change == "restart"
         self._page = kv_page_size
+        self._paged_step = pages.SLOT_STEPS[pages.attention_for(paged_attention)]
         if kv_page_size:
             self._paged_shape(kv_page_size, kv_pages)
         self._poison = poison_freed_pages
@@ -436,12 +467,15 @@ class Engine(jetstream.engine_api.Engine):
         self._q = pages.prompt_pages(self._max_prefill, page)
         self._width = self._q + n_ // page
         # the default pool: the contiguous layout's bytes (S slots of N, R = S regions of
-        # the prefill bucket) plus the null page: no row is ever preempted
+        # the prefill bucket), a page per slot for its prompt's tail, and the null page: no
+        # row is ever preempted
         self._num_pages = kv_pages or pages.default_pages(s_, s_, self._max_prefill, n_, page)
-        if self._num_pages - 1 < self._width:
+        need = pages.min_pages(self._max_prefill, n_, page)
+        if self._num_pages < need:
             raise ValueError(
                 f"kv_pages={self._num_pages} holds fewer than one request's {self._width} "
-                f"pages ({self._q} of its prompt, {n_ // page} of its tokens) and the null page"
+                f"pages ({self._q} of its prompt, {n_ // page} of its tokens), its prompt's "
+                f"tail and the null page ({need})"
             )
 
     @property
@@ -470,7 +504,9 @@ class Engine(jetstream.engine_api.Engine):
         self.region_writes = 0  # prompts written into a region (the rest shared one)
         if self._page:
             self._poisoned: list[int] = []  # freed pages not yet filled with NaN (the hook)
-            self._kv = _PagedKV(self, on_free=self._poisoned.extend if self._poison else None)
+            on_free = self._poisoned.extend if self._poison else None
+            zero_new = self._paged_step is not pages.paged_slot_step  # a kernel reads pages
+            self._kv = _PagedKV(self, on_free=on_free, zero_new=zero_new)
 
     def _region_for(self, prefix: _Prefix, slot: int) -> tuple[int, bool]:
         """(the region `slot` reads `prefix`'s prompt from, whether it must be written)."""
@@ -565,7 +601,7 @@ class Engine(jetstream.engine_api.Engine):
             state = self._poison_freed(decode_state)
             return _preempted_jit(state, jnp.int32(slot), jnp.int32(prefix.serial))
         region, write = self._region_for(prefix, slot)
-        where = (self._kv.write_region(region),) if self._page and write else ()
+        where = (self._kv.write_region(region, prefix.length),) if self._page and write else ()
         # the hook's NaN goes into every page freed so far (some just handed out again)
         # before this prompt is written into its pages
         decode_state = self._poison_freed(decode_state)
@@ -604,6 +640,8 @@ class Engine(jetstream.engine_api.Engine):
         if self._page:  # each live request's pages for this call's tokens; the table, who ends
             paged = self._kv.grow(decode_state, version if self._restart else None)
             decode_state = self._poison_freed(decode_state)
+            for src, dst in self._kv.take_fills():  # after the NaN fill: it reaches new pages
+                decode_state = _fill_pages_jit(decode_state, src, dst)
         decode_state, data = self._generate_jit(
             params,
             self._layers[1],
@@ -628,9 +666,9 @@ class Engine(jetstream.engine_api.Engine):
         """poison_freed_pages: NaN into the pages freed since the last call (tests)."""
         if not self._poison or not self._poisoned:
             return state
-        # padding: the null page, which free table entries and done slots' writes point at;
-        # NaN there is masked out as a stale entry is
-        ids = np.zeros((self._num_pages,), np.int32)
+        # padding: past the pool, dropped (the null page holds zeros only: a kernel reads it
+        # past a row's length, pages.kernel_attention)
+        ids = np.full((self._num_pages,), self._num_pages, np.int32)
         ids[: len(self._poisoned)] = self._poisoned
         self.pages_poisoned += len(self._poisoned)
         self._poisoned.clear()
@@ -704,7 +742,7 @@ class Engine(jetstream.engine_api.Engine):
             sampling,
             k,
             error_token=ERROR_TOKEN,
-            slot_step=pages.paged_slot_step if self._page else None,
+            slot_step=self._paged_step if self._page else None,
         )
         if self._restart or self._page:
             tok_SxK = tok_SxK.at[:, 0].set(jnp.where(restart_S, RESTART_TOKEN, tok_SxK[:, 0]))
@@ -754,8 +792,8 @@ def _start_slot(state, slot, region, limit, key_data, serial, version):
 
 
 def _paged_write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region, pages_Q):
-    """`_write_region` on pages: the prompt's KV into its Q pages `pages_Q`, its mask, length
-    and logits into `region`."""
+    """`_write_region` on pages: the prompt's KV into its pages `pages_Q` (Q entries, those
+    past its length the null page), its length and logits into `region`."""
     core = _core(state)
     page = core.pages_k[0].shape[2]
     kv_, sq_, dh = k_LxKxSxDh.shape[1:]
@@ -765,13 +803,13 @@ def _paged_write_region(state, k_LxKxSxDh, v_LxKxSxDh, logits_V, length, region,
         x = jnp.pad(x_KxSqxDh, ((0, 0), (0, q_ * page - sq_), (0, 0)))
         return x.reshape(kv_, q_, page, dh)
 
-    put = lambda dst, src: dst.at[:, pages_Q].set(to_pages(src).astype(dst.dtype))
-    sp_ = core.prompt_mask_RxSp.shape[1]
-    mask_Sp = (jnp.arange(sp_) < length).astype(jnp.int32)
+    real = (pages_Q != pages.NULL_PAGE)[None, :, None, None]  # the null page: zeros only
+    put = lambda dst, src: dst.at[:, pages_Q].set(
+        jnp.where(real, to_pages(src), 0).astype(dst.dtype)
+    )
     core = core._replace(
         pages_k=[put(d, k_LxKxSxDh[i]) for i, d in enumerate(core.pages_k)],
         pages_v=[put(d, v_LxKxSxDh[i]) for i, d in enumerate(core.pages_v)],
-        prompt_mask_RxSp=core.prompt_mask_RxSp.at[region].set(mask_Sp),
         prompt_len_R=core.prompt_len_R.at[region].set(length),
         prompt_logits_RxV=core.prompt_logits_RxV.at[region].set(logits_V),
     )
@@ -804,6 +842,12 @@ def _preempted_jit(state, slot, serial):
         "n_S": state["n_S"].at[slot].set(0),
         "serial_S": state["serial_S"].at[slot].set(serial),
     }
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _fill_pages_jit(state, src_M, dst_M):
+    core = pages.fill_pages(_core(state), src_M, dst_M)
+    return {**state, **core._asdict()}
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

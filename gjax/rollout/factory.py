@@ -58,6 +58,22 @@ def check_paged(config) -> None:
             "rollout.kv_page_size=0 (contiguous slots). Set kv_page_size too, or leave "
             "kv_pages=0."
         )
+    from gjax.rollout.pages import PAGED_ATTENTION
+
+    if r.paged_attention not in PAGED_ATTENTION:
+        raise ConfigError(
+            f"config.rollout.paged_attention={r.paged_attention!r}: must be one of "
+            f"{PAGED_ATTENTION} (auto: the platform's Pallas kernel on a GPU or TPU, XLA's "
+            "gather on a CPU)."
+        )
+    kernel_platform = {"pallas_gpu": "gpu", "pallas_tpu": "tpu"}.get(r.paged_attention)
+    platform = jax.default_backend()
+    if kernel_platform and platform not in ("cpu", kernel_platform):
+        raise ConfigError(
+            f"config.rollout.paged_attention={r.paged_attention!r} is the {kernel_platform} "
+            f"kernel, but this run's devices are {platform}. Use 'auto' (the platform's "
+            "kernel) or 'xla'."
+        )
     if not page:
         return
     where = f"config.rollout.kv_page_size={page} (paged KV)"
@@ -78,12 +94,15 @@ def check_paged(config) -> None:
 
         engine = r.backend != "local"  # a region: the prefill bucket (a turn's history)
         width = prefill_bucket(served_prompt_len(config)) if engine else config.data.max_prompt_len
-        need = -(-width // page) + r.max_new_tokens // page + 1
+        from gjax.rollout.pages import min_pages
+
+        need = min_pages(width, r.max_new_tokens, page)
+        tail = ", 1 for a row's copy of its prompt's partial last page" if page > 1 else ""
         if r.kv_pages < need:
             raise ConfigError(
                 f"config.rollout.kv_pages={r.kv_pages} cannot hold one row: {need - 1} pages of "
                 f"{page} tokens ({-(-width // page)} for a {width}-token prompt, "
-                f"{r.max_new_tokens // page} for max_new_tokens) and the null page. Give at "
+                f"{r.max_new_tokens // page} for max_new_tokens{tail}) and the null page. Give at "
                 f"least {need}, or 0 for the contiguous layout's bytes."
             )
     if r.backend == "local" and r.prefill_chunk:
@@ -136,6 +155,7 @@ def continuous_decoder(r, model_cfg: ModelConfig) -> ContinuousDecoder:
         prefill_chunk=r.prefill_chunk,
         kv_page_size=r.kv_page_size,
         kv_pages=r.kv_pages or None,
+        paged_attention=r.paged_attention,
     )
 
 

@@ -398,6 +398,7 @@ class JetStreamBackend(_JetStreamClient):
         weight_change: str = "finish",
         kv_page_size: int = 0,
         kv_pages: int | None = None,
+        paged_attention: str = "auto",
         poison_freed_pages: bool = False,
     ):
         max_prefill = prefill_bucket(max_prompt_len)
@@ -421,6 +422,7 @@ class JetStreamBackend(_JetStreamClient):
             weight_change=weight_change,
             kv_page_size=kv_page_size,
             kv_pages=kv_pages,
+            paged_attention=paged_attention,
             poison_freed_pages=poison_freed_pages,
         )
         self.driver = Driver(
@@ -644,6 +646,7 @@ def from_config(config, model_cfg, params, *, mesh=None, workdir=None, tokenizer
             weight_change=r.weight_change,
             kv_page_size=r.kv_page_size,
             kv_pages=r.kv_pages or None,
+            paged_attention=r.paged_attention,
         )
     # grpc is optional (the jetstream extra): imported only for the gRPC client.
     from gjax.rollout.replicas import ReplicaPool, ReplicaWeights
