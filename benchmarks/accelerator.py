@@ -29,7 +29,11 @@ an accelerator, f32 on the CPU, where XLA upcasts bf16):
               static sampler and continuous decoder, P x G rows of exactly N tokens; the
               continuous decoder again on int8 weights (`rollout.quantize=int8`: codes with
               per-channel scales read by the step's matmuls), its tokens/s over the float
-              one's and its roofline against the int8 ideal bytes.
+              one's and its roofline against the int8 ideal bytes; then on paged KV (pages
+              of 16, the default pool) through XLA's gather and, on a GPU / TPU, through the
+              platform's Pallas paged-attention kernel (`rollout.paged_attention=auto`):
+              each one's decode-step time over the contiguous step's (what decides paged KV
+              as the default, issue 34).
   update      (b) the update (Learner.batch's reference log-probs + Learner.update) on the
               1.5B shape, packed (auto bins), Pareto completion lengths: MFU and HFU
               (`gjax.flops.learner_flops`), the padding waste and remat's factor.
@@ -71,7 +75,7 @@ from gjax.errors import UserError, run_cli  # noqa: E402  (light: no jax import)
 STAGES = {
     "ceilings": (30, 60),
     "efficiency": (75, 90),  # CPU compiles of the 1.5B decode step: ~70 s on a busy 2-core box
-    "decode": (85, 90),
+    "decode": (100, 90),  # the paged rows last: cut first if the stage runs out
     "update": (85, 90),
     "head": (45, 60),
     "step": (80, 120),
@@ -203,6 +207,8 @@ TABLE = {
         ("int8 continuous tok/s", "int8_continuous_tokens_per_s", "num"),
         ("int8 continuous roofline", "int8_continuous_roofline", "pct"),
         ("int8 / float tok/s", "int8_over_float_tokens_per_s", "x"),
+        ("paged (XLA gather) step / contiguous", "paged_xla_over_contiguous_step", "x"),
+        ("paged (Pallas kernel) step / contiguous", "paged_kernel_over_contiguous_step", "x"),
     ],
     "update": [
         ("MFU", "mfu", "pct"),
@@ -598,6 +604,7 @@ def stage_decode(child: Child) -> None:
 
     from gjax.models import quant
     from gjax.models import transformer as tr
+    from gjax.rollout import pages
     from gjax.rollout.decoder import ContinuousDecoder
     from gjax.rollout.sampler import SamplingParams, generate
 
@@ -646,10 +653,10 @@ def stage_decode(child: Child) -> None:
             "static_roofline": roofline(secs / n_),
         }
 
-    def decode(weights):
+    def decode(weights, **paged):
         """(seconds a call, the decoder's counters, seconds a decode step) of the continuous
-        decoder on `weights` (float params or the int8 codes)."""
-        dec = ContinuousDecoder(cfg, slots=b_, tokens_per_dispatch=8)
+        decoder on `weights` (float params or the int8 codes); `paged`: its paged-KV args."""
+        dec = ContinuousDecoder(cfg, slots=b_, tokens_per_dispatch=8, **paged)
 
         def run():
             return dec.generate(
@@ -688,9 +695,27 @@ def stage_decode(child: Child) -> None:
             "int8_over_float_tokens_per_s": (b_ * n_ / secs / float_tps) if float_tps else None,
         }
 
+    def paged(name, attention):  # the same rows on paged KV (the default pool: no preemption)
+        def run():
+            page = 8 if child.tiny else 16
+            secs, st, step_s = decode(params, kv_page_size=page, paged_attention=attention)
+            cont = child.figures.get("continuous_step_ms")
+            return {
+                f"paged_{name}_attention": pages.attention_for(attention),
+                f"paged_{name}_tokens_per_s": b_ * n_ / secs,
+                f"paged_{name}_step_ms": 1e3 * step_s,
+                f"paged_{name}_over_contiguous_step": (1e3 * step_s / cont) if cont else None,
+                f"paged_{name}_rows_preempted": st.get("rows_preempted", 0),
+            }
+
+        return run
+
     child.attempt("static", static)
     child.attempt("continuous", continuous)
     child.attempt("quantized", quantized)
+    child.attempt("paged_xla", paged("xla", "xla"))
+    if pages.attention_for("auto") != "xla":  # a GPU / TPU: its Pallas kernel
+        child.attempt("paged_kernel", paged("kernel", "auto"))
 
 
 def step_config(child: Child, *, staleness: int = 0):
