@@ -81,13 +81,13 @@ def test_decode_step_updates_the_kv_cache_in_place():
 def test_paged_decode_step_updates_the_pool_in_place_and_what_its_gather_costs():
     """The paged step (`kv_page_size`, gjax.rollout.pages) on the decoder's default pool (the
     contiguous layout's bytes): the pool is donated and written by in-place scatters only.
-    Its bytes per step are 1.92x the ideal against the contiguous step's 1.39x at this shape:
+    Its bytes per step are 1.97x the ideal against the contiguous step's 1.39x at this shape:
     the attention reads each slot's pages through an XLA gather, which materialises the
-    slot's prompt and own columns every step ([K, S, Q*P + N, Dh] per layer: the keys, and
-    the values with their unwritten columns zeroed in the same fusion; the contiguous step
-    gathers the prompt once per dispatch). These copies are what a paged-attention kernel
-    reading the pool through the table saves; the heads-major pool makes the gather the only
-    copy (no transposed keys for the score matmul)."""
+    slot's columns every step ([K, S, Q*P + N, Dh] per layer: the keys, and the values with
+    the columns past its length zeroed in the same fusion; the contiguous step gathers the
+    prompt once per dispatch). These copies are what the Pallas paged-attention kernels
+    (`rollout.paged_attention` on a GPU / TPU) save by reading the pool through the table;
+    the heads-major pool makes the gather the only copy (no transposed keys)."""
     kw = dict(slots=16, regions=4, prompt_len=32, max_new=64, tokens_per_dispatch=8)
     contiguous = efficiency.decode_step_bytes(decode_cfg(), **kw)
     paged = efficiency.decode_step_bytes(decode_cfg(), kv_page_size=16, **kw)
