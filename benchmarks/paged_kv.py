@@ -18,7 +18,7 @@ decode step), rows preempted. The two decoders' greedy tokens are asserted equal
 Measured (this default, CPU): contiguous 16 slots (4224 KV tokens), 12.4 rows in flight,
 555 decode steps; paged (the same bytes: 264 pages of 16, 128 slots) 41.4 rows in flight,
 166 steps: 3.3x, no row preempted, greedy tokens equal. `--kv-budget 2200`: 8 slots, 6.4 rows
-vs 64 slots, 33.4 rows (5.2x).
+vs 64 slots, 32.1 rows (5.0x; a row's copy of its prompt's last page is one page more).
 
     python benchmarks/paged_kv.py --engine   # the JetStream engine (in-process backend)
 
