@@ -55,9 +55,7 @@ def test_each_kernel_equals_the_gather_path():
     xla16 = pg.paged_attention(q, r16(pk), r16(pv), table, length, jnp.float32)
     tpu = pg.kernel_attention(q, pk, pv, table, length, jnp.float32, kernel="pallas_tpu")
     np.testing.assert_allclose(tpu, xla16, atol=1e-6)
-    # a row's keys beyond its length are never weighed: junk there changes nothing
-    one = pg.paged_attention(q[:1], pk, pv, table[:1], length[:1], jnp.float32)
-    np.testing.assert_allclose(one, xla[:1], atol=0)
+    # by hand, from row 0's first 7 columns only: the junk past its length weighs nothing
     ref = np.asarray(pg.gather_pages(pk, table[:1]))[:, 0, :7]  # row 0's first 7 columns
     scores = np.einsum("krd,kcd->krc", np.asarray(q[0]), ref) / math.sqrt(DH)
     w = np.exp(scores - scores.max(-1, keepdims=True))

@@ -1008,13 +1008,8 @@ class _PagedSchedule(_Schedule):
         if more > 0:
             got = self.pool.alloc(more)
             plen = self.plen(s)
-            fresh = got
-            if not self.own_pages[s] and plen % self.page:
-                tail = self.group_pages[self.group(self.slot_row[s])][-1]
-                self.fills.append((tail, got[0]))
-                fresh = got[1:]
-            if self.zero_new:
-                self.fills += [(pages.ZERO, p) for p in fresh]
+            tail = self.group_pages[self.group(self.slot_row[s])][-1] if plen % self.page else None
+            self.fills += pages.new_page_fills(got, not self.own_pages[s], tail, self.zero_new)
             n0 = pages.shared_pages(plen, self.page) + len(self.own_pages[s])
             self.table_SxP[s, n0 : n0 + more] = got
             self.own_pages[s] += got

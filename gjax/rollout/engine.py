@@ -304,12 +304,8 @@ class _PagedKV:
                     break
                 if more > 0:
                     got = self.pool.alloc(more)
-                    fresh = got
-                    if not self.own[s] and self.tail[s] is not None:
-                        self.fills.append((self.tail[s], got[0]))
-                        fresh = got[1:]
-                    if self.zero_new:
-                        self.fills += [(pages.ZERO, p) for p in fresh]
+                    first = not self.own[s]
+                    self.fills += pages.new_page_fills(got, first, self.tail[s], self.zero_new)
                     q0 = pages.shared_pages(self.plen[s], page) + len(self.own[s])
                     self.table_SxP[s, q0 : q0 + more] = got
                     self.own[s] += got

@@ -226,6 +226,16 @@ def fill_pages(state: PagedState, src_M, dst_M) -> PagedState:
     return state._replace(pages_k=put(state.pages_k), pages_v=put(state.pages_v))
 
 
+def new_page_fills(got: list[int], first: bool, tail: int | None, zero: bool) -> list:
+    """The fills a row's newly allocated pages `got` need: the prompt's `tail` copied into
+    the first when they are the row's first pages (`first`) and its prompt has one, and zeros
+    into the rest where a kernel reads them (`zero`)."""
+    fills, fresh = [], got
+    if first and tail is not None:
+        fills, fresh = [(tail, got[0])], got[1:]
+    return fills + ([(ZERO, p) for p in fresh] if zero else [])
+
+
 def fill_chunks(fills: list[tuple[int, int]], size: int) -> list[tuple[np.ndarray, ...]]:
     """(source, destination) page pairs as [size]-long int32 arrays for `fill_pages`, one
     pair of arrays per call (padding: zeros into the null page)."""
